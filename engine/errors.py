@@ -1,0 +1,24 @@
+"""The engine's typed errors: what callers (the offline API, the gRPC servicer) map to responses."""
+
+from __future__ import annotations
+
+
+class SluiceError(Exception):
+    """Base of every error Sluice raises on purpose."""
+
+
+class InvalidRequestError(SluiceError, ValueError):
+    """A request argument is invalid. ``field`` names it (e.g. ``"temperature"``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class QueueFullError(SluiceError):
+    """The bounded waiting queue is full; the request was not accepted."""
+
+
+class EngineDeadError(SluiceError):
+    """The engine loop has stopped; no request can be served."""

@@ -1,0 +1,103 @@
+"""Per-request sampling and stopping parameters, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from engine.errors import InvalidRequestError
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """What to sample and when to stop, for one request.
+
+    Text-level options (``stop``, ``include_stop_str_in_output``,
+    ``skip_special_tokens``) are applied by the detokenizer outside the engine
+    core; the core sees only the token-level fields.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k is not None and self.top_k <= 0:
+            # vLLM spells "disabled" as 0 or -1; we keep None as the one spelling.
+            if self.top_k in (0, -1):
+                self.top_k = None
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise :class:`InvalidRequestError` naming the first bad field."""
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be >= 0, got {self.temperature!r}")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1), "top_k",
+               f"must be >= 1 (or 0/-1/None to disable), got {self.top_k!r}")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+               f"must be in [-2, 2], got {self.presence_penalty!r}")
+        _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               f"must be > 0, got {self.repetition_penalty!r}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+               f"must be an integer >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
+               "logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                _check(_finite(bias) and -100 <= bias <= 100, "logit_bias",
+                       f"bias for token {tok} must be in [-100, 100], got {bias!r}")
+        if vocab_size is not None:
+            for name, ids in (("stop_token_ids", self.stop_token_ids),
+                              ("logit_bias", list(self.logit_bias or {}))):
+                bad = [t for t in ids if not 0 <= t < vocab_size]
+                _check(not bad, name, f"token id {bad[:1]} out of range [0, {vocab_size})")
+
+    def clone(self, **changes: object) -> SamplingParams:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(field_name, message)
