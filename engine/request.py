@@ -41,12 +41,17 @@ class Request:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        parent_id: str | None = None,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        # For n > 1: children forked from a parent share its blocks; index orders the n outputs.
+        self.parent_id = parent_id
+        self.index = index
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         # Each entry: (sampled token logprob, {token id: logprob} of the top-k) when logprobs asked.
