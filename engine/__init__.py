@@ -1,0 +1,25 @@
+"""Sluice engine: continuous batching, paged KV cache, and the offline ``LLM`` API."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError, SluiceError
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
+           "InvalidRequestError", "QueueFullError", "EngineDeadError", "SluiceError"]
+
+
+def __getattr__(name: str) -> Any:
+    # LLM pulls in torch and the models; import it only when asked for.
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,22 @@
+"""Device backends behind one interface; each is imported only when chosen."""
+
+from __future__ import annotations
+
+from engine.device.base import CpuDevice, Device
+
+
+def get_device(name: str, *, num_threads: int | None = None) -> Device:
+    if name == "cpu":
+        return CpuDevice(num_threads)
+    if name == "cuda":
+        from engine.device.cuda import CudaDevice
+
+        return CudaDevice()
+    if name == "npu":
+        from engine.device.npu import NpuDevice  # imports torch_npu, and only here
+
+        return NpuDevice()
+    raise ValueError(f"unknown device {name!r} (cpu, cuda or npu)")
+
+
+__all__ = ["Device", "CpuDevice", "get_device"]

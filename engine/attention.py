@@ -1,0 +1,137 @@
+"""Paged attention: the per-step metadata, the backend protocol, and the pure-PyTorch backend.
+
+The KV cache of one layer is one tensor of shape ``kv_cache_shape(...)``:
+``(2, num_blocks, block_size, num_kv_heads, head_dim)`` — index 0 holds keys, 1 values. A token's
+slot is ``block_id * block_size + offset``; a sequence's block table lists its block ids in order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """Shape of one layer's KV cache: keys at index 0, values at index 1."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+class AttentionBackend(Protocol):
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] for the step's new tokens; writes key/value into
+        kv_cache at meta.slot_mapping, then attends each new token causally over its sequence's cached
+        context and itself. Returns [T, Hq, D]."""
+        ...
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens come from and go to.
+
+    Tokens are laid out sequence by sequence (flat, no padding). The first ``num_decodes`` sequences
+    have exactly one new token each; the rest may have several (prefill chunks, possibly after context
+    already in the KV cache: chunked prefill or prefix-cache hits).
+    """
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset of each new token
+    block_tables: torch.Tensor  # int64 [num_seqs, max_blocks_per_seq], padded with 0
+    seq_lens: torch.Tensor  # int64 [num_seqs]: tokens in the KV cache after this step (context + new)
+    query_lens: list[int]  # host-side: new tokens per sequence
+    seq_lens_host: list[int]  # host-side copy of seq_lens
+    num_decodes: int
+    block_size: int
+    backend: AttentionBackend
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatters the new tokens' keys and values into their slots (reshape-and-cache)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the first ``num_blocks`` blocks of each row of ``block_tables``:
+    two tensors of shape [num_rows, num_blocks * block_size, Hkv, D]."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    ids = block_tables[:, :num_blocks]
+    rows = ids.shape[0]
+    keys = kv_cache[0][ids].view(rows, num_blocks * block_size, num_kv_heads, head_dim)
+    values = kv_cache[1][ids].view(rows, num_blocks * block_size, num_kv_heads, head_dim)
+    return keys, values
+
+
+class TorchAttentionBackend:
+    """Paged attention in plain PyTorch (``scaled_dot_product_attention`` plus a block-table gather),
+    used by the cpu and cuda device backends.
+
+    Decodes are batched: one gather of every decode sequence's cached K/V and one SDPA call with a
+    length mask. Prefill chunks run one SDPA call each, causal with the query offset
+    ``seq_len - query_len`` (SDPA's own ``is_causal`` aligns the diagonal top-left, which is only
+    right when there is no earlier context).
+    """
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        outputs: list[torch.Tensor] = []
+        if meta.num_decodes > 0:
+            outputs.append(self._decode(query[:meta.num_decodes], kv_cache, meta, scale))
+        start = meta.num_decodes
+        for i in range(meta.num_decodes, meta.num_seqs):
+            end = start + meta.query_lens[i]
+            outputs.append(self._prefill(query[start:end], key[start:end], value[start:end], kv_cache, meta, i, scale))
+            start = end
+        if len(outputs) == 1:
+            return outputs[0]
+        return torch.cat(outputs, dim=0)
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        num_decodes = meta.num_decodes
+        block_size = meta.block_size
+        max_len = max(meta.seq_lens_host[:num_decodes])
+        num_blocks = -(-max_len // block_size)
+        keys, values = gather_kv(kv_cache, meta.block_tables[:num_decodes], num_blocks)
+        # Slots past a sequence's length hold stale or foreign data: mask them out.
+        positions = torch.arange(num_blocks * block_size, device=query.device)
+        mask = positions[None, :] < meta.seq_lens[:num_decodes, None]
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(2),  # [N, Hq, 1, D]
+            keys.transpose(1, 2),  # [N, Hkv, L, D]
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, seq_index: int, scale: float) -> torch.Tensor:
+        query_len = query.shape[0]
+        seq_len = meta.seq_lens_host[seq_index]
+        context_len = seq_len - query_len
+        q = query.transpose(0, 1)  # [Hq, Q, D]
+        if context_len == 0:
+            # Nothing cached before this chunk: attend over the new keys directly, no gather.
+            out = F.scaled_dot_product_attention(
+                q, key.transpose(0, 1), value.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True)
+            return out.transpose(0, 1)
+        num_blocks = -(-seq_len // meta.block_size)
+        keys, values = gather_kv(kv_cache, meta.block_tables[seq_index:seq_index + 1], num_blocks)
+        keys = keys[0, :seq_len].transpose(0, 1)  # [Hkv, S, D]
+        values = values[0, :seq_len].transpose(0, 1)
+        # Query i sits at position context_len + i and sees keys 0..context_len + i.
+        q_pos = torch.arange(context_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)

@@ -1,0 +1,168 @@
+"""EngineCore: the synchronous heart of the engine. ``step()`` = schedule → run → update, no I/O.
+
+The gRPC server and the offline ``LLM`` wrap it; it can be driven from a unit
+test with no server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.device import get_device
+from engine.errors import InvalidRequestError
+from engine.models import load_model, resolve_dtype
+from engine.outputs import EngineCoreOutput
+from engine.request import FinishReason, Request
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 2 * 2**30
+_MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class StepStats:
+    """What the last step did, for metrics and tests."""
+
+    num_scheduled_tokens: dict[str, int]
+    num_batched_tokens: int
+    duration_s: float
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, show_progress: bool = True) -> None:
+        self.config = config
+        self.device = get_device(config.device, num_threads=config.num_threads)
+        self.device.set_seed(config.seed)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.model = load_model(config.model_path, self.dtype, self.device.torch_device)
+        mc = self.model.config
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = set(mc.eos_token_ids)
+        self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
+        self.sampler = Sampler(mc.vocab_size, self.eos_token_ids, seed=config.seed)
+        num_blocks = self._num_kv_blocks()
+        self.num_blocks = num_blocks
+        self.runner = ModelRunner(self.model, self.device, self.sampler, num_blocks=num_blocks,
+                                  block_size=config.block_size,
+                                  max_num_batched_tokens=config.max_num_batched_tokens, dtype=self.dtype)
+        self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
+                                   max_model_len=self.max_model_len)
+        self._pending: list[EngineCoreOutput] = []
+        self.last_step: StepStats | None = None
+        self.total_steps = 0
+        logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d",
+                    config.model_name, self.dtype, num_blocks, config.block_size, self.max_model_len)
+
+    # -- sizing -------------------------------------------------------------------------------------------
+    def _resolve_max_model_len(self, model_max: int) -> int:
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return min(model_max, _MAX_DEFAULT_MODEL_LEN)
+        if wanted > model_max:
+            raise InvalidRequestError(
+                "max_model_len", f"{wanted} exceeds the model's context length {model_max}")
+        return wanted
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        mc = self.model.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * elem
+        if self.device.name == "cpu":
+            budget = cfg.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
+        else:
+            # Accelerators: a share of device memory, less what the weights and activations already hold.
+            free, total = self.device.memory_info()
+            used = total - free
+            budget = int(total * cfg.device_memory_utilization) - used - self._activation_reserve()
+        num = budget // per_block
+        if num < 1:
+            raise InvalidRequestError("kv_cache_memory", f"{budget} bytes leave no room for one KV block")
+        return int(num)
+
+    def _activation_reserve(self) -> int:
+        """Rough activation peak of a max-size step: hidden states and logits in fp32, with headroom."""
+        mc = self.model.config
+        tokens = self.config.max_num_batched_tokens
+        return 4 * tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size) + 4 * self.config.max_num_seqs * mc.vocab_size * 2
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Validate and queue a request. Raises InvalidRequestError (naming the field) or QueueFullError."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt_token_ids", f"token id {bad} is out of range [0, {self.vocab_size})")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {len(prompt_token_ids)} tokens, more than max_model_len "
+                          f"{self.max_model_len}")
+        params.validate(self.vocab_size)
+        if self.scheduler.get_request(request_id) is not None:
+            raise InvalidRequestError("request_id", f"request {request_id!r} is already running")
+        request = Request(request_id, prompt_token_ids, params, arrival_time=arrival_time, priority=priority)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort now (blocks freed at once); each aborted request reports one ABORT output next step."""
+        for rid in request_ids:
+            for req in self.scheduler.abort_request(rid):
+                self.runner.release([req.request_id])
+                self._pending.append(EngineCoreOutput(
+                    req.request_id, [], finish_reason=FinishReason.ABORT,
+                    num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.scheduled or sched.block_copies:
+            run = self.runner.execute(sched)
+            step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs)
+        else:
+            step_outputs = self.scheduler.update_from_output(sched, {}, {})
+        finished = [o.request_id for o in step_outputs if o.finished]
+        if finished:
+            self.runner.release(finished)
+        self.total_steps += 1
+        self.last_step = StepStats({s.request.request_id: s.num_new_tokens for s in sched.scheduled},
+                                   sched.num_batched_tokens, time.perf_counter() - t0)
+        return outputs + step_outputs
+
+    def info(self) -> dict[str, object]:
+        sched = self.scheduler
+        return {
+            "model": self.config.model_name,
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.vocab_size,
+            "eos_token_ids": sorted(self.eos_token_ids),
+            "bos_token_id": self.model.config.bos_token_id,
+            "block_size": self.config.block_size,
+            "total_kv_blocks": self.num_blocks,
+            "free_kv_blocks": sched.block_manager.num_free_blocks,
+            "num_running": sched.num_running,
+            "num_waiting": sched.num_waiting,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": self.device.name,
+        }

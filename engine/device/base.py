@@ -1,0 +1,111 @@
+"""The device interface every backend implements (cpu, cuda, npu).
+
+The runner only talks to this: streams and events so copy, compute and
+copy-back can overlap, synchronize, memory info, and the attention kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.attention import AttentionBackend
+
+
+class Device(ABC):
+    """One accelerator (or the host CPU) as the runner sees it."""
+
+    name: str
+
+    @property
+    @abstractmethod
+    def torch_device(self) -> torch.device: ...
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host staging buffers should be pinned (page-locked) for async copies."""
+        return False
+
+    @abstractmethod
+    def new_stream(self) -> Any:
+        """A new stream (queue of device work); a no-op object on CPU."""
+
+    @abstractmethod
+    def new_event(self) -> Any:
+        """A new event that can be recorded on one stream and waited on by another."""
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Iterator[None]:
+        """Issue the enclosed work on ``stream``."""
+        yield
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait for ``event`` (no host blocking)."""
+
+    def record_event(self, event: Any, stream: Any) -> None:
+        """Record ``event`` on ``stream``."""
+
+    def synchronize_event(self, event: Any) -> None:
+        """Block the host until ``event`` has completed."""
+
+    def synchronize(self) -> None:
+        """Block the host until all work on the device has completed."""
+
+    @abstractmethod
+    def memory_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the memory the KV cache lives in."""
+
+    def peak_memory_allocated(self) -> int:
+        return 0
+
+    def reset_peak_memory(self) -> None:
+        """Start a fresh peak-memory measurement (for KV cache sizing)."""
+
+    def set_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @abstractmethod
+    def attention_backend(self) -> AttentionBackend:
+        """The attention kernels: KV write by slot mapping, prefill and paged decode attention."""
+
+
+class _NullStream:
+    """Stands in for a stream on CPU: work runs in issue order on the calling thread."""
+
+
+class CpuDevice(Device):
+    """The host CPU. Streams and events are no-ops: PyTorch ops run synchronously."""
+
+    name = "cpu"
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def new_stream(self) -> _NullStream:
+        return _NullStream()
+
+    def new_event(self) -> None:
+        return None
+
+    def memory_info(self) -> tuple[int, int]:
+        info: dict[str, int] = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024
+        return info.get("MemAvailable", 0), info.get("MemTotal", 0)
+
+    def attention_backend(self) -> AttentionBackend:
+        from engine.attention import TorchAttentionBackend
+
+        return TorchAttentionBackend()

@@ -1,0 +1,137 @@
+"""The architecture of a decoder-only model, read from a Hugging Face ``config.json``.
+
+(GGUF metadata is mapped onto the same object in ``gguf_loader``.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# model_type values this engine implements (all with the Llama block layout).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``rope_type`` is "linear" or "llama3" (Llama 3.1 style)."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama's attention_bias)
+    o_proj_bias: bool = False  # bias on the output projection (Llama/Qwen3 attention_bias=True)
+    qk_norm: bool = False  # RMSNorm over each q/k head before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Per-frequency divisors of the RoPE inverse frequencies (llama.cpp's ``rope_freqs`` tensor).
+    rope_freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def merge_eos(*groups: tuple[int, ...]) -> tuple[int, ...]:
+    """Union of eos id groups, first-seen order."""
+    seen: dict[int, None] = {}
+    for group in groups:
+        for token_id in group:
+            seen[token_id] = None
+    return tuple(seen)
+
+
+def rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either the transformers v5 ``rope_parameters`` dict or the older
+    top-level ``rope_theta`` + ``rope_scaling``."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or params
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(scaling["factor"]))
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            "llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+
+
+def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, has_lm_head: bool) -> ModelConfig:
+    """Builds a ModelConfig from ``config.json`` (and ``generation_config.json`` when present).
+
+    ``has_lm_head``: whether the checkpoint stores ``lm_head.weight``; decides tying when config.json
+    does not say.
+    """
+    arch = cfg.get("model_type", "")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported")
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    head_dim = cfg.get("head_dim") or hidden // num_heads
+    theta, scaling = rope_from_hf(cfg)
+    bias = bool(cfg.get("attention_bias", False))
+    tie = cfg.get("tie_word_embeddings")
+    generation_cfg = generation_cfg or {}
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(tie) if tie is not None else not has_lm_head,
+        # Qwen2 always has q/k/v bias and never an o_proj bias; Llama/Qwen3's flag covers all four.
+        attention_bias=True if arch == "qwen2" else bias,
+        o_proj_bias=bias and arch != "qwen2",
+        qk_norm=arch == "qwen3",
+        bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
+        eos_token_ids=merge_eos(_token_ids(cfg.get("eos_token_id")), _token_ids(generation_cfg.get("eos_token_id"))),
+    )

@@ -1,0 +1,1 @@
+"""Batched tensor operations behind :mod:`engine.sampler` (penalties, truncation, sampling)."""
