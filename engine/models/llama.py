@@ -1,0 +1,185 @@
+"""The Llama block family: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm).
+
+Layout differs from transformers in two fused projections — q/k/v is one Linear and gate/up is one
+Linear — so each layer runs two matmuls fewer; ``load_weights`` splices the checkpoint's separate
+tensors into them. Sliding-window attention (Mistral v0.1, some Qwen2 configs) is ignored: every
+layer attends over the full context, which is exact while sequences are shorter than the window.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.models.config import ModelConfig
+from engine.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as transformers does.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.config = config
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = rotary  # one module shared by every layer; its buffers are not persistent
+        self.scale = config.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, cfg.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Decoder-only language model over a flat batch of tokens (no padding) and a paged KV cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: int64 [T]; one KV cache per layer. Returns the final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 [N, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies tensors named as in a Hugging Face checkpoint into this model's fused layout.
+
+        Raises if a parameter is left unloaded or a name is unknown.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int]] = set()  # (parameter, shard index)
+        for hf_name, tensor in weights:
+            target = _map_name(hf_name, self.config)
+            if target is None:
+                continue
+            name, shard = target
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model ({name!r})")
+            dest = _shard_view(params[name], name, shard, self.config)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+            with torch.no_grad():
+                dest.copy_(tensor)
+            loaded.add((name, shard))
+        missing = [n for n in params if not all((n, s) in loaded for s in range(_num_shards(n)))]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+
+
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+
+
+def _map_name(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
+    """HF checkpoint name -> (our parameter name, shard index within a fused parameter), or None to skip."""
+    name = hf_name.removeprefix("model.")
+    if name.startswith("rotary_emb.") or ".rotary_emb." in name:
+        return None  # some old checkpoints store inv_freq; ours is recomputed
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return None  # tied checkpoints sometimes still carry a copy
+    for part, shard in _QKV.items():
+        if f".self_attn.{part}." in name:
+            return name.replace(part, "qkv_proj"), shard
+    for part, shard in _GATE_UP.items():
+        if f".mlp.{part}." in name:
+            return name.replace(part, "gate_up_proj"), shard
+    return name, 0
+
+
+def _num_shards(param_name: str) -> int:
+    if ".qkv_proj." in param_name:
+        return 3
+    if ".gate_up_proj." in param_name:
+        return 2
+    return 1
+
+
+def _shard_view(param: torch.Tensor, name: str, shard: int, config: ModelConfig) -> torch.Tensor:
+    if ".qkv_proj." in name:
+        sizes = [config.q_size, config.kv_size, config.kv_size]
+    elif ".gate_up_proj." in name:
+        sizes = [config.intermediate_size, config.intermediate_size]
+    else:
+        return param
+    start = sum(sizes[:shard])
+    return param.narrow(0, start, sizes[shard])
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """An uninitialised model on ``device`` (weights are garbage until ``load_weights``)."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    # Materialising from meta skips random initialisation, which would cost seconds for nothing.
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.rotary.build_cache(device, dtype)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,65 @@
+"""Rotary position embedding with a precomputed cos/sin cache (Hugging Face rotate_half convention)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.models.config import ModelConfig, RopeScaling
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """float32 [head_dim / 2], computed the way transformers does so logits match it exactly."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling is not None:
+        inv_freq = _scale(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Holds cos and sin for every position up to max_position_embeddings, each [max_pos, head_dim / 2],
+    in the model dtype (transformers also casts cos/sin to the activation dtype before applying them)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+
+    def build_cache(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Fills the caches; called once the model is on its device (its buffers start empty)."""
+        inv_freq = inverse_frequencies(self.config).to(device)
+        positions = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        self.cos_cache = freqs.cos().to(dtype)
+        self.sin_cache = freqs.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; query [T, Hq, D], key [T, Hkv, D]. Returns the rotated pair."""
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Equal to x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), without building the full-width tensors.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
