@@ -1,0 +1,193 @@
+"""EngineCore on its own thread, fed and drained through queues, for asyncio servers.
+
+The core's busy loop runs on a dedicated thread (torch releases the GIL in its
+kernels); the event loop talks to it only through a command queue, and each
+step's outputs are handed back per request with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from engine.core import EngineCore
+from engine.errors import EngineDeadError
+from engine.outputs import EngineCoreOutput
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    sink: Callable[[EngineCoreOutput], None]
+    done: Future[None]
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[EngineCore], Any]
+    done: Future[Any]
+
+
+class _Stop:
+    pass
+
+
+class _Terminals:
+    """Counts terminal outputs of one request: 1, or n once an ``n > 1`` request has forked."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.expected = 1
+        self.seen = 0
+        self.failed = False
+
+    def see(self, out: EngineCoreOutput, parent_id: str) -> None:
+        if self.n > 1 and self.expected == 1 and out.request_id == parent_id and out.new_token_ids:
+            self.expected = self.n  # the first sample forked the children
+        if out.finished:
+            self.seen += 1
+            if out.finish_reason is FinishReason.ERROR and out.request_id == parent_id:
+                self.failed = True
+
+    @property
+    def done(self) -> bool:
+        return self.failed or self.seen >= self.expected
+
+
+class AsyncEngine:
+    """Asyncio face of an :class:`EngineCore` running on a background thread."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[Callable[[EngineCoreOutput], None], _Terminals]] = {}
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    # -- event-loop side ----------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       *, priority: int = 0) -> AsyncIterator[EngineCoreOutput]:
+        """Add a request and yield its per-step outputs until the terminal one.
+
+        Raises InvalidRequestError / QueueFullError before yielding anything if it is refused.
+        Leaving the iteration early (cancellation, a client that went away) aborts the request.
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop has stopped")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+
+        def sink(out: EngineCoreOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        done: Future[None] = Future()
+        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, sink, done))
+        await asyncio.wrap_future(done)
+        tracker = _Terminals(params.n)
+        try:
+            while not tracker.done:
+                out = await outputs.get()
+                tracker.see(out, request_id)
+                yield out
+        finally:
+            if not tracker.done:
+                self.abort([request_id])
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._commands.put(_Abort(list(request_ids)))
+
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run ``fn(core)`` on the engine thread between steps (e.g. ``EngineCore.info``)."""
+        done: Future[Any] = Future()
+        self._commands.put(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._commands.put(_Stop())
+        self._thread.join(timeout)
+
+    # -- engine thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        while True:
+            block = not core.has_unfinished_requests()
+            try:
+                cmd = self._commands.get(block=block)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if isinstance(cmd, _Stop):
+                    self._fail_all(EngineDeadError("engine stopped"))
+                    return
+                self._handle(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if not core.has_unfinished_requests():
+                continue
+            try:
+                outputs = core.step()
+            except Exception as e:  # a failed step ends the requests in it, never the process
+                logger.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                parent = out.request_id.partition("#")[0]
+                entry = self._sinks.get(parent)
+                if entry is None:
+                    continue
+                sink, tracker = entry
+                sink(out)
+                tracker.see(out, parent)
+                if tracker.done:
+                    del self._sinks[parent]
+
+    def _handle(self, cmd: _Add | _Abort | _Call) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority)
+            except BaseException as e:
+                cmd.done.set_exception(e)
+            else:
+                self._sinks[cmd.request_id] = (cmd.sink, _Terminals(cmd.params.n))
+                cmd.done.set_result(None)
+        elif isinstance(cmd, _Abort):
+            self.core.abort_requests(cmd.request_ids)
+        else:
+            try:
+                cmd.done.set_result(cmd.fn(self.core))
+            except BaseException as e:
+                cmd.done.set_exception(e)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every in-flight request with an ERROR output and free its blocks."""
+        ids = list(self._sinks)
+        self.core.abort_requests(ids)
+        self.core.step()  # drains the abort outputs; they are replaced by ERROR below
+        for rid in ids:
+            sink, _ = self._sinks.pop(rid)
+            sink(EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR))

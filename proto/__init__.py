@@ -1,0 +1,1 @@
+"""Sluice's gRPC contracts (package ``sluice.v1``) and their committed Python stubs."""

@@ -1,0 +1,1 @@
+"""Namespace of the ``sluice.*`` protobuf packages."""
