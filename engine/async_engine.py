@@ -60,7 +60,7 @@ class _Terminals:
         self.failed = False
 
     def see(self, out: EngineCoreOutput, parent_id: str) -> None:
-        if self.n > 1 and self.expected == 1 and out.request_id == parent_id and out.new_token_ids:
+        if self.n > 1 and self.expected == 1 and (out.request_id != parent_id or out.new_token_ids):
             self.expected = self.n  # the first sample forked the children
         if out.finished:
             self.seen += 1
