@@ -1,0 +1,147 @@
+"""Loading a llama.cpp GGUF file: config from its metadata, tensors dequantized to the model dtype.
+
+llama.cpp's converter permutes the rows of Llama's Q and K projections (to its interleaved RoPE
+layout); ``unpermute_qk`` restores the Hugging Face layout, which our rotate_half RoPE expects.
+Qwen2/Qwen3 files are written unpermuted.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from engine.models.config import ModelConfig, RopeScaling, merge_eos
+from engine.models.llama import CausalLM, build_model
+
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face checkpoint name of a GGUF tensor, or None for tensors we do not load."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's ``permute``: within each head, rows were reordered from
+    [first half | second half] to interleaved pairs; put them back."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def tensor_to_numpy(tensor: ReaderTensor) -> np.ndarray:
+    """Dequantized float array in torch (row-major) order: GGUF lists dims innermost first."""
+    array = dequantize(tensor.data, tensor.tensor_type)
+    return array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+def config_from_gguf(reader: GGUFReader) -> ModelConfig:
+    gguf_arch = _field(reader, "general.architecture")
+    if gguf_arch not in _ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def key(name: str, default: Any = None) -> Any:
+        return _field(reader, f"{gguf_arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    vocab = key("vocab_size") or int(tensors["token_embd.weight"].shape[1])
+    scaling: RopeScaling | None = None
+    scaling_type = key("rope.scaling.type", "none")
+    if scaling_type == "linear":
+        scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
+    elif scaling_type != "none":
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    # Llama 3.1 files carry their RoPE scaling as per-frequency divisors in a tensor.
+    freq_factors = None
+    if "rope_freqs.weight" in tensors:
+        freq_factors = tuple(float(v) for v in tensor_to_numpy(tensors["rope_freqs.weight"]).reshape(-1))
+    bias = "blk.0.attn_q.bias" in tensors
+    eos = tuple(int(v) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+                if (v := _field(reader, f"tokenizer.ggml.{k}")) is not None)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=_ARCHITECTURES[gguf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=int(key("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=bias,
+        o_proj_bias="blk.0.attn_output.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=merge_eos(eos),
+        rope_freq_factors=freq_factors,
+    )
+
+
+def _iter_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    permute = config.architecture == "llama"
+    for tensor in tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", file=sys.stderr, leave=False):
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        array = tensor_to_numpy(tensor)
+        if permute and name.endswith("q_proj.weight"):
+            array = unpermute_qk(array, config.num_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            array = unpermute_qk(array, config.num_kv_heads)
+        if not array.flags.writeable:  # F32 tensors are views of the read-only memory map
+            array = array.copy()
+        yield name, torch.from_numpy(array)
+
+
+def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> CausalLM:
+    reader = GGUFReader(str(path))
+    config = config_from_gguf(reader)
+    model = build_model(config, dtype, device)
+    model.load_weights(_iter_tensors(reader, config))
+    return model

@@ -1,0 +1,262 @@
+"""The engine's token-level gRPC server (``sluice.v1.Engine``): wire types in, domain types out.
+
+Protobuf messages are converted here and nowhere else; the core behind the
+AsyncEngine sees only token ids and SamplingParams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from engine.outputs import EngineCoreOutput
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "sluice.v1.Engine"
+_FINISH_TO_PB = {
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORTED,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+
+# -- errors → status codes, in one place ---------------------------------------------------------------------
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "the request queue is full"
+    if isinstance(exc, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc) or "the engine is not running"
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps Sluice's typed errors to gRPC status codes for every handler; nothing else leaks out."""
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner_uu(request, context)
+                except Exception as e:  # noqa: BLE001 — mapped, logged when unexpected
+                    await _abort_with(e, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                except Exception as e:  # noqa: BLE001
+                    await _abort_with(e, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler
+
+
+async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(exc, grpc.aio.AbortError) or type(exc).__name__ == "AbortError":
+        raise exc
+    code, message = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        logger.exception("unexpected error in handler", exc_info=exc)
+    await context.abort(code, message)
+
+
+# -- wire ↔ domain --------------------------------------------------------------------------------------------
+def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest) -> SamplingParams:
+    s, st = req.sampling, req.stopping
+    kw: dict[str, Any] = {"n": req.n or 1}
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if s.HasField(name):
+            kw[name] = getattr(s, name)
+    if s.HasField("top_k"):
+        kw["top_k"] = s.top_k or None
+    if s.HasField("seed"):
+        kw["seed"] = s.seed
+    if s.logit_bias:
+        kw["logit_bias"] = dict(s.logit_bias)
+    kw["max_tokens"] = st.max_tokens if st.HasField("max_tokens") else None
+    kw["min_tokens"] = st.min_tokens
+    kw["stop_token_ids"] = list(st.stop_token_ids)
+    kw["ignore_eos"] = st.ignore_eos
+    if req.HasField("logprobs"):
+        kw["logprobs"] = req.logprobs
+    return SamplingParams(**kw)
+
+
+def output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineGenerateResponse:
+    _, _, child = out.request_id.partition("#")
+    msg = engine_pb2.EngineGenerateResponse(
+        index=int(child or 0), token_ids=out.new_token_ids, prompt_tokens=out.num_prompt_tokens,
+        cached_tokens=out.num_cached_tokens,
+        finish_reason=_FINISH_TO_PB[out.finish_reason] if out.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED)
+    for lp, top in out.new_logprobs or ():
+        msg.logprobs.add(logprob=lp, top_logprobs=[engine_pb2.TokenIdLogprob(token_id=t, logprob=v)
+                                                   for t, v in top.items()])
+    return msg
+
+
+# -- the servicer ---------------------------------------------------------------------------------------------
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    """Registered before the server starts; answers UNAVAILABLE until the engine is attached (warm-up)."""
+
+    def __init__(self, engine: AsyncEngine | None = None) -> None:
+        self._engine = engine
+        self.counters = {"shm_handoffs": 0, "inline_handoffs": 0, "finished_requests": 0}
+        self._shm: Any = None  # ShmReader, created on first registration
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None or not self._engine.is_alive:
+            raise EngineDeadError("the engine is starting or stopped")
+        return self._engine
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def Generate(self, request: engine_pb2.EngineGenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        engine = self.engine
+        if not request.request_id:
+            raise InvalidRequestError("request_id", "is required")
+        released_slot: int | None = None
+        which = request.WhichOneof("prompt")
+        if which == "prompt_shm":
+            ref = request.prompt_shm
+            if self._shm is None or not self._shm.has(ref.segment):
+                raise InvalidRequestError("prompt_shm", f"segment {ref.segment!r} is not registered")
+            try:
+                ids = self._shm.read(ref)
+            except ValueError as e:
+                raise InvalidRequestError("prompt_shm", str(e)) from e
+            prompt = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            released_slot = ref.slot
+            self.counters["shm_handoffs"] += 1
+        elif which == "prompt_token_ids":
+            prompt = list(request.prompt_token_ids.ids)
+            self.counters["inline_handoffs"] += 1
+        else:
+            raise InvalidRequestError("prompt", "one of prompt_token_ids or prompt_shm is required")
+        params = sampling_params_from_pb(request)
+        first = True
+        async for out in engine.generate(request.request_id, prompt, params, priority=request.priority):
+            msg = output_to_pb(out)
+            if first and released_slot is not None:
+                msg.released_shm_slot = released_slot
+            first = False
+            if out.finished:
+                self.counters["finished_requests"] += 1
+            yield msg
+
+    async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> engine_pb2.AbortResponse:
+        self.engine.abort(list(request.request_ids))
+        return engine_pb2.AbortResponse()
+
+    async def GetInfo(self, request: engine_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+                      ) -> engine_pb2.GetInfoResponse:
+        info, stats = await self.engine.call(lambda core: (core.info(), core.scheduler_stats()))
+        return engine_pb2.GetInfoResponse(
+            model_name=info["model"], max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
+            eos_token_ids=info["eos_token_ids"], bos_token_id=info["bos_token_id"],
+            block_size=info["block_size"], total_kv_blocks=info["total_kv_blocks"],
+            free_kv_blocks=info["free_kv_blocks"], num_running=info["num_running"],
+            num_waiting=info["num_waiting"], device=info["device"], dtype=info["dtype"],
+            counters=engine_pb2.EngineCounters(
+                shm_handoffs=self.counters["shm_handoffs"], inline_handoffs=self.counters["inline_handoffs"],
+                finished_requests=self.counters["finished_requests"],
+                prefix_cache_query_tokens=stats["prefix_cache_queries"],
+                prefix_cache_hit_tokens=stats["prefix_cache_hits"], preemptions=stats["num_preemptions"]))
+
+    async def RegisterSharedMemory(self, request: engine_pb2.RegisterSharedMemoryRequest,
+                                   context: grpc.aio.ServicerContext) -> engine_pb2.RegisterSharedMemoryResponse:
+        from proto.shm import ShmReader
+
+        if self._shm is None:
+            self._shm = ShmReader()
+        try:
+            self._shm.register(request.segment, request.size_bytes)
+        except (OSError, ValueError) as e:
+            # The caller falls back to inline ids (another host, no shared /dev/shm).
+            return engine_pb2.RegisterSharedMemoryResponse(ok=False, error=f"cannot open segment: {e}")
+        return engine_pb2.RegisterSharedMemoryResponse(ok=True)
+
+
+def warm_up(core: EngineCore) -> None:
+    """One short request through the whole step path before the server reports SERVING."""
+    core.add_request("__warmup__", [core.model.config.bos_token_id or 1] * 8,
+                     SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while core.has_unfinished_requests():
+        core.step()
+
+
+async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: float = 10.0,
+                ready: asyncio.Event | None = None) -> None:
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
+                             options=[("grpc.max_receive_message_length", 64 * 2**20),
+                                      ("grpc.so_reuseport", 0)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in (SERVICE_NAME, ""):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    servicer = EngineServicer()
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    logger.info("engine gRPC listening on %s:%d (loading model)", host, bound)
+    loop = asyncio.get_running_loop()
+    core = await loop.run_in_executor(None, EngineCore, config)
+    await loop.run_in_executor(None, warm_up, core)
+    engine = AsyncEngine(core)
+    servicer.attach(engine)
+    for name in (SERVICE_NAME, ""):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("engine ready: %s on %s:%d", config.model_name, host, bound)
+    if ready is not None:
+        ready.set()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()
+    logger.info("draining (grace %.1fs)", shutdown_grace)
+    for name in (SERVICE_NAME, ""):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(shutdown_grace)
+    engine.shutdown()
