@@ -183,7 +183,7 @@ class Sampler:
                                   torch.tensor(top_p, dtype=x.dtype, device=device) if use_p else None)
         if any(p.min_p > 0.0 for p in params):
             x = apply_min_p(x, torch.tensor([p.min_p for p in params], dtype=x.dtype, device=device))
-        return torch.multinomial(x.softmax(dim=-1), 1).squeeze(1)
+        return exponential_race(x.softmax(dim=-1), self._noise(rows, x))
 
     def _noise(self, rows: list[SamplingRow], like: torch.Tensor) -> torch.Tensor:
         """Exponential(1) noise ``[B, V]``: seeded rows from their own generator, the rest from the shared one.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -19,7 +19,8 @@ from grpc_reflection.v1alpha import reflection
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.grpc_errors import ErrorMappingInterceptor
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -35,61 +36,6 @@ _FINISH_TO_PB = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORTED,
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
-
-
-# -- errors → status codes, in one place ---------------------------------------------------------------------
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, QueueFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "the request queue is full"
-    if isinstance(exc, EngineDeadError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc) or "the engine is not running"
-    return grpc.StatusCode.INTERNAL, "internal error"
-
-
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Maps Sluice's typed errors to gRPC status codes for every handler; nothing else leaks out."""
-
-    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
-
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
-                    return await inner_uu(request, context)
-                except Exception as e:  # noqa: BLE001 — mapped, logged when unexpected
-                    await _abort_with(e, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                try:
-                    async for item in inner_us(request, context):
-                        yield item
-                except Exception as e:  # noqa: BLE001
-                    await _abort_with(e, context)
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        return handler
-
-
-async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext) -> None:
-    if isinstance(exc, grpc.aio.AbortError) or type(exc).__name__ == "AbortError":
-        raise exc
-    code, message = status_for(exc)
-    if code is grpc.StatusCode.INTERNAL:
-        logger.exception("unexpected error in handler", exc_info=exc)
-    await context.abort(code, message)
 
 
 # -- wire ↔ domain --------------------------------------------------------------------------------------------
@@ -152,14 +98,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         released_slot: int | None = None
         which = request.WhichOneof("prompt")
         if which == "prompt_shm":
+            from proto.shm import ShmRef, ShmRefError
+
             ref = request.prompt_shm
-            if self._shm is None or not self._shm.has(ref.segment):
+            if self._shm is None or not self._shm.is_registered(ref.segment):
                 raise InvalidRequestError("prompt_shm", f"segment {ref.segment!r} is not registered")
             try:
-                ids = self._shm.read(ref)
-            except ValueError as e:
-                raise InvalidRequestError("prompt_shm", str(e)) from e
-            prompt = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+                ids = self._shm.read(ShmRef(ref.segment, ref.offset, ref.length, ref.slot))
+            except ShmRefError as e:
+                raise InvalidRequestError(f"prompt_shm.{e.field}", str(e)) from e
+            prompt = ids.tolist()
             released_slot = ref.slot
             self.counters["shm_handoffs"] += 1
         elif which == "prompt_token_ids":

@@ -131,7 +131,8 @@ def test_guided_decoding_reserves_room() -> None:
 
 def _descriptor_set(tmp_path: Path) -> descriptor_pb2.FileDescriptorSet:
     out = tmp_path / "set.pb"
-    generate.run_protoc([f"--proto_path={PROTO_ROOT}", f"--descriptor_set_out={out}", "--include_source_info",
+    generate.run_protoc([f"--proto_path={PROTO_ROOT}", f"--proto_path={generate.well_known_protos_dir()}",
+                         f"--descriptor_set_out={out}", "--include_source_info",
                          *map(str, generate.proto_files())])
     return descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
 

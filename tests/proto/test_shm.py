@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.shm import ShmOpenError, ShmReader, ShmRef, ShmRefError, ShmRing
+from proto.shm import ShmOpenError, ShmReader, ShmRef, ShmRefError, ShmRing
 
 
 @pytest.fixture

@@ -1,0 +1,69 @@
+"""gRPC status codes for Sluice's typed errors, and the one interceptor every server installs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+
+logger = logging.getLogger(__name__)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, grpc.aio.AioRpcError):  # a downstream call failed: pass its status through
+        return exc.code(), exc.details() or exc.code().name
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "the request queue is full"
+    if isinstance(exc, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc) or "the engine is not running"
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps Sluice's typed errors to gRPC status codes for every handler; nothing else leaks out."""
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner_uu(request, context)
+                except Exception as e:  # noqa: BLE001 — mapped, logged when unexpected
+                    await _abort_with(e, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                except Exception as e:  # noqa: BLE001
+                    await _abort_with(e, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler
+
+
+async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(exc, grpc.aio.AbortError) or type(exc).__name__ == "AbortError":
+        raise exc
+    code, message = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        logger.exception("unexpected error in handler", exc_info=exc)
+    await context.abort(code, message)
