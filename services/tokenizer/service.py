@@ -119,6 +119,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 self._ring = None
         return self._shm_registered
 
+    def engine_restarted(self) -> None:
+        """A new engine process knows neither our ring nor its info: hand both over again."""
+        self._shm_registered = False
+        self._info = None
+
     def close(self) -> None:
         if self._ring is not None:
             self._ring.close()

@@ -1,0 +1,38 @@
+"""``python -m services.tokenizer`` / ``sluice tokenizer``: the public text-level gRPC service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="sluice tokenizer", description=__doc__)
+    parser.add_argument("--engine", default="127.0.0.1:50051", help="engine gRPC address")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50061)
+    parser.add_argument("--model", default=None, help="the engine's model (for its tokenizer); default model if unset")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--shm-tokens", type=int, default=4 * 2**20,
+                        help="capacity of this replica's shared-memory ring in tokens (0 = always inline ids)")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0)
+    parser.add_argument("--log-level", default="info")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s tokenizer: %(message)s")
+    from services.tokenizer.server import serve
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(engine_addr=ns.engine, host=ns.host, port=ns.port, model=ns.model, tokenizer=ns.tokenizer,
+                      served_model_name=ns.served_model_name, shm_tokens=ns.shm_tokens,
+                      shutdown_grace=ns.shutdown_timeout))
+
+
+if __name__ == "__main__":
+    main()

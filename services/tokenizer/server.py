@@ -1,0 +1,82 @@
+"""Process wiring of the tokenizer service: grpc.aio server, health, reflection, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.config import DEFAULT_SERVED_NAME, default_model_path
+from engine.grpc_errors import ErrorMappingInterceptor
+from engine.text import Tokenizer
+from proto.sluice.v1 import generation_pb2_grpc
+from services.tokenizer.service import GenerationServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "sluice.v1.Generation"
+
+
+async def serve(*, engine_addr: str, host: str, port: int, model: str | None, tokenizer: str | None,
+                served_model_name: str | None, shm_tokens: int, shutdown_grace: float = 10.0) -> None:
+    model_path = model or default_model_path()
+    tok = Tokenizer.from_pretrained(tokenizer or model_path)
+    channel = grpc.aio.insecure_channel(engine_addr, options=[("grpc.max_receive_message_length", 64 * 2**20),
+                                                              ("grpc.max_send_message_length", 64 * 2**20)])
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
+                             options=[("grpc.max_receive_message_length", 64 * 2**20), ("grpc.so_reuseport", 0)])
+    name = served_model_name or (DEFAULT_SERVED_NAME if model is None else None)
+    if name is None:
+        from engine.config import EngineConfig
+
+        name = EngineConfig(model=model).model_name
+    servicer = GenerationServicer(tok, channel, served_model_name=name, model_path=model_path,
+                                  shm_tokens=shm_tokens)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    watcher = asyncio.create_task(_track_engine(servicer, health_servicer, stop))
+    logger.info("tokenizer service on %s:%d, engine at %s", host, bound, engine_addr)
+    await stop.wait()
+    watcher.cancel()
+    for svc in (SERVICE_NAME, ""):
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(shutdown_grace)
+    servicer.close()
+    await channel.close()
+
+
+async def _track_engine(servicer: GenerationServicer, health_servicer: health.aio.HealthServicer,
+                        stop: asyncio.Event) -> None:
+    """SERVING while the engine answers GetInfo; re-registers shared memory after an engine restart."""
+    serving: bool | None = None
+    while not stop.is_set():
+        try:
+            await servicer.engine_info(refresh=True)
+            ok = True
+        except grpc.aio.AioRpcError:
+            ok = False
+        if ok and serving is False:
+            servicer.engine_restarted()
+        if ok != serving:
+            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            for svc in (SERVICE_NAME, ""):
+                await health_servicer.set(svc, status)
+            serving = ok
+        await asyncio.sleep(1.0 if ok else 0.25)
