@@ -91,7 +91,9 @@ def synthetic_requests(num: int, input_len: tuple[int, int], output_len: tuple[i
     if shared_prefix_groups < 0 or shared_prefix_len < 0:
         raise ValueError("shared-prefix groups and length must be >= 0")
     rng = random.Random(seed)
-    prefixes = [_fill(f"group {g}:", shared_prefix_len, rng, count) for g in range(shared_prefix_groups)]
+    # The batch number keeps the groups of one sweep step from reusing the cache of an earlier step.
+    prefixes = [_fill(f"group {g} of batch {first_index}:", shared_prefix_len, rng, count)
+                for g in range(shared_prefix_groups)]
     prefix_lens = [count(p) for p in prefixes]
     specs = []
     for i in range(first_index, first_index + num):

@@ -2,13 +2,15 @@
 
 There is no prefill phase and no decode phase: every request has
 ``num_computed_tokens`` catching up with ``num_tokens``. Each step the running
-requests are served first (a decode needs 1 token, an unfinished prompt gets
-what is left of the budget), then waiting requests are admitted while the
-budget, the ``max_num_seqs`` cap and the free blocks allow. A running request
-that cannot get blocks preempts the least important running request (the most
-recently admitted under fcfs; the lowest priority under priority): its blocks
-are freed and it goes back to the front of the waiting queue, keeping its
-output tokens, to be recomputed later as one prefill.
+requests are served first, in queue order (a decode needs 1 token, an
+unfinished prompt gets what is left of the budget after reserving one token for
+each decode queued behind it, so decodes are never starved by a chunk), then
+waiting requests are admitted while the budget, the ``max_num_seqs`` cap and
+the free blocks allow. A running request that cannot get blocks preempts the
+least important running request (the most recently admitted under fcfs; the
+lowest priority under priority): its blocks are freed and it goes back to the
+front of the waiting queue, keeping its output tokens, to be recomputed later
+as one prefill.
 """
 
 from __future__ import annotations
@@ -173,15 +175,33 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
 
+        # A prefill chunk ahead of decodes in the queue (priority policy) leaves one token for each of them.
+        num_pending_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out.preempted):
-                break   # it preempted itself, so it was the last running request
+            i += 1
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining == 1:
+                num_pending_decodes -= 1
+                num_new = 1
+            else:
+                num_new = min(remaining, budget - num_pending_decodes)
+                if num_new <= 0:
+                    continue
+            # Short of blocks: preempt from the tail, which this step has not scheduled yet, until it fits.
+            while not self.block_manager.allocate(request, num_new):
+                victim = self.running.pop()
+                if victim is not request and victim.num_tokens - victim.num_computed_tokens == 1:
+                    num_pending_decodes -= 1
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.PREEMPTED:
+                break   # it was the last running request
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
-            i += 1
 
         # Admitting while running requests are being evicted would only evict them again.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -247,24 +267,14 @@ class Scheduler:
         n = request.sampling_params.n if sample and request.parent_id is None else 1
         return ScheduledRequest(request, num_new, request.num_computed_tokens, sample, n)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
-        """Allocate for ``request``, preempting from the tail of ``running`` until it fits; False if it was the victim.
-
-        Victims come from the tail, which this step has not scheduled yet, so
-        no scheduled request loses its blocks.
-        """
-        while not self.block_manager.allocate(request, num_new):
-            victim = self.running.pop()
-            self.block_manager.free(victim)
-            victim.status = RequestStatus.PREEMPTED
-            victim.num_computed_tokens = 0
-            victim.num_preemptions += 1
-            self.num_preemptions += 1
-            self._insert(self.waiting, victim, front=True)
-            preempted.append(victim.request_id)
-            if victim is request:
-                return False
-        return True
+    def _preempt(self, victim: Request) -> None:
+        """Free the victim's blocks and queue it first in line; its outputs stay and are recomputed."""
+        self.block_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._insert(self.waiting, victim, front=True)
 
     def _append(self, request: Request, tokens: list[int], lps: list[Logprob] | None) -> EngineCoreOutput:
         new_tokens: list[int] = []

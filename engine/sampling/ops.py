@@ -15,47 +15,84 @@ _NEG_INF = float("-inf")
 
 def apply_penalties(
     logits: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    output_counts: torch.Tensor,
+    seen: tuple[torch.Tensor, torch.Tensor],
+    generated: tuple[torch.Tensor, torch.Tensor],
     repetition: torch.Tensor,
     frequency: torch.Tensor,
     presence: torch.Tensor,
 ) -> torch.Tensor:
-    """vLLM's penalties: repetition over prompt + output tokens, then frequency and presence over output tokens.
+    """vLLM's penalties, in place: repetition over prompt + output tokens, then frequency and presence over output.
 
-    ``prompt_mask`` is bool ``[B, V]`` (token occurs in the prompt), ``output_counts``
-    float ``[B, V]`` (occurrences in the output). A repeated token's positive logit is
-    divided by the repetition penalty and a negative one multiplied, so the penalty
-    always makes it less likely (CTRL, Keskar et al. 2019).
+    ``seen`` and ``generated`` are (row index, token id) pairs, one per token occurrence:
+    prompt and output tokens, and output tokens alone. A repeated token's positive logit
+    is divided by the repetition penalty and a negative one multiplied, so the penalty
+    always makes it less likely (CTRL, Keskar et al. 2019); then
+    ``logit -= frequency * count + presence``.
+
+    Only the touched entries are computed (O(tokens), not O(batch x vocab)); a token
+    occurring twice is written twice with the same value, so duplicates are harmless.
     """
-    in_output = output_counts > 0
-    rep = torch.where(prompt_mask | in_output, repetition.unsqueeze(1), 1.0)
-    logits = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = logits - frequency.unsqueeze(1) * output_counts
-    return logits - presence.unsqueeze(1) * in_output
+    rows, ids = seen
+    x = logits[rows, ids]
+    penalty = repetition[rows]
+    logits[rows, ids] = torch.where(x > 0, x / penalty, x * penalty)
+    rows, ids = generated
+    counts = torch.zeros_like(logits)
+    counts.index_put_((rows, ids), torch.ones(rows.shape, dtype=logits.dtype, device=logits.device), accumulate=True)
+    logits[rows, ids] = logits[rows, ids] - frequency[rows] - presence[rows]
+    return logits
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (to -inf) all but each row's ``top_k`` highest logits, then all but its top-p nucleus.
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *, num_candidates: int = 1024
+) -> torch.Tensor:
+    """Mask (to -inf) all but each row's ``top_k`` best tokens, then all but its top-p nucleus.
 
-    ``top_k`` is int64 ``[B]`` already clamped to ``[1, V]`` (V = disabled); ``top_p``
-    is float ``[B]`` in ``(0, 1]`` (1 = disabled). The nucleus is the smallest set of
-    most likely tokens whose probability, renormalized after top-k, reaches ``top_p``:
-    a token is kept when the mass of the tokens ranked above it is still below ``top_p``.
-    Top-k is by rank, not by value, so exactly k tokens survive even with ties.
+    ``top_k`` is int64 ``[B]`` clamped to ``[1, V]`` (V = disabled); ``top_p`` is float
+    ``[B]`` in ``(0, 1]`` (1 = disabled). The nucleus is the smallest set of most likely
+    tokens whose probability, renormalized after top-k, reaches ``top_p``.
+
+    Both are applied as a value threshold (keep ``logit >= cutoff``), as vLLM does, so
+    tokens tied at the cutoff are all kept and the result never depends on how a sort
+    orders ties. A full sort of a large vocabulary is slow (on CPU ~5 ms a row for 49k
+    tokens), so cutoffs are first sought among the ``num_candidates`` best tokens; only
+    rows whose cutoff may lie beyond them are sorted in full. Which way a row goes
+    depends on that row alone, so a row's result is the same in any batch.
     """
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        sorted_logits.masked_fill_(ranks.unsqueeze(0) >= top_k.unsqueeze(1), _NEG_INF)
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # A row with top_p == 1 keeps everything: float rounding of the cumulative sum
-        # must not cut its tail of tiny probabilities.
-        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-        sorted_logits.masked_fill_(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+    vocab = logits.shape[-1]
+    cutoffs, exact = _cutoffs(logits, top_k, top_p, min(num_candidates, vocab))
+    if not bool(exact.all()):
+        rows = torch.nonzero(~exact).flatten()
+        full, _ = _cutoffs(logits.index_select(0, rows), top_k.index_select(0, rows), top_p.index_select(0, rows), vocab)
+        cutoffs = cutoffs.index_copy(0, rows, full)
+    return logits.masked_fill(logits < cutoffs.unsqueeze(1), _NEG_INF)
+
+
+def _cutoffs(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's lowest kept logit, from its ``num`` best tokens, and whether ``num`` was enough to know it."""
+    vocab = logits.shape[-1]
+    values, ids = logits.topk(num, dim=-1)  # descending
+    has_k = top_k < vocab
+    kth = values.gather(-1, (top_k.clamp(max=num) - 1).unsqueeze(1)).squeeze(1)
+    cut_k = torch.where(has_k, kth, _NEG_INF)
+    # Probabilities renormalized over the top-k set; without top-k, over the whole vocabulary.
+    in_top_k = values.masked_fill(values < cut_k.unsqueeze(1), _NEG_INF)
+    probs = torch.where(has_k.unsqueeze(1), in_top_k.softmax(dim=-1), logits.softmax(dim=-1).gather(-1, ids))
+    cumulative = probs.cumsum(dim=-1)
+    # A token is kept while the mass ranked above it is below top_p; that is a prefix of the ranks.
+    num_kept = ((cumulative - probs) < top_p.unsqueeze(1)).sum(dim=-1)
+    last_kept = values.gather(-1, (num_kept - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    # top_p == 1 keeps everything: float rounding of the cumulative sum must not cut the tail.
+    cut_p = torch.where(top_p < 1, last_kept, _NEG_INF)
+    if num == vocab:
+        exact = torch.ones_like(has_k)
+    else:
+        # Known when top-k lies among the candidates, or (no top-k) the nucleus closes inside them.
+        exact = (top_k <= num) | (~has_k & (top_p < 1) & (cumulative[:, -1] >= top_p))
+        exact |= ~has_k & (top_p >= 1)  # nothing to cut
+    return torch.maximum(cut_k, cut_p), exact
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

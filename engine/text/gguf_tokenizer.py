@@ -18,7 +18,6 @@ from tokenizers import Tokenizer as HFTokenizer
 TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
-TOKEN_TYPE_BYTE = 6
 
 # GGUF value types -> struct format of one scalar (8 = string, 9 = array are handled apart).
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -122,7 +121,7 @@ def load_gguf_tokenizer(path: str) -> GGUFTokenizer:
 
     def token_id(name: str) -> int | None:
         value = meta.get(f"tokenizer.ggml.{name}")
-        return int(value) if isinstance(value, int) and 0 <= value < len(tokens) else None  # type: ignore[arg-type]
+        return value if isinstance(value, int) and 0 <= value < len(tokens) else None
 
     eot = tuple(i for i in (token_id("eot_token_id"), token_id("eom_token_id")) if i is not None)
     template = meta.get("tokenizer.chat_template")
@@ -154,13 +153,13 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def _byte_level_bpe(tokens: list[str], meta: dict[str, object]) -> HFTokenizer:
-    alphabet = set(bytes_to_unicode().values())
     spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
     # A token outside the byte alphabet (some converters store special tokens raw) is respelled in it.
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
              for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]  # type: ignore[union-attr]
-    backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))  # type: ignore[arg-type]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]  # type: ignore[attr-defined]
+    backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     pre = str(meta.get("tokenizer.ggml.pre", "default"))
     splits = PRE_TOKENIZER_SPLITS.get(pre, (_GPT2,))  # llama.cpp's "default" is GPT-2's split too
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -174,13 +173,13 @@ def _sentencepiece_bpe(tokens: list[str], meta: dict[str, object]) -> HFTokenize
     vocab = {t: i for i, t in enumerate(tokens)}
     raw_merges = meta.get("tokenizer.ggml.merges")
     if raw_merges:
-        merges = [tuple(m.split(" ", 1)) for m in raw_merges]  # type: ignore[union-attr]
+        merges = [tuple(m.split(" ", 1)) for m in raw_merges]  # type: ignore[attr-defined]
     else:
         scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)  # type: ignore[assignment]
         merges = _merges_from_scores(tokens, scores, vocab)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
-    backend = HFTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))  # type: ignore[arg-type]
+    backend = HFTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme="first" if add_prefix else "never", split=False)

@@ -223,7 +223,7 @@ def test_gguf_tensor_names() -> None:
 
 # ---- the default model (GGUF, Q4_1/Q8_0) against transformers loading the same file ----
 
-GGUF_TOL = 2e-3  # both dequantize the same blocks to fp32; the rest is fp32 summation order over 30 layers
+GGUF_TOL = 5e-4  # both dequantize the same blocks to fp32; measured max diff 6e-5 on logits up to ~38
 
 
 @pytest.fixture(scope="module")

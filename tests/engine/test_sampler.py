@@ -114,28 +114,68 @@ def test_top_k_larger_than_vocab_keeps_everything() -> None:
 _PROBS = [0.3, 0.05, 0.5, 0.15]
 
 
+NO_K = torch.tensor([4])
+NO_P = torch.tensor([1.0])
+
+
+@pytest.mark.parametrize("num_candidates", [1024, 2, 1])  # 2 and 1 send some rows down the full-sort path
 @pytest.mark.parametrize(("top_p", "nucleus"), [
     (0.1, {2}), (0.45, {2}), (0.6, {2, 0}), (0.79, {2, 0}), (0.9, {2, 0, 3}), (0.97, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3}),
 ])
-def test_top_p_keeps_the_minimal_nucleus(top_p: float, nucleus: set[int]) -> None:
-    masked = apply_top_k_top_p(logits_of(_PROBS), None, torch.tensor([top_p]))
+def test_top_p_keeps_the_minimal_nucleus(top_p: float, nucleus: set[int], num_candidates: int) -> None:
+    masked = apply_top_k_top_p(logits_of(_PROBS), NO_K, torch.tensor([top_p]), num_candidates=num_candidates)
     assert kept(masked) == nucleus
     # Surviving logits are untouched (renormalization happens in the final softmax).
     assert torch.equal(masked[0, sorted(nucleus)], logits_of(_PROBS)[0, sorted(nucleus)])
 
 
-def test_top_p_applies_to_the_renormalized_top_k() -> None:
+@pytest.mark.parametrize("num_candidates", [1024, 2, 1])
+def test_top_p_applies_to_the_renormalized_top_k(num_candidates: int) -> None:
     # After top-k=2 the best token has 0.5 / 0.8 = 0.625 >= 0.6, so it alone is the nucleus;
     # against the full distribution (0.5 < 0.6) token 0 would be kept too.
-    masked = apply_top_k_top_p(logits_of(_PROBS), torch.tensor([2]), torch.tensor([0.6]))
+    masked = apply_top_k_top_p(logits_of(_PROBS), torch.tensor([2]), torch.tensor([0.6]), num_candidates=num_candidates)
     assert kept(masked) == {2}
-    assert kept(apply_top_k_top_p(logits_of(_PROBS), torch.tensor([2]), None)) == {2, 0}
+    assert kept(apply_top_k_top_p(logits_of(_PROBS), torch.tensor([2]), NO_P, num_candidates=num_candidates)) == {2, 0}
 
 
 def test_top_k_top_p_per_row_settings() -> None:
     logits = logits_of(_PROBS).repeat(3, 1)
     masked = apply_top_k_top_p(logits, torch.tensor([4, 1, 3]), torch.tensor([0.6, 1.0, 1.0]))
     assert [set(torch.nonzero(torch.isfinite(r)).flatten().tolist()) for r in masked] == [{2, 0}, {2}, {2, 0, 3}]
+
+
+def test_top_k_keeps_tokens_tied_at_the_cutoff() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 2.0]])
+    assert kept(apply_top_k_top_p(logits, torch.tensor([1]), torch.tensor([1.0]))) == {1, 2}
+    assert kept(apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([1.0]))) == {1, 2, 4}
+
+
+def reference_kept(probs: list[float], top_k: int, top_p: float) -> set[int]:
+    """Top-k then the minimal top-p nucleus, the slow obvious way."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])[:top_k]
+    total = sum(probs[i] for i in order)
+    nucleus: list[int] = []
+    mass = 0.0
+    for i in order:
+        if top_p < 1 and mass >= top_p:
+            break
+        nucleus.append(i)
+        mass += probs[i] / total
+    return set(nucleus)
+
+
+def test_top_k_top_p_match_a_reference_on_both_paths() -> None:
+    gen = torch.Generator().manual_seed(9)
+    vocab, batch = 300, 40
+    logits = torch.randn(batch, vocab, generator=gen) * torch.linspace(0.2, 6.0, batch).unsqueeze(1)
+    top_k = torch.tensor([[vocab, 1, 5, 40, 250][i % 5] for i in range(batch)])
+    top_p = torch.tensor([[1.0, 0.5, 0.9, 0.99][i % 4] for i in range(batch)])
+    fast = apply_top_k_top_p(logits, top_k, top_p, num_candidates=32)
+    assert torch.equal(fast, apply_top_k_top_p(logits, top_k, top_p, num_candidates=vocab))
+    probs = logits.double().softmax(dim=-1)
+    for i in range(batch):
+        expected = reference_kept(probs[i].tolist(), int(top_k[i]), float(top_p[i]))
+        assert set(torch.nonzero(torch.isfinite(fast[i])).flatten().tolist()) == expected, i
 
 
 def test_top_p_sampling_stays_in_nucleus() -> None:

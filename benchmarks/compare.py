@@ -1,0 +1,221 @@
+"""Side-by-side comparison: start each system on 127.0.0.1, wait until it is ready, run the same
+benchmark sweep against it, stop it; then write one markdown table and one plot.
+
+    python -m benchmarks.compare --systems sluice,llamacpp,vllm --concurrency 1,8,32 --num-prompts 64
+
+Peers come from their own virtualenvs (benchmarks/install_peers.sh). Command templates may use
+{python} (this interpreter), {port}, {gguf} (default model file), {hf_dir} and {peers}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import bench, plot
+from benchmarks.report import machine_info, utc_timestamp
+
+PEERS_DIR = Path(__file__).resolve().parent / ".peers"
+
+DEFAULT_COMMANDS: dict[str, str] = {
+    "sluice": "{python} -m services.cli serve --host 127.0.0.1 --port {port}",
+    "llamacpp": ("{peers}/venv-llama/bin/python -m llama_cpp.server --model {gguf} --host 127.0.0.1 --port {port} "
+                 "--n_ctx 2048 --n_threads 1 --n_threads_batch 1 --logits_all False --interrupt_requests False "
+                 "--model_alias smollm2"),
+    "vllm": ("{peers}/venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model {hf_dir} "
+             "--served-model-name smollm2 --host 127.0.0.1 --port {port} --dtype bfloat16 --max-model-len 2048"),
+}
+# llama.cpp has no ignore_eos: bias SmolLM2's end tokens away so every request has its full length.
+DEFAULT_BENCH_ARGS: dict[str, tuple[str, ...]] = {"llamacpp": ("--force-length-logit-bias", "0,2")}
+DEFAULT_ENV: dict[str, dict[str, str]] = {
+    "vllm": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+}
+READY_PATHS: dict[str, str] = {"sluice": "/ready"}  # others: GET /v1/models answering 200
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    command: tuple[str, ...]
+    port: int
+    env: Mapping[str, str] = field(default_factory=dict)
+    bench_args: tuple[str, ...] = ()
+    ready_path: str = "/v1/models"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"  # requests go to this machine only
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_system(name: str, template: str, port: int, *, gguf: str, hf_dir: str) -> SystemSpec:
+    command = template.format(python=sys.executable, port=port, gguf=gguf, hf_dir=hf_dir, peers=PEERS_DIR)
+    return SystemSpec(name=name, command=tuple(shlex.split(command)), port=port, env=DEFAULT_ENV.get(name, {}),
+                      bench_args=DEFAULT_BENCH_ARGS.get(name, ()), ready_path=READY_PATHS.get(name, "/v1/models"))
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
+    """Poll ``url`` until it answers 200; fail early when the process dies."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"exited with code {proc.returncode} before it was ready")
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+    raise TimeoutError(f"not ready after {timeout_s:.0f} s ({url})")
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM to the process group we started (servers spawn workers), SIGKILL after the grace."""
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_system(spec: SystemSpec, bench_argv: Sequence[str], out_dir: Path, ready_timeout_s: float) -> Path | None:
+    """Start, benchmark and stop one system; returns its result file (None on failure, logged)."""
+    if not Path(spec.command[0]).exists() and "/" in spec.command[0]:
+        print(f"[{spec.name}] skipped: {spec.command[0]} missing (run benchmarks/install_peers.sh)", flush=True)
+        return None
+    log_path = out_dir / f"{spec.name}.log"
+    result = out_dir / f"{spec.name}.json"
+    print(f"[{spec.name}] starting: {shlex.join(spec.command)} (log {log_path})", flush=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(spec.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **spec.env})
+        try:
+            started = time.monotonic()
+            wait_ready(proc, f"http://127.0.0.1:{spec.port}{spec.ready_path}", ready_timeout_s)
+            print(f"[{spec.name}] ready after {time.monotonic() - started:.0f} s", flush=True)
+            argv = [*bench_argv, *spec.bench_args, "--base-url", spec.base_url, "--label", spec.name,
+                    "--result-file", str(result)]
+            rc = bench.main(argv)
+            if rc != 0:
+                print(f"[{spec.name}] benchmark exit code {rc}", flush=True)
+            return result if result.exists() else None
+        except (RuntimeError, TimeoutError) as e:
+            print(f"[{spec.name}] failed: {e} (see {log_path})", flush=True)
+            return None
+        finally:
+            stop(proc)
+
+
+def _cell(v: Any, fmt: str = "{:.0f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def markdown_table(docs: Sequence[dict[str, Any]]) -> str:
+    """One row per (system, load point)."""
+    lines = ["| system | load | req/s | out tok/s | TTFT p50 / p99 (ms) | TPOT mean (ms) | ITL p99 (ms) "
+             "| E2EL p99 (ms) | ok / failed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for doc in docs:
+        for run in doc["runs"]:
+            load = f"c={run['concurrency']}" if run["mode"] == "closed" else f"{run['request_rate']} req/s"
+            ttft = run["ttft"]
+            lines.append(
+                f"| {doc['label']} | {load} | {run['request_throughput']:.2f} | {run['output_throughput']:.1f} "
+                f"| {_cell(ttft.get('p50_ms'))} / {_cell(ttft.get('p99_ms'))} | {_cell(run['tpot']['mean_ms'], '{:.1f}')} "
+                f"| {_cell(run['itl'].get('p99_ms'), '{:.1f}')} | {_cell(run['e2el'].get('p99_ms'))} "
+                f"| {run['completed']} / {run['failed']} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="sluice,llamacpp,vllm")
+    p.add_argument("--out-dir", default=None, help="default benchmarks/results/compare-<time>")
+    for name in DEFAULT_COMMANDS:
+        p.add_argument(f"--{name}-cmd", default=DEFAULT_COMMANDS[name], help=f"command template for {name}")
+    p.add_argument("--gguf", default=None, help="GGUF model file (default: Sluice's default model)")
+    p.add_argument("--hf-dir", default=str(PEERS_DIR / "smollm2-hf"), help="HF directory of the model (vLLM)")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for each server")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=106)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--bench-args", default="", help="more benchmarks.bench options, one string")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    unknown = [n for n in names if n not in DEFAULT_COMMANDS]
+    if unknown:
+        print(f"unknown systems {unknown}; known: {list(DEFAULT_COMMANDS)}", file=sys.stderr)
+        return 2
+    if args.gguf is None:
+        from engine.config import default_model_path
+        args.gguf = default_model_path()
+    out_dir = Path(args.out_dir or Path(__file__).resolve().parent / "results" / f"compare-{int(time.time())}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench_argv = ["--concurrency", args.concurrency, "--num-prompts", str(args.num_prompts),
+                  "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                  "--warmup", str(args.warmup), "--endpoint", args.endpoint, *shlex.split(args.bench_args)]
+    results: list[Path] = []
+    for name in names:
+        spec = build_system(name, getattr(args, f"{name}_cmd"), free_port(), gguf=args.gguf, hf_dir=args.hf_dir)
+        path = run_system(spec, bench_argv, out_dir, args.ready_timeout)
+        if path is not None:
+            results.append(path)
+    if not results:
+        print("no system produced results", file=sys.stderr)
+        return 1
+    docs = plot.load_results(results)
+    machine = machine_info()
+    md = "\n".join([
+        f"# Serving comparison, {utc_timestamp()}", "",
+        f"Command: `{shlex.join(['python', '-m', 'benchmarks.compare', *argv])}`  ",
+        f"Machine: {machine['cpu_model']}, {machine['cpu_cores']} cores  ",
+        f"Workload: {args.num_prompts} requests, ~{args.input_len}-token prompts, {args.output_len} output tokens, "
+        f"streamed `/v1/{'chat/' if args.endpoint == 'chat' else ''}completions`", "",
+        markdown_table(docs), "",
+        *[f"- {d['label']}: `{d['command']}`" for d in docs], ""])
+    (out_dir / "summary.md").write_text(md, encoding="utf-8")
+    plot.plot(docs, out_dir / "sweep.png")
+    (out_dir / "systems.json").write_text(json.dumps({d["label"]: d["config"] for d in docs}, indent=1),
+                                          encoding="utf-8")
+    print(md)
+    print(f"wrote {out_dir / 'summary.md'} and {out_dir / 'sweep.png'}")
+    return 0 if len(results) == len(names) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""``python -m gateway``: the OpenAI-compatible REST gateway (Starlette on uvicorn).
+
+The API key comes from ``--api-key`` (repeatable) or the ``SLUICE_API_KEY``
+environment variable. ``/health``, ``/ready`` and ``/metrics`` need no key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from gateway.settings import GatewaySettings
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sluice gateway", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", type=_csv, default=("127.0.0.1:50052",), metavar="ADDR[,ADDR...]",
+                   help="tokenizer services' gRPC addresses, balanced round-robin (or one dns:/// target)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=None,
+                   help="accepted bearer key (repeatable; default: $SLUICE_API_KEY; none: no auth)")
+    p.add_argument("--allowed-origins", type=_csv, default=(), metavar="ORIGIN[,ORIGIN...]",
+                   help="CORS origins ('*' for any); default: CORS off")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="model name(s) to answer to (default: the name the backend reports)")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds per backend call (default: none)")
+    p.add_argument("--keepalive-interval", type=float, default=5.0, help="seconds between SSE keep-alive comments")
+    p.add_argument("--max-n", type=int, default=16, help="largest n per request")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> GatewaySettings:
+    keys = ns.api_key if ns.api_key else ([environ["SLUICE_API_KEY"]] if environ.get("SLUICE_API_KEY") else [])
+    return GatewaySettings(
+        tokenizer_addresses=tuple(ns.tokenizer),
+        host=ns.host,
+        port=ns.port,
+        api_keys=tuple(keys),
+        allowed_origins=tuple(ns.allowed_origins),
+        served_model_names=tuple(ns.served_model_name or ()),
+        max_body_bytes=ns.max_body_bytes,
+        request_timeout=ns.request_timeout,
+        keepalive_interval=ns.keepalive_interval,
+        max_n=ns.max_n,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(ns, os.environ)
+    except ValueError as err:
+        parser.error(str(err))
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s gateway: %(message)s")
+    import uvicorn
+
+    from gateway.app import create_app
+
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, loop="uvloop", http="httptools",
+                log_level=ns.log_level, timeout_graceful_shutdown=10, server_header=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The gateway's Starlette app: routes, middleware, error handlers, lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+
+from gateway.auth import AuthMiddleware
+from gateway.backend import Backend
+from gateway.errors import ApiError, api_error_handler, http_exception_handler
+from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.request_context import RequestContextMiddleware
+from gateway.routes import build_routes
+from gateway.routes.common import GatewayState, ServedModels
+from gateway.settings import GatewaySettings
+
+
+def create_app(settings: GatewaySettings, backend: Backend | None = None,
+               metrics: GatewayMetrics | None = None) -> Starlette:
+    """The ASGI app. Without ``backend``, a gRPC client to ``settings.tokenizer_addresses``
+    is opened at startup and closed at shutdown (the channel binds to the server's loop);
+    a given backend is the caller's to close."""
+    routes = build_routes()
+    metrics = metrics if metrics is not None else GatewayMetrics()
+    # Outermost first: the request id and the catch-all see every response (401s
+    # included), metrics count them, CORS answers preflights before auth asks for a key.
+    middleware = [
+        Middleware(RequestContextMiddleware),
+        Middleware(MetricsMiddleware, metrics=metrics, known_paths=frozenset(r.path for r in routes)),
+    ]
+    if settings.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"],
+                                     allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                                     expose_headers=["X-Request-Id", "Retry-After"]))
+    middleware.append(Middleware(AuthMiddleware, api_keys=settings.api_keys))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if backend is not None:
+            yield
+            return
+        from gateway.client import GrpcBackend
+
+        grpc_backend = GrpcBackend.connect(settings.tokenizer_addresses)
+        app.state.gateway = _state(settings, grpc_backend, metrics)
+        try:
+            yield
+        finally:
+            await grpc_backend.close()
+
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={HTTPException: http_exception_handler, ApiError: api_error_handler},
+        lifespan=lifespan,
+    )
+    # A redirect to the slash-less path would be built from the client's Host header.
+    app.router.redirect_slashes = False
+    if backend is not None:
+        app.state.gateway = _state(settings, backend, metrics)
+    return app
+
+
+def _state(settings: GatewaySettings, backend: Backend, metrics: GatewayMetrics) -> GatewayState:
+    return GatewayState(settings, backend, metrics, ServedModels(settings.served_model_names, backend,
+                                                                 settings.ready_timeout))

@@ -1,0 +1,164 @@
+"""What the gateway needs from a model backend, in its own (wire-free) types.
+
+Routes speak only these types; ``gateway/client.py`` converts them to and from
+the ``sluice.v1.Generation`` protobuf messages, and tests can implement
+:class:`Backend` without gRPC.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling, stopping and response options of one request (OpenAI + vLLM names).
+
+    ``None`` means "the backend's default" for the optional fields.
+    """
+
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Exactly one of ``text``, ``token_ids``, ``chat`` is set."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    chat: tuple[ChatTurn, ...] | None = None
+    add_generation_prompt: bool = True
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token id
+    LENGTH = "length"
+    EOS = "eos"
+    STOP_STRING = "stop_string"
+    ABORTED = "aborted"
+    TIME_LIMIT = "time_limit"
+    ERROR = "error"
+
+    @property
+    def openai(self) -> str:
+        """The OpenAI ``finish_reason``: every kind of stop is "stop"."""
+        if self in (FinishReason.STOP, FinishReason.EOS, FinishReason.STOP_STRING):
+            return "stop"
+        if self in (FinishReason.LENGTH, FinishReason.TIME_LIMIT):
+            return "length"
+        if self is FinishReason.ABORTED:
+            return "abort"
+        return "error"
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    text: str
+    text_bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    text: str
+    text_bytes: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one of a call's ``n`` sequences; ``usage`` is cumulative for the call."""
+
+    index: int
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    usage: Usage = Usage()
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error_message: str = ""
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    token_ids: tuple[int, ...]
+    max_model_len: int
+    token_strs: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    max_model_len: int
+
+
+class GenerateCall(Protocol):
+    """One streaming generation: iterate for deltas; ``cancel()`` aborts it.
+
+    Iteration raises :class:`gateway.errors.BackendError` when the call fails.
+    """
+
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+    def cancel(self) -> None: ...
+
+
+class Backend(Protocol):
+    """The text-level model backend (the tokenizer service's Generation API).
+
+    Every method raises :class:`gateway.errors.BackendError` on failure;
+    ``timeout`` is in seconds, ``None`` for no deadline.
+    """
+
+    def generate(self, prompt: Prompt, params: GenerationParams, *, request_id: str,
+                 timeout: float | None) -> GenerateCall: ...
+
+    async def tokenize(self, prompt: Prompt, *, add_special_tokens: bool | None, return_token_strs: bool,
+                       request_id: str, timeout: float | None) -> TokenizeResult: ...
+
+    async def detokenize(self, token_ids: tuple[int, ...], *, request_id: str, timeout: float | None) -> str: ...
+
+    async def model_info(self, *, timeout: float | None) -> ModelInfo: ...
+
+    async def check_ready(self, *, timeout: float) -> bool: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,266 @@
+"""The gRPC client to the tokenizer services' ``sluice.v1.Generation`` API.
+
+The only module of the gateway that touches protobuf messages: it converts the
+gateway's types (``gateway/backend.py``) to requests and responses back, and gRPC
+status codes to :class:`BackendError`. One ``grpc.aio`` channel balances calls
+over every tokenizer service with gRPC's own ``round_robin`` policy.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.backend import (
+    Delta,
+    FinishReason,
+    GenerationParams,
+    ModelInfo,
+    Prompt,
+    TokenizeResult,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from gateway.errors import BackendError, BackendErrorKind
+from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger("gateway")
+
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 128k-token prompts as ids and their logprobs fit easily
+
+_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT: BackendErrorKind.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION: BackendErrorKind.INVALID_ARGUMENT,
+    grpc.StatusCode.OUT_OF_RANGE: BackendErrorKind.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND: BackendErrorKind.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: BackendErrorKind.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE: BackendErrorKind.UNAVAILABLE,
+    # The backend cancelling on its own means it is shutting down.
+    grpc.StatusCode.CANCELLED: BackendErrorKind.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: BackendErrorKind.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNIMPLEMENTED: BackendErrorKind.UNIMPLEMENTED,
+}
+
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_EOS: FinishReason.EOS,
+    common_pb2.FINISH_REASON_STOP_STRING: FinishReason.STOP_STRING,
+    common_pb2.FINISH_REASON_ABORTED: FinishReason.ABORTED,
+    common_pb2.FINISH_REASON_TIME_LIMIT: FinishReason.TIME_LIMIT,
+    common_pb2.FINISH_REASON_ERROR: FinishReason.ERROR,
+}
+
+
+def grpc_target(addresses: Sequence[str]) -> str:
+    """One channel target for all tokenizer services.
+
+    A full target (``dns:///name:port``, ``ipv4:…``, ``unix:…``) is used as is;
+    one ``host:port`` becomes ``dns:///host:port`` (re-resolved, so every A
+    record is balanced over); several become a static ``ipv4:``/``ipv6:`` list,
+    host names resolved once here.
+    """
+    addrs = [a.strip() for a in addresses if a.strip()]
+    if not addrs:
+        raise ValueError("no tokenizer address given")
+    if len(addrs) == 1:
+        addr = addrs[0]
+        return addr if ":/" in addr or addr.split(":", 1)[0] in ("ipv4", "ipv6", "unix", "dns") else f"dns:///{addr}"
+    resolved = [_resolve(a) for a in addrs]
+    families = {ip.version for ip, _ in resolved}
+    if len(families) != 1:
+        raise ValueError("tokenizer addresses mix IPv4 and IPv6")
+    if families == {4}:
+        return "ipv4:" + ",".join(f"{ip}:{port}" for ip, port in resolved)
+    return "ipv6:" + ",".join(f"[{ip}]:{port}" for ip, port in resolved)
+
+
+def _resolve(addr: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    host, sep, port_s = addr.rpartition(":")
+    if not sep or not port_s.isdigit():
+        raise ValueError(f"tokenizer address {addr!r} is not host:port")
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host), int(port_s)
+    except ValueError:
+        infos = socket.getaddrinfo(host, int(port_s), type=socket.SOCK_STREAM)
+        ips = [ipaddress.ip_address(i[4][0]) for i in infos]
+        ips.sort(key=lambda ip: ip.version)  # prefer IPv4, the common case for "localhost"
+        return ips[0], int(port_s)
+
+
+def channel_options() -> list[tuple[str, object]]:
+    return [
+        ("grpc.lb_policy_name", "round_robin"),
+        ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ]
+
+
+def to_backend_error(err: grpc.aio.AioRpcError) -> BackendError:
+    kind = _CODES.get(err.code(), BackendErrorKind.INTERNAL)
+    retry_after = None
+    for key, value in err.trailing_metadata() or ():
+        if key == "retry-after" and isinstance(value, str) and value.isdigit():
+            retry_after = int(value)
+    return BackendError(kind, err.details() or "", retry_after)
+
+
+def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+    return (("x-request-id", request_id),)
+
+
+class GrpcGenerateCall:
+    """A running ``Generate`` call; ``cancel()`` cancels the RPC (the backend aborts)."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        try:
+            async for msg in self._call:
+                yield delta_from_pb(msg)
+        except grpc.aio.AioRpcError as err:
+            raise to_backend_error(err) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GrpcBackend:
+    """:class:`gateway.backend.Backend` over one ``grpc.aio`` channel."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._channel = channel
+        self._stub = generation_pb2_grpc.GenerationStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+
+    @classmethod
+    def connect(cls, addresses: Sequence[str]) -> GrpcBackend:
+        return cls(grpc.aio.insecure_channel(grpc_target(addresses), options=channel_options()))
+
+    def generate(self, prompt: Prompt, params: GenerationParams, *, request_id: str,
+                 timeout: float | None) -> GrpcGenerateCall:
+        req = generate_request_to_pb(prompt, params, request_id)
+        return GrpcGenerateCall(self._stub.Generate(req, timeout=timeout, metadata=_metadata(request_id)))
+
+    async def tokenize(self, prompt: Prompt, *, add_special_tokens: bool | None, return_token_strs: bool,
+                       request_id: str, timeout: float | None) -> TokenizeResult:
+        req = generation_pb2.TokenizeRequest(return_token_strs=return_token_strs)
+        if add_special_tokens is not None:
+            req.add_special_tokens = add_special_tokens
+        if prompt.chat is not None:
+            req.chat.CopyFrom(_chat_to_pb(prompt))
+        else:
+            req.text = prompt.text or ""
+        try:
+            resp = await self._stub.Tokenize(req, timeout=timeout, metadata=_metadata(request_id))
+        except grpc.aio.AioRpcError as err:
+            raise to_backend_error(err) from None
+        strs = tuple(resp.token_strs) if return_token_strs else None
+        return TokenizeResult(tuple(resp.token_ids), resp.max_model_len, strs)
+
+    async def detokenize(self, token_ids: tuple[int, ...], *, request_id: str, timeout: float | None) -> str:
+        req = generation_pb2.DetokenizeRequest(token_ids=token_ids)
+        try:
+            resp = await self._stub.Detokenize(req, timeout=timeout, metadata=_metadata(request_id))
+        except grpc.aio.AioRpcError as err:
+            raise to_backend_error(err) from None
+        return resp.text
+
+    async def model_info(self, *, timeout: float | None) -> ModelInfo:
+        try:
+            resp = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise to_backend_error(err) from None
+        return ModelInfo(resp.model_name, resp.max_model_len)
+
+    async def check_ready(self, *, timeout: float) -> bool:
+        """SERVING on the standard health service (NOT_SERVING while a backend drains).
+
+        A backend without the health service counts as ready when it describes its model.
+        """
+        try:
+            resp = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                return False
+        else:
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+        try:
+            await self.model_info(timeout=timeout)
+        except BackendError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def _chat_to_pb(prompt: Prompt) -> generation_pb2.Chat:
+    chat = generation_pb2.Chat(add_generation_prompt=prompt.add_generation_prompt)
+    for turn in prompt.chat or ():
+        msg = chat.messages.add(role=turn.role, content=turn.content)
+        if turn.name is not None:
+            msg.name = turn.name
+    return chat
+
+
+def generate_request_to_pb(prompt: Prompt, p: GenerationParams, request_id: str) -> generation_pb2.GenerateRequest:
+    req = generation_pb2.GenerateRequest(request_id=request_id, n=p.n)
+    if prompt.chat is not None:
+        req.chat.CopyFrom(_chat_to_pb(prompt))
+    elif prompt.token_ids is not None:
+        req.token_ids.ids.extend(prompt.token_ids)
+    else:
+        req.text = prompt.text or ""
+    s = req.sampling
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed"):
+        value = getattr(p, name)
+        if value is not None:
+            setattr(s, name, value)
+    for tok, bias in p.logit_bias.items():
+        s.logit_bias[tok] = bias
+    st = req.stopping
+    if p.max_tokens is not None:
+        st.max_tokens = p.max_tokens
+    st.min_tokens = p.min_tokens
+    st.stop.extend(p.stop)
+    st.stop_token_ids.extend(p.stop_token_ids)
+    st.ignore_eos = p.ignore_eos
+    st.include_stop_str_in_output = p.include_stop_str_in_output
+    r = req.response
+    if p.skip_special_tokens is not None:
+        r.skip_special_tokens = p.skip_special_tokens
+    r.logprobs = p.logprobs
+    r.top_logprobs = p.top_logprobs
+    r.echo = p.echo
+    return req
+
+
+def delta_from_pb(msg: generation_pb2.GenerateResponse) -> Delta:
+    stop_kind = msg.WhichOneof("stop_reason")
+    stop_reason: str | int | None = getattr(msg, stop_kind) if stop_kind else None
+    logprobs = tuple(
+        TokenLogprob(lp.token_id, lp.text, lp.text_bytes, lp.logprob,
+                     tuple(TopLogprob(t.token_id, t.text, t.text_bytes, t.logprob) for t in lp.top_logprobs))
+        for lp in msg.logprobs
+    )
+    return Delta(
+        index=msg.index,
+        text=msg.text,
+        token_ids=tuple(msg.token_ids),
+        logprobs=logprobs,
+        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens),
+        finish_reason=_FINISH.get(msg.finish_reason),
+        stop_reason=stop_reason,
+        error_message=msg.error_message,
+    )
+

@@ -1,0 +1,116 @@
+"""Typed readers of JSON request fields that fail with a 400 naming the field.
+
+JSON ``null`` reads as "absent", as OpenAI and vLLM do. Booleans are never
+accepted as numbers, and every number must be finite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+from gateway.errors import ApiError, bad_request
+
+UINT32_MAX = 2**32 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict[str, object]:
+    """The request body as a JSON object; NaN / Infinity are not JSON and are refused."""
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise bad_request(None, "The request body is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise bad_request(None, f"The request body must be a JSON object, got {json_type(data)}.")
+    return data
+
+
+def _type_error(name: str, expected: str, value: object) -> ApiError:
+    return bad_request(name, f"`{name}` must be {expected}, got {json_type(value)}.")
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def opt_bool(body: Mapping[str, object], name: str) -> bool | None:
+    value = body.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise _type_error(name, "a boolean", value)
+
+
+def opt_str(body: Mapping[str, object], name: str) -> str | None:
+    value = body.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    raise _type_error(name, "a string", value)
+
+
+def opt_int(body: Mapping[str, object], name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 16.0 is an integer in JSON's eyes
+    if not is_int(value):
+        raise _type_error(name, "an integer", value)
+    assert isinstance(value, int)
+    if not lo <= value <= hi:
+        raise bad_request(name, f"`{name}` must be in [{lo}, {hi}], got {value}.")
+    return value
+
+
+def opt_float(body: Mapping[str, object], name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _type_error(name, "a number", value)
+    number = float(value)
+    below = number <= lo if lo_open else number < lo
+    if not math.isfinite(number) or below or number > hi:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise bad_request(name, f"`{name}` must be in {interval}, got {value}.")
+    return number
+
+
+def opt_object(body: Mapping[str, object], name: str) -> dict[str, object] | None:
+    value = body.get(name)
+    if value is None or isinstance(value, dict):
+        return value
+    raise _type_error(name, "an object", value)
+
+
+def token_ids(value: object, name: str, *, allow_empty: bool = False) -> tuple[int, ...]:
+    """A JSON array of token ids (uint32)."""
+    if not isinstance(value, list):
+        raise _type_error(name, "an array of token ids", value)
+    if not value and not allow_empty:
+        raise bad_request(name, f"`{name}` must not be empty.")
+    for i, tok in enumerate(value):
+        if not is_int(tok):
+            raise _type_error(f"{name}[{i}]", "an integer token id", tok)
+        if not 0 <= tok <= UINT32_MAX:
+            raise bad_request(f"{name}[{i}]", f"`{name}[{i}]` must be a token id >= 0, got {tok}.")
+    return tuple(value)

@@ -1,0 +1,112 @@
+"""Prometheus metrics of one gateway app, on its own registry (never the global one,
+so that several apps in one process, as in tests, do not collide).
+
+Names follow vLLM's (``vllm:e2e_request_latency_seconds`` → ``sluice:…``) so
+existing dashboards carry over.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.backend import Usage
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter("sluice:http_requests_total", "HTTP requests by route, method and status.",
+                                     ["route", "method", "status"], registry=r)
+        self.http_latency = Histogram("sluice:http_request_duration_seconds", "HTTP request duration by route.",
+                                      ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e_latency = Histogram("sluice:e2e_request_latency_seconds",
+                                     "Generation requests: arrival to last token.", ["model_name"],
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("sluice:time_to_first_token_seconds", "Generation requests: arrival to first token.",
+                              ["model_name"], buckets=_TTFT_BUCKETS, registry=r)
+        self.request_success = Counter("sluice:request_success_total", "Finished sequences by finish reason.",
+                                       ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("sluice:prompt_tokens_total", "Prompt tokens of finished requests.",
+                                     ["model_name"], registry=r)
+        self.generation_tokens = Counter("sluice:generation_tokens_total", "Generated tokens of finished requests.",
+                                         ["model_name"], registry=r)
+        self.running = Gauge("sluice:num_requests_running", "Generation requests in flight in this gateway.",
+                             ["model_name"], registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def track(self, model: str) -> GenerationTracker:
+        return GenerationTracker(self, model)
+
+
+class GenerationTracker:
+    """Times one generation request: TTFT on the first token, the rest when it ends."""
+
+    def __init__(self, metrics: GatewayMetrics, model: str) -> None:
+        self._m = metrics
+        self._model = model
+        self._start = time.monotonic()
+        self._first_seen = False
+        self._done = False
+        metrics.running.labels(model).inc()
+
+    def token(self) -> None:
+        if not self._first_seen:
+            self._first_seen = True
+            self._m.ttft.labels(self._model).observe(time.monotonic() - self._start)
+
+    def finish(self, finish_reasons: list[str], usage: Usage) -> None:
+        """The request completed: count its sequences and tokens."""
+        if self._done:
+            return
+        self._m.e2e_latency.labels(self._model).observe(time.monotonic() - self._start)
+        for reason in finish_reasons:
+            self._m.request_success.labels(self._model, reason).inc()
+        self._m.prompt_tokens.labels(self._model).inc(usage.prompt_tokens)
+        self._m.generation_tokens.labels(self._model).inc(usage.completion_tokens)
+        self.close()
+
+    def close(self) -> None:
+        """The request is over, finished or not; idempotent."""
+        if not self._done:
+            self._done = True
+            self._m.running.labels(self._model).dec()
+
+
+class MetricsMiddleware:
+    """Counts and times every HTTP request. Routes are labelled by their path when
+    it is a known route, else "other", so that scanners cannot blow up cardinality."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, known_paths: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.known_paths = known_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in self.known_paths else "other"
+        status = 500
+        start = time.monotonic()
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            method = scope["method"] if scope["method"] in ("GET", "POST", "OPTIONS", "HEAD") else "other"
+            self.metrics.http_requests.labels(route, method, str(status)).inc()
+            self.metrics.http_latency.labels(route).observe(time.monotonic() - start)

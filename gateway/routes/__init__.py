@@ -1,0 +1,22 @@
+"""The gateway's routes, in one table."""
+
+from __future__ import annotations
+
+from starlette.routing import Route
+
+from gateway.routes.generate import chat_completions, completions
+from gateway.routes.ops import health, list_models, metrics, ready
+from gateway.routes.tokens import detokenize, tokenize
+
+
+def build_routes() -> list[Route]:
+    return [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]

@@ -1,0 +1,43 @@
+"""Operational routes: liveness, readiness, the model list, Prometheus metrics."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import ApiError, BackendError
+from gateway.routes.common import gateway_state
+
+
+async def health(request: Request) -> Response:
+    """Liveness: this process answers. Says nothing about the backend (see /ready)."""
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    """Readiness: a backend is reachable and serving, asked with a short deadline."""
+    state = gateway_state(request)
+    if await state.backend.check_ready(timeout=state.settings.ready_timeout):
+        return JSONResponse({"status": "ready"})
+    err = ApiError(503, "The model backend is not ready.", type="service_unavailable_error",
+                   code="backend_unavailable", headers={"Retry-After": str(state.settings.retry_after_seconds)})
+    return err.response()
+
+
+async def list_models(request: Request) -> Response:
+    state = gateway_state(request)
+    try:
+        names = await state.models.names()
+    except BackendError as err:
+        raise state.api_error(err) from None
+    created = int(time.time())
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "sluice", "root": name,
+             "parent": None} for name in names]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def metrics(request: Request) -> Response:
+    body, content_type = gateway_state(request).metrics.render()
+    return Response(body, media_type=content_type)

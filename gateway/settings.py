@@ -1,0 +1,52 @@
+"""The gateway's one frozen settings object, built by ``gateway/__main__.py`` and passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    # Tokenizer services' gRPC addresses (host:port, or one full gRPC target).
+    tokenizer_addresses: tuple[str, ...] = ("127.0.0.1:50052",)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Bearer keys accepted; empty: no authentication.
+    api_keys: tuple[str, ...] = ()
+    # CORS origins; empty: no CORS headers at all.
+    allowed_origins: tuple[str, ...] = ()
+    # Names the model is served under; empty: the name the backend reports.
+    served_model_names: tuple[str, ...] = ()
+    max_body_bytes: int = 32 * 1024 * 1024
+    # Deadline of each backend call in seconds; None: none for generation.
+    request_timeout: float | None = None
+    # SSE comment sent when no token arrived for this long (also how long a stream
+    # waits for its first event before committing to a 200).
+    keepalive_interval: float = 5.0
+    # Deadline of the /ready probe's backend call.
+    ready_timeout: float = 2.0
+    # Retry-After on 429/503 when the backend gives none.
+    retry_after_seconds: int = 1
+    # Largest `n` (sequences per prompt) one request may ask for.
+    max_n: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.tokenizer_addresses:
+            raise ValueError("tokenizer_addresses: at least one address is needed")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError("request_timeout must be > 0")
+        if self.keepalive_interval <= 0:
+            raise ValueError("keepalive_interval must be > 0")
+        if self.ready_timeout <= 0:
+            raise ValueError("ready_timeout must be > 0")
+        if self.max_n < 1:
+            raise ValueError("max_n must be >= 1")
+        if any(not k for k in self.api_keys):
+            raise ValueError("api_keys must not be empty strings")
+
+    @property
+    def unary_timeout(self) -> float:
+        """Deadline of tokenize / detokenize / model info calls."""
+        return self.request_timeout if self.request_timeout is not None else 60.0

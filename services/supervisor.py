@@ -1,0 +1,268 @@
+"""``sluice serve``: the whole stack from one command.
+
+Starts the engine, M tokenizer services and N gateways as child processes (by
+module name — nothing of theirs is imported here), waits until each reports
+ready, prints the URL, and supervises: a crashed child is reported and
+restarted. SIGTERM drains: gateways first (no new requests; in-flight ones get
+``--shutdown-timeout`` to finish), then the tokenizer services and the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.args import add_engine_args, config_from_args
+from engine.config import EngineConfig
+from services.mindie_config import ConfigFileError, load_mindie_config
+
+logger = logging.getLogger("sluice.serve")
+
+_ENGINE_READY_TIMEOUT = 900.0
+_READY_TIMEOUT = 120.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    ready: Any  # () -> bool
+    ready_timeout: float = _READY_TIMEOUT
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    next_restart: float = 0.0
+    log: list[str] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, preexec_fn=_die_with_parent)
+        logger.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, stopping: Any) -> bool:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline and not stopping():
+            if not self.alive():
+                return False
+            if self.ready():
+                return True
+            time.sleep(0.25)
+        return False
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if the supervisor dies, so no orphan outlives it (Linux prctl)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def grpc_serving(addr: str, service: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The child engine's command line for ``config`` (only what differs from the defaults)."""
+    default = EngineConfig()
+    flags: list[str] = []
+    for name in EngineConfig.field_names():
+        value = getattr(config, name)
+        if value == getattr(default, name) or name == "enforce_eager":
+            continue
+        if name == "enable_prefix_caching":
+            flags.append("--enable-prefix-caching" if value else "--no-enable-prefix-caching")
+        else:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sluice serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="a MindIE config.json, used as is (flags override it)")
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address (0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=8000, help="first gateway port (gateways use consecutive ports)")
+    p.add_argument("--gateways", type=int, default=1)
+    p.add_argument("--tokenizers", type=int, default=1)
+    p.add_argument("--engine-port", type=int, default=50051)
+    p.add_argument("--tokenizer-port", type=int, default=50061, help="first tokenizer service port")
+    p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"))
+    p.add_argument("--allowed-origins", default=None)
+    p.add_argument("--shutdown-timeout", type=float, default=10.0)
+    p.add_argument("--log-level", default="info")
+    add_engine_args(p)
+    return p
+
+
+def resolve_settings(argv: list[str]) -> argparse.Namespace:
+    """Flags over the MindIE config over defaults."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.config:
+        try:
+            from_file = load_mindie_config(ns.config)
+        except ConfigFileError as e:
+            parser.error(str(e))
+        explicit = _explicit_dests(parser, argv)
+        for key, value in from_file.items():
+            if key == "npu_device_ids":
+                continue
+            if key not in explicit and hasattr(ns, key):
+                setattr(ns, key, value)
+    return ns
+
+
+def _explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    probe = argparse.ArgumentParser(add_help=False)
+    for action in parser._actions:  # noqa: SLF001 — argparse has no public way to ask "was it given?"
+        if action.option_strings and action.dest != "help":
+            kwargs: dict[str, Any] = {"dest": action.dest, "default": argparse.SUPPRESS}
+            if action.nargs == 0:
+                kwargs["action"] = "store_const"
+                kwargs["const"] = True
+            probe.add_argument(*action.option_strings, **kwargs)
+    known, _ = probe.parse_known_args(argv)
+    return set(vars(known))
+
+
+class Supervisor:
+    def __init__(self, ns: argparse.Namespace, config: EngineConfig) -> None:
+        self.ns = ns
+        self.config = config
+        self.stopping = False
+        py = sys.executable
+        engine_addr = f"127.0.0.1:{ns.engine_port}"
+        self.engine = Child("engine", [py, "-m", "engine", "--host", "127.0.0.1", "--port", str(ns.engine_port),
+                                       "--log-level", ns.log_level, "--shutdown-timeout", str(ns.shutdown_timeout),
+                                       *engine_flags(config)],
+                            ready=lambda: grpc_serving(engine_addr, "sluice.v1.Engine"),
+                            ready_timeout=_ENGINE_READY_TIMEOUT)
+        tok_addrs = [f"127.0.0.1:{ns.tokenizer_port + i}" for i in range(ns.tokenizers)]
+        model_flags = (["--model", config.model] if config.model else []) + (
+            ["--tokenizer", config.tokenizer] if config.tokenizer else [])
+        self.tokenizers = [
+            Child(f"tokenizer-{i}", [py, "-m", "services.tokenizer", "--engine", engine_addr, "--host", "127.0.0.1",
+                                     "--port", str(ns.tokenizer_port + i), "--served-model-name",
+                                     config.model_name, "--log-level", ns.log_level,
+                                     "--shutdown-timeout", str(ns.shutdown_timeout), *model_flags],
+                  ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation")))
+            for i, addr in enumerate(tok_addrs)]
+        self.gateways = []
+        for i in range(ns.gateways):
+            port = ns.port + i
+            argv = [py, "-m", "gateway", "--tokenizer", ",".join(tok_addrs), "--host", ns.host, "--port", str(port),
+                    "--served-model-name", config.model_name, "--shutdown-timeout", str(ns.shutdown_timeout)]
+            if ns.allowed_origins:
+                argv += ["--allowed-origins", ns.allowed_origins]
+            self.gateways.append(Child(f"gateway-{i}", argv,
+                                       ready=(lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"))))
+        self.env_api_key = ns.api_key
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.engine, *self.tokenizers, *self.gateways]
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        if self.env_api_key:
+            os.environ["SLUICE_API_KEY"] = self.env_api_key  # children read it from the environment, not argv
+        for child in self.children:
+            child.start()
+            if not child.wait_ready(lambda: self.stopping):
+                if self.stopping:
+                    return self.shutdown()
+                logger.error("%s did not become ready; stopping", child.name)
+                self.shutdown()
+                return 1
+        urls = ", ".join(f"http://{self.ns.host}:{self.ns.port + i}/v1" for i in range(self.ns.gateways))
+        print(f"Sluice is serving {self.config.model_name} at {urls}", flush=True)
+        while not self.stopping:
+            for child in self.children:
+                if not child.alive() and not self.stopping:
+                    self._restart(child)
+            time.sleep(0.2)
+        return self.shutdown()
+
+    def _restart(self, child: Child) -> None:
+        now = time.monotonic()
+        if child.next_restart == 0.0:
+            code = child.proc.returncode if child.proc else None
+            logger.error("%s exited unexpectedly (code %s); restarting", child.name, code)
+            child.next_restart = now + min(10.0, 0.5 * 2 ** min(child.restarts, 5))
+            return
+        if now < child.next_restart:
+            return
+        child.restarts += 1
+        child.next_restart = 0.0
+        child.start()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.stopping:
+            logger.info("received %s: draining", signal.Signals(signum).name)
+        self.stopping = True
+
+    def shutdown(self) -> int:
+        """Gateways first (they finish in-flight requests), then tokenizers and the engine."""
+        grace = self.ns.shutdown_timeout
+        for group in (self.gateways, self.tokenizers, [self.engine]):
+            for child in group:
+                if child.alive():
+                    assert child.proc is not None
+                    child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace + 1.0
+            for child in group:
+                if child.proc is None:
+                    continue
+                try:
+                    child.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in time; killing it", child.name)
+                    child.proc.kill()
+                    child.proc.wait()
+            # Later groups only need to outlive what the earlier ones were finishing.
+            grace = min(grace, 2.0)
+        logger.info("stopped")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    ns = resolve_settings(args)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s serve: %(message)s")
+    try:
+        config = config_from_args(ns)
+    except ValueError as e:
+        raise SystemExit(f"sluice serve: {e}") from e
+    raise SystemExit(Supervisor(ns, config).run())
+
+
+if __name__ == "__main__":
+    main()

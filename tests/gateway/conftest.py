@@ -1,0 +1,100 @@
+"""Fixtures: a fake Generation server, and the gateway served by a real uvicorn on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from gateway.app import create_app
+from gateway.client import GrpcBackend
+from gateway.metrics import GatewayMetrics
+from gateway.settings import GatewaySettings
+from tests.gateway.fakes import FakeGeneration, FakeServer, start_fake_server
+
+SERVED = "sluice-test"
+API_KEY = "sk-test-key"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclasses.dataclass
+class Gateway:
+    url: str
+    client: httpx.AsyncClient  # no key unless the test sends one
+    fake: FakeServer
+    metrics: GatewayMetrics
+    settings: GatewaySettings
+
+    @property
+    def backend_calls(self) -> FakeGeneration:
+        return self.fake.servicer
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: Any) -> AsyncIterator[str]:
+    """Serve ``app`` with uvicorn (httptools) on a free 127.0.0.1 port, in this loop."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", http="httptools", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.005)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+GatewayFactory = Callable[..., contextlib.AbstractAsyncContextManager[Gateway]]
+
+
+@pytest.fixture
+async def fake_server() -> AsyncIterator[FakeServer]:
+    fake = await start_fake_server()
+    yield fake
+    await fake.server.stop(0)
+
+
+@pytest.fixture
+def make_gateway(fake_server: FakeServer) -> GatewayFactory:
+    """``async with make_gateway(**settings) as gw`` — a gateway in front of the fake server."""
+
+    @contextlib.asynccontextmanager
+    async def factory(**overrides: Any) -> AsyncIterator[Gateway]:
+        values: dict[str, Any] = {"tokenizer_addresses": (fake_server.address,), "served_model_names": (SERVED,),
+                                  "keepalive_interval": 0.2}
+        values.update(overrides)
+        settings = GatewaySettings(**values)
+        backend = GrpcBackend.connect(settings.tokenizer_addresses)
+        metrics = GatewayMetrics()
+        app = create_app(settings, backend, metrics)
+        try:
+            async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as client:
+                yield Gateway(url, client, fake_server, metrics, settings)
+        finally:
+            await backend.close()
+
+    return factory
+
+
+@pytest.fixture
+async def gateway(make_gateway: GatewayFactory) -> AsyncIterator[Gateway]:
+    async with make_gateway() as gw:
+        yield gw

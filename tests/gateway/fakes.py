@@ -1,0 +1,160 @@
+"""A fake ``sluice.v1.Generation`` server (grpc.aio, 127.0.0.1) for the gateway's tests.
+
+What it does is chosen by the prompt (the text, or the last chat message):
+  * ``abort:CODE:details`` — fails the call with that gRPC status;
+  * ``slow:SECONDS`` — waits before the first message;
+  * ``stall`` — sends one message, then waits until cancelled;
+  * ``gap:SECONDS`` — waits between messages;
+  * ``fail`` — ends choice 0 with FINISH_REASON_ERROR;
+  * anything else — each of the n sequences generates "Hel", "lo", " world"
+    (token ids 10, 11, 12), interleaved, then ends: LENGTH when max_tokens cut
+    it, STOP_STRING with the first stop string if any were given, else EOS.
+Prompt tokens: the number of words of the text, or of token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+PIECES = (("Hel", 10), ("lo", 11), (" world", 12))
+MODEL_NAME = "fake-model"
+
+
+def command_of(req: generation_pb2.GenerateRequest) -> str:
+    kind = req.WhichOneof("input")
+    if kind == "text":
+        return req.text
+    if kind == "chat":
+        return req.chat.messages[-1].content if req.chat.messages else ""
+    return ""
+
+
+def prompt_tokens_of(req: generation_pb2.GenerateRequest) -> int:
+    kind = req.WhichOneof("input")
+    if kind == "token_ids":
+        return len(req.token_ids.ids)
+    if kind == "chat":
+        return sum(len(m.content.split()) + 3 for m in req.chat.messages)  # 3: the template's role header
+    return len(req.text.split())
+
+
+@dataclass
+class FakeGeneration(generation_pb2_grpc.GenerationServicer):
+    generate_requests: list[generation_pb2.GenerateRequest] = field(default_factory=list)
+    unary_requests: list[object] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)  # x-request-id metadata of each call
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        self.generate_requests.append(request)
+        self.request_ids.append(dict(context.invocation_metadata()).get("x-request-id", ""))
+        command = command_of(request)
+        try:
+            async for msg in self._generate(request, command, context):
+                yield msg
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        self.finished.set()
+
+    async def _generate(self, request, command, context):  # type: ignore[no-untyped-def]
+        if command.startswith("abort:"):
+            _, code, details = command.split(":", 2)
+            await context.abort(grpc.StatusCode[code], details)
+        if command.startswith("slow:"):
+            await asyncio.sleep(float(command.split(":")[1]))
+        gap = float(command.split(":")[1]) if command.startswith("gap:") else 0.0
+        n = request.n or 1
+        prompt_tokens = prompt_tokens_of(request)
+        max_tokens = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else None
+        steps = len(PIECES) if max_tokens is None else min(len(PIECES), max_tokens)
+        completion_tokens = 0
+        for step in range(steps):
+            for index in range(n):
+                text, token = PIECES[step]
+                completion_tokens += 1
+                msg = generation_pb2.GenerateResponse(
+                    request_id=request.request_id, index=index, text=text, token_ids=[token],
+                    usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                           cached_tokens=1))
+                if request.response.logprobs:
+                    lp = msg.logprobs.add(token_id=token, text=text, text_bytes=text.encode(), logprob=-0.5)
+                    for k in range(request.response.top_logprobs):
+                        lp.top_logprobs.add(token_id=100 + k, text=f"alt{k}", text_bytes=f"alt{k}".encode(),
+                                            logprob=-1.0 - k)
+                if step == steps - 1:
+                    _finish(msg, request, max_tokens, steps, fail=command == "fail" and index == 0)
+                yield msg
+                if command == "stall":
+                    await asyncio.sleep(3600)
+            if gap:
+                await asyncio.sleep(gap)
+
+    async def Tokenize(self, request, context):  # type: ignore[no-untyped-def]
+        self.unary_requests.append(request)
+        if request.HasField("chat"):
+            words = " ".join(m.content for m in request.chat.messages).split()
+        else:
+            words = request.text.split()
+        ids = list(range(1, len(words) + 1))
+        return generation_pb2.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=2048,
+                                               token_strs=words if request.return_token_strs else [])
+
+    async def Detokenize(self, request, context):  # type: ignore[no-untyped-def]
+        self.unary_requests.append(request)
+        return generation_pb2.DetokenizeResponse(text=" ".join(f"t{i}" for i in request.token_ids))
+
+    async def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
+        self.unary_requests.append(request)
+        return generation_pb2.GetModelInfoResponse(model_name=MODEL_NAME, max_model_len=2048, vocab_size=1000)
+
+
+def _finish(msg: generation_pb2.GenerateResponse, request: generation_pb2.GenerateRequest,
+            max_tokens: int | None, steps: int, *, fail: bool) -> None:
+    if fail:
+        msg.finish_reason = common_pb2.FINISH_REASON_ERROR
+        msg.error_message = "device lost at /work/secret/path"
+    elif max_tokens is not None and steps == max_tokens:
+        msg.finish_reason = common_pb2.FINISH_REASON_LENGTH
+    elif request.stopping.stop:
+        msg.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
+        msg.stop_string = request.stopping.stop[0]
+    else:
+        msg.finish_reason = common_pb2.FINISH_REASON_EOS
+
+
+@dataclass
+class FakeServer:
+    server: grpc.aio.Server
+    port: int
+    servicer: FakeGeneration
+    health: HealthServicer
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+
+
+async def start_fake_server() -> FakeServer:
+    server = grpc.aio.server()
+    servicer = FakeGeneration()
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    fake = FakeServer(server, port, servicer, health)
+    await fake.set_serving(True)
+    return fake
