@@ -230,25 +230,22 @@ class Supervisor:
         self.stopping = True
 
     def shutdown(self) -> int:
-        """Gateways first (they finish in-flight requests), then tokenizers and the engine."""
-        grace = self.ns.shutdown_timeout
-        for group in (self.gateways, self.tokenizers, [self.engine]):
-            for child in group:
-                if child.alive():
-                    assert child.proc is not None
-                    child.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace + 1.0
-            for child in group:
-                if child.proc is None:
-                    continue
-                try:
-                    child.proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    logger.warning("%s did not stop in time; killing it", child.name)
-                    child.proc.kill()
-                    child.proc.wait()
-            # Later groups only need to outlive what the earlier ones were finishing.
-            grace = min(grace, 2.0)
+        """Every child drains at once: each stops taking new calls and lets in-flight ones finish within
+        the grace period, so a request in flight keeps its whole path (gateway → tokenizer → engine)."""
+        deadline = time.monotonic() + self.ns.shutdown_timeout + 1.5
+        for child in self.children:
+            if child.alive():
+                assert child.proc is not None
+                child.proc.send_signal(signal.SIGTERM)
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in time; killing it", child.name)
+                child.proc.kill()
+                child.proc.wait()
         logger.info("stopped")
         return 0
 
