@@ -144,10 +144,10 @@ def markdown_table(docs: Sequence[dict[str, Any]]) -> str:
     for doc in docs:
         for run in doc["runs"]:
             load = f"c={run['concurrency']}" if run["mode"] == "closed" else f"{run['request_rate']} req/s"
-            ttft = run["ttft"]
+            ttft, tpot = run["ttft"], run["tpot"]
             lines.append(
                 f"| {doc['label']} | {load} | {run['request_throughput']:.2f} | {run['output_throughput']:.1f} "
-                f"| {_cell(ttft.get('p50_ms'))} / {_cell(ttft.get('p99_ms'))} | {_cell(run['tpot']['mean_ms'], '{:.1f}')} "
+                f"| {_cell(ttft.get('p50_ms'))} / {_cell(ttft.get('p99_ms'))} | {_cell(tpot['mean_ms'], '{:.1f}')} "
                 f"| {_cell(run['itl'].get('p99_ms'), '{:.1f}')} | {_cell(run['e2el'].get('p99_ms'))} "
                 f"| {run['completed']} / {run['failed']} |")
     return "\n".join(lines)
@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--bench-args", default="", help="more benchmarks.bench options, one string")
+    p.add_argument("--bench-args", default="",
+                   help="more benchmarks.bench options as one string: --bench-args='--seed 1 --goodput ttft:500'")
     return p
 
 

@@ -150,6 +150,18 @@ class EngineCore:
                                    sched.num_batched_tokens, time.perf_counter() - t0)
         return outputs + step_outputs
 
+    def scheduler_stats(self) -> dict[str, int]:
+        """Cumulative counters (for GetInfo and Prometheus)."""
+        sched = self.scheduler
+        return {
+            "prefix_cache_queries": sched.prefix_cache_queries,
+            "prefix_cache_hits": sched.prefix_cache_hits,
+            "num_preemptions": sched.num_preemptions,
+            "prompt_tokens": sched.num_prompt_tokens,
+            "generation_tokens": sched.num_generation_tokens,
+            "steps": self.total_steps,
+        }
+
     def info(self) -> dict[str, object]:
         sched = self.scheduler
         return {

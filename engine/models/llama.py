@@ -32,6 +32,18 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+class Embedding(nn.Module):
+    """A lookup table with no initialiser: nn.Embedding's normal_() on the meta device pulls in
+    torch's Python decompositions, seconds of import time at every model load."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -92,7 +104,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -39,7 +39,7 @@ def apply_penalties(
     rows, ids = generated
     counts = torch.zeros_like(logits)
     counts.index_put_((rows, ids), torch.ones(rows.shape, dtype=logits.dtype, device=logits.device), accumulate=True)
-    logits[rows, ids] = logits[rows, ids] - frequency[rows] - presence[rows]
+    logits[rows, ids] = logits[rows, ids] - frequency[rows] * counts[rows, ids] - presence[rows]
     return logits
 
 

@@ -135,6 +135,7 @@ class Tokenizer:
     def _make_byte_decoder(self) -> dict[str, int] | None:
         """The inverse of GPT-2's byte alphabet when this is a byte-level tokenizer, else None."""
         decoder = self._backend.decoder
+        # A decoder's pickled state is its JSON; reading it avoids serializing the whole vocabulary.
         if decoder is None or "ByteLevel" not in decoder.__getstate__().decode("utf-8", "replace"):
             return None
         return {c: b for b, c in bytes_to_unicode().items()}

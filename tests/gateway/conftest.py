@@ -77,7 +77,9 @@ def make_gateway(fake_server: FakeServer) -> GatewayFactory:
     """``async with make_gateway(**settings) as gw`` — a gateway in front of the fake server."""
 
     @contextlib.asynccontextmanager
-    async def factory(**overrides: Any) -> AsyncIterator[Gateway]:
+    async def factory(*, asgi: bool = False, **overrides: Any) -> AsyncIterator[Gateway]:
+        """``asgi=True``: call the app in-process (httpx's ASGI transport) instead of over
+        a socket — faster, but with no streaming and no disconnects."""
         values: dict[str, Any] = {"tokenizer_addresses": (fake_server.address,), "served_model_names": (SERVED,),
                                   "keepalive_interval": 0.2}
         values.update(overrides)
@@ -86,8 +88,13 @@ def make_gateway(fake_server: FakeServer) -> GatewayFactory:
         metrics = GatewayMetrics()
         app = create_app(settings, backend, metrics)
         try:
-            async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as client:
-                yield Gateway(url, client, fake_server, metrics, settings)
+            if asgi:
+                url = "http://gateway.test"
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url=url) as client:
+                    yield Gateway(url, client, fake_server, metrics, settings)
+            else:
+                async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as client:
+                    yield Gateway(url, client, fake_server, metrics, settings)
         finally:
             await backend.close()
 

@@ -4,6 +4,7 @@ What it does is chosen by the prompt (the text, or the last chat message):
   * ``abort:CODE:details`` — fails the call with that gRPC status;
   * ``slow:SECONDS`` — waits before the first message;
   * ``stall`` — sends one message, then waits until cancelled;
+  * ``midfail:CODE`` — sends one message, then fails the call with that status;
   * ``gap:SECONDS`` — waits between messages;
   * ``fail`` — ends choice 0 with FINISH_REASON_ERROR;
   * anything else — each of the n sequences generates "Hel", "lo", " world"
@@ -93,6 +94,8 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
                 if step == steps - 1:
                     _finish(msg, request, max_tokens, steps, fail=command == "fail" and index == 0)
                 yield msg
+                if command.startswith("midfail:"):
+                    await context.abort(grpc.StatusCode[command.split(":")[1]], "engine died at 127.0.0.1:1")
                 if command == "stall":
                     await asyncio.sleep(3600)
             if gap:
