@@ -23,8 +23,15 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m engine.demo
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -x -p no:cacheprovider
+NODE_DEPS := tests/node/node_modules/.installed
+
+# The Node.js gRPC client the tests use (@grpc/grpc-js + @grpc/proto-loader from the npm registry).
+$(NODE_DEPS): tests/node/package.json tests/node/package-lock.json
+	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
+	touch $(NODE_DEPS)
+
+test: $(STAMP) $(NODE_DEPS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,33 @@
+// A Node.js client of Sluice's public text-level API (sluice.v1.Generation), written
+// against the .proto files only: it streams one Generate call and prints a JSON summary.
+//   node generate.js ADDR '{"chat": {"messages": [...]}, "sampling": {...}, "stopping": {...}}'
+"use strict";
+const path = require("path");
+const grpc = require("@grpc/grpc-js");
+const protoLoader = require("@grpc/proto-loader");
+
+const protoRoot = path.resolve(__dirname, "..", "..", "proto");
+const def = protoLoader.loadSync(path.join(protoRoot, "sluice/v1/generation.proto"), {
+  includeDirs: [protoRoot], keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true,
+});
+const sluice = grpc.loadPackageDefinition(def).sluice.v1;
+
+const [addr, body] = process.argv.slice(2);
+const client = new sluice.Generation(addr, grpc.credentials.createInsecure());
+const call = client.Generate(JSON.parse(body), new grpc.Metadata(), { deadline: Date.now() + 120000 });
+const texts = {};
+let finish = null;
+let usage = null;
+call.on("data", (msg) => {
+  texts[msg.index] = (texts[msg.index] || "") + msg.text;
+  usage = msg.usage;
+  if (msg.finish_reason !== "FINISH_REASON_UNSPECIFIED") finish = msg.finish_reason;
+});
+call.on("error", (err) => {
+  console.log(JSON.stringify({ error: { code: err.code, details: err.details } }));
+  process.exit(0);
+});
+call.on("end", () => {
+  console.log(JSON.stringify({ text: texts[0] || "", finish_reason: finish, usage }));
+  client.close();
+});
