@@ -105,7 +105,7 @@ async def _whole(request: Request, run: _Run) -> Response:
             run.record(*item)
 
     try:
-        await collect(); completed = True
+        completed = await _unless_disconnected(request, collect())
     except BackendError as err:
         raise run.state.api_error(err) from None
     finally:

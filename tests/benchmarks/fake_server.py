@@ -45,7 +45,10 @@ def _stream(body: dict[str, Any], b: FakeBehaviour) -> AsyncIterator[str]:
                 await asyncio.sleep(b.token_delay_s)
             yield chunk(f" tok{i}")
         finish: dict[str, Any] = {"index": 0, "finish_reason": "length"}
-        finish.update({"delta": {}} if chat else {"text": ""})
+        if chat:
+            finish["delta"] = {}
+        else:
+            finish["text"] = ""
         yield f"data: {json.dumps({'choices': [finish]})}\n\n"
         if b.send_usage:
             usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}

@@ -2,6 +2,7 @@
 
 What it does is chosen by the prompt (the text, or the last chat message):
   * ``abort:CODE:details`` — fails the call with that gRPC status;
+  * ``busy:SECONDS`` — fails with RESOURCE_EXHAUSTED and a ``retry-after`` trailer;
   * ``slow:SECONDS`` — waits before the first message;
   * ``stall`` — sends one message, then waits until cancelled;
   * ``midfail:CODE`` — sends one message, then fails the call with that status;
@@ -70,6 +71,9 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         if command.startswith("abort:"):
             _, code, details = command.split(":", 2)
             await context.abort(grpc.StatusCode[code], details)
+        if command.startswith("busy:"):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full",
+                                trailing_metadata=(("retry-after", command.split(":")[1]),))
         if command.startswith("slow:"):
             await asyncio.sleep(float(command.split(":")[1]))
         gap = float(command.split(":")[1]) if command.startswith("gap:") else 0.0

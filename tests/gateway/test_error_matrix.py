@@ -101,6 +101,8 @@ REJECTED = [
     Case("key-prefix", COMP, comp(), status=401, headers={"Authorization": f"Bearer {API_KEY[:-1]}"}),
     # The Host header makes Starlette's request.url.path read "/health"; auth uses the ASGI path.
     Case("host-header-trick", COMP, comp(), status=401, headers={"Host": "example.com/health?x="}),
+    Case("public-path-lookalike", "/metrics/../v1/models", status=401, method="GET", headers={}),
+    Case("public-path-prefix", "/healthz", status=401, method="GET", headers={}),
     Case("unknown-route", "/v1/nothing", comp(), status=404),
     Case("unknown-route-no-auth", "/v1/nothing", comp(), status=401, headers={}),
     Case("trailing-slash-not-redirected", "/v1/models/", status=404, method="GET"),
@@ -218,3 +220,9 @@ async def test_sequence_failure_is_a_500_without_details(gateway: Gateway) -> No
     err = check_error_body(r, 500)
     assert r.headers["x-request-id"] in err["message"]
     assert "device lost" not in r.text
+
+
+async def test_retry_after_comes_from_the_backend_when_it_says(gateway: Gateway) -> None:
+    r = await gateway.client.post(COMP, json=comp(prompt="busy:7"))
+    check_error_body(r, 429)
+    assert r.headers["retry-after"] == "7"

@@ -1,0 +1,182 @@
+"""The gRPC client: channel targets, message conversion, status mapping, balancing."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from gateway.backend import ChatTurn, FinishReason, GenerationParams, Prompt, Usage
+from gateway.client import GrpcBackend, delta_from_pb, generate_request_to_pb, grpc_target
+from gateway.errors import BackendError, BackendErrorKind
+from proto.sluice.v1 import common_pb2, generation_pb2
+from tests.gateway.fakes import FakeServer, start_fake_server
+
+
+def test_targets() -> None:
+    assert grpc_target(["127.0.0.1:5001", "127.0.0.1:5002"]) == "ipv4:127.0.0.1:5001,127.0.0.1:5002"
+    assert grpc_target(["tokenizer:5001"]) == "dns:///tokenizer:5001"
+    assert grpc_target([" dns:///tok.svc:5001 "]) == "dns:///tok.svc:5001"
+    assert grpc_target(["ipv4:10.0.0.1:1,10.0.0.2:1"]) == "ipv4:10.0.0.1:1,10.0.0.2:1"
+    assert grpc_target(["[::1]:1", "[::1]:2"]) == "ipv6:[::1]:1,[::1]:2"
+    assert grpc_target(["localhost:1", "127.0.0.2:2"]) == "ipv4:127.0.0.1:1,127.0.0.2:2"
+
+
+@pytest.mark.parametrize("addrs", [[], ["", " "], ["127.0.0.1:1", "[::1]:2"], ["127.0.0.1:1", "noport"]])
+def test_bad_targets(addrs: list[str]) -> None:
+    with pytest.raises(ValueError):
+        grpc_target(addrs)
+
+
+def test_defaults_leave_optional_fields_unset() -> None:
+    req = generate_request_to_pb(Prompt(text="hi"), GenerationParams(), "rid")
+    assert req.request_id == "rid" and req.text == "hi" and req.n == 1
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed"):
+        assert not req.sampling.HasField(name), name
+    assert not req.stopping.HasField("max_tokens")
+    assert not req.response.HasField("skip_special_tokens")
+    assert not req.response.logprobs and req.response.top_logprobs == 0
+
+
+def test_every_parameter_is_converted() -> None:
+    params = GenerationParams(n=3, temperature=0.0, top_p=0.5, top_k=4, min_p=0.05, presence_penalty=1.0,
+                              frequency_penalty=-1.0, repetition_penalty=1.1, logit_bias={5: -1.5}, seed=-3,
+                              max_tokens=9, min_tokens=2, stop=("a", "b"), stop_token_ids=(1, 2), ignore_eos=True,
+                              include_stop_str_in_output=True, skip_special_tokens=False, logprobs=True,
+                              top_logprobs=4, echo=True)
+    req = generate_request_to_pb(Prompt(token_ids=(7, 8)), params, "r")
+    assert list(req.token_ids.ids) == [7, 8] and req.n == 3
+    s = req.sampling
+    assert s.HasField("temperature") and s.temperature == 0.0  # greedy is a value, not "unset"
+    assert (s.top_p, s.top_k, s.seed) == (0.5, 4, -3)
+    assert s.min_p == pytest.approx(0.05) and s.repetition_penalty == pytest.approx(1.1)
+    assert (s.presence_penalty, s.frequency_penalty) == (1.0, -1.0)
+    assert dict(s.logit_bias) == {5: -1.5}
+    st = req.stopping
+    assert (st.max_tokens, st.min_tokens, list(st.stop), list(st.stop_token_ids)) == (9, 2, ["a", "b"], [1, 2])
+    assert st.ignore_eos and st.include_stop_str_in_output
+    r = req.response
+    assert r.HasField("skip_special_tokens") and not r.skip_special_tokens
+    assert r.logprobs and r.top_logprobs == 4 and r.echo
+
+
+def test_chat_prompt_is_converted() -> None:
+    prompt = Prompt(chat=(ChatTurn("system", "s"), ChatTurn("user", "u", "bob")), add_generation_prompt=False)
+    req = generate_request_to_pb(prompt, GenerationParams(), "r")
+    assert [(m.role, m.content, m.HasField("name")) for m in req.chat.messages] == [
+        ("system", "s", False), ("user", "u", True)]
+    assert req.chat.messages[1].name == "bob"
+    assert req.chat.HasField("add_generation_prompt") and not req.chat.add_generation_prompt
+
+
+@pytest.mark.parametrize(("pb", "reason"), [
+    (common_pb2.FINISH_REASON_UNSPECIFIED, None),
+    (common_pb2.FINISH_REASON_STOP, FinishReason.STOP),
+    (common_pb2.FINISH_REASON_LENGTH, FinishReason.LENGTH),
+    (common_pb2.FINISH_REASON_EOS, FinishReason.EOS),
+    (common_pb2.FINISH_REASON_STOP_STRING, FinishReason.STOP_STRING),
+    (common_pb2.FINISH_REASON_ABORTED, FinishReason.ABORTED),
+    (common_pb2.FINISH_REASON_TIME_LIMIT, FinishReason.TIME_LIMIT),
+    (common_pb2.FINISH_REASON_ERROR, FinishReason.ERROR),
+])
+def test_finish_reasons(pb: int, reason: FinishReason | None) -> None:
+    assert delta_from_pb(generation_pb2.GenerateResponse(finish_reason=pb)).finish_reason is reason
+
+
+def test_openai_finish_reasons() -> None:
+    assert [r.openai for r in FinishReason] == ["stop", "length", "stop", "stop", "abort", "length", "error"]
+
+
+def test_delta_conversion() -> None:
+    msg = generation_pb2.GenerateResponse(index=2, text="ab", token_ids=[4, 5], stop_token_id=9,
+                                          finish_reason=common_pb2.FINISH_REASON_STOP,
+                                          usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=4,
+                                                                 cached_tokens=1))
+    lp = msg.logprobs.add(token_id=4, text="a", text_bytes=b"a", logprob=-0.25)
+    lp.top_logprobs.add(token_id=6, text="c", text_bytes=b"c", logprob=-2.0)
+    d = delta_from_pb(msg)
+    assert (d.index, d.text, d.token_ids, d.stop_reason) == (2, "ab", (4, 5), 9)
+    assert d.usage == Usage(3, 4, 1)
+    assert d.logprobs[0].token_id == 4 and d.logprobs[0].top[0].text == "c"
+    assert delta_from_pb(generation_pb2.GenerateResponse(stop_string="END")).stop_reason == "END"
+    assert delta_from_pb(generation_pb2.GenerateResponse()).stop_reason is None
+
+
+pytest_anyio = pytest.mark.anyio
+
+
+@pytest_anyio
+@pytest.mark.parametrize(("code", "kind"), [
+    ("INVALID_ARGUMENT", BackendErrorKind.INVALID_ARGUMENT),
+    ("FAILED_PRECONDITION", BackendErrorKind.INVALID_ARGUMENT),
+    ("RESOURCE_EXHAUSTED", BackendErrorKind.RESOURCE_EXHAUSTED),
+    ("UNAVAILABLE", BackendErrorKind.UNAVAILABLE),
+    ("DEADLINE_EXCEEDED", BackendErrorKind.DEADLINE_EXCEEDED),
+    ("NOT_FOUND", BackendErrorKind.NOT_FOUND),
+    ("INTERNAL", BackendErrorKind.INTERNAL),
+    ("PERMISSION_DENIED", BackendErrorKind.INTERNAL),
+])
+async def test_status_codes_become_backend_errors(fake_server: FakeServer, code: str, kind: BackendErrorKind) -> None:
+    backend = GrpcBackend.connect([fake_server.address])
+    try:
+        call = backend.generate(Prompt(text=f"abort:{code}:why"), GenerationParams(), request_id="r1", timeout=5)
+        with pytest.raises(BackendError) as info:
+            async for _ in call:
+                pass
+        assert info.value.kind is kind and info.value.message == "why"
+        assert fake_server.servicer.request_ids == ["r1"]
+    finally:
+        await backend.close()
+
+
+@pytest_anyio
+async def test_round_robin_over_every_address() -> None:
+    servers = [await start_fake_server() for _ in range(2)]
+    backend = GrpcBackend.connect([s.address for s in servers])
+    try:
+        for _ in range(10):
+            deltas = [d async for d in backend.generate(Prompt(text="x"), GenerationParams(), request_id="r",
+                                                        timeout=5)]
+            assert "".join(d.text for d in deltas) == "Hello world"
+        counts = [len(s.servicer.generate_requests) for s in servers]
+        assert sum(counts) == 10 and min(counts) >= 3, counts
+        assert await backend.check_ready(timeout=2)
+    finally:
+        await backend.close()
+        for s in servers:
+            await s.server.stop(0)
+
+
+@pytest_anyio
+async def test_cancel_reaches_the_server(fake_server: FakeServer) -> None:
+    backend = GrpcBackend.connect([fake_server.address])
+    try:
+        call = backend.generate(Prompt(text="stall"), GenerationParams(), request_id="r", timeout=None)
+        async for delta in call:
+            assert delta.text == "Hel"
+            call.cancel()
+            break
+        await fake_server.servicer.cancelled.wait()
+    finally:
+        await backend.close()
+
+
+@pytest_anyio
+async def test_unary_calls(fake_server: FakeServer) -> None:
+    backend = GrpcBackend.connect([fake_server.address])
+    try:
+        tok = await backend.tokenize(Prompt(text="a b"), add_special_tokens=False, return_token_strs=True,
+                                     request_id="r", timeout=5)
+        assert (tok.token_ids, tok.max_model_len, tok.token_strs) == ((1, 2), 2048, ("a", "b"))
+        sent = fake_server.servicer.unary_requests[-1]
+        assert isinstance(sent, generation_pb2.TokenizeRequest)
+        assert sent.HasField("add_special_tokens") and not sent.add_special_tokens
+        assert await backend.detokenize((3,), request_id="r", timeout=5) == "t3"
+        info = await backend.model_info(timeout=5)
+        assert (info.model_name, info.max_model_len) == ("fake-model", 2048)
+    finally:
+        await backend.close()
+
+
+def test_grpc_status_names_used_by_the_mapping_exist() -> None:
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED.name == "RESOURCE_EXHAUSTED"

@@ -1,0 +1,169 @@
+"""The gRPC services as real processes on 127.0.0.1: engine + two tokenizer replicas, Python and Node clients."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from tests.procs import ROOT, engine_process, tokenizer_process
+
+pytestmark = pytest.mark.slow
+
+PARIS_CHAT = [generation_pb2.ChatMessage(role="user", content="What is the capital of France?")]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    tmp = tmp_path_factory.mktemp("grpc-stack")
+    # fp32 so outputs are comparable across batch shapes; 4 running sequences at most so requests queue.
+    with engine_process(tmp, "--dtype", "float32", "--max-num-seqs", "4", "--kv-cache-memory", "256MiB") as eng, \
+            tokenizer_process(tmp, eng) as tok_shm, \
+            tokenizer_process(tmp, eng, "--shm-tokens", "0") as tok_inline:
+        yield {"engine": eng, "shm": tok_shm, "inline": tok_inline}
+
+
+def _gen_stub(addr: str) -> generation_pb2_grpc.GenerationStub:
+    return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(addr))
+
+
+def _eng_stub(addr: str) -> engine_pb2_grpc.EngineStub:
+    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(addr))
+
+
+def _greedy(max_tokens: int, **kw: object) -> dict[str, object]:
+    return {"sampling": common_pb2.SamplingParameters(temperature=0.0),
+            "stopping": generation_pb2.StoppingCriteria(max_tokens=max_tokens, **kw)}
+
+
+def _collect(stream: Iterator[generation_pb2.GenerateResponse]) -> tuple[str, list[generation_pb2.GenerateResponse]]:
+    msgs = list(stream)
+    return "".join(m.text for m in msgs), msgs
+
+
+def _wait_idle(engine: str) -> engine_pb2.GetInfoResponse:
+    stub = _eng_stub(engine)
+    deadline = time.monotonic() + 10
+    while True:
+        info = stub.GetInfo(engine_pb2.GetInfoRequest())
+        if (info.num_running == 0 and info.num_waiting == 0) or time.monotonic() > deadline:
+            return info
+        time.sleep(0.1)
+
+
+def test_python_and_node_clients_get_the_same_answer(stack: dict[str, str]) -> None:
+    text, msgs = _collect(_gen_stub(stack["shm"]).Generate(generation_pb2.GenerateRequest(
+        chat=generation_pb2.Chat(messages=PARIS_CHAT), **_greedy(32))))
+    assert "Paris" in text
+    assert msgs[-1].finish_reason in (common_pb2.FINISH_REASON_EOS, common_pb2.FINISH_REASON_LENGTH)
+    assert msgs[-1].usage.completion_tokens == sum(len(m.token_ids) for m in msgs)
+    node = shutil.which("node")
+    assert node, "node is required (make test installs the client's packages)"
+    body = {"chat": {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+            "sampling": {"temperature": 0.0}, "stopping": {"max_tokens": 32}}
+    out = subprocess.run([node, str(ROOT / "tests/node/generate.js"), stack["shm"], json.dumps(body)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout)
+    assert result.get("error") is None, result
+    assert result["text"] == text
+    assert result["usage"]["prompt_tokens"] == msgs[-1].usage.prompt_tokens
+
+
+def test_cancelled_stream_frees_blocks(stack: dict[str, str]) -> None:
+    call = _gen_stub(stack["shm"]).Generate(generation_pb2.GenerateRequest(
+        text="Tell me a long story about a dragon.", **_greedy(400, ignore_eos=True)))
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= 3:
+            call.cancel()
+            break
+    info = _wait_idle(stack["engine"])
+    assert info.num_running == 0
+    assert info.free_kv_blocks == info.total_kv_blocks
+
+
+def test_cancelled_queued_request_is_never_scheduled(stack: dict[str, str]) -> None:
+    stub = _gen_stub(stack["inline"])
+    long = generation_pb2.GenerateRequest(text="Count slowly:", **_greedy(60, ignore_eos=True))
+    busy = [stub.Generate(long) for _ in range(4)]  # fill the 4 running slots
+    firsts = [next(iter(c)) for c in busy]
+    assert all(f.token_ids for f in firsts)
+    before = _eng_stub(stack["engine"]).GetInfo(engine_pb2.GetInfoRequest())
+    queued = stub.Generate(generation_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[7] * 50),
+                                                          **_greedy(5)))
+    time.sleep(0.5)
+    mid = _eng_stub(stack["engine"]).GetInfo(engine_pb2.GetInfoRequest())
+    assert mid.num_waiting == 1
+    queued.cancel()
+    for c in busy:
+        list(c)
+    after = _wait_idle(stack["engine"])
+    # prefix_cache_query_tokens grows by a request's length when it is first scheduled: the queued one never was.
+    assert after.counters.prefix_cache_query_tokens == before.counters.prefix_cache_query_tokens
+    assert after.free_kv_blocks == after.total_kv_blocks
+
+
+def test_two_replicas_32_concurrent_streams_match_serial(stack: dict[str, str]) -> None:
+    prompts = [f"Write a short line about the number {i}." for i in range(32)]
+    stubs = [_gen_stub(stack["shm"]), _gen_stub(stack["inline"])]
+
+    def run(i: int) -> str:
+        req = generation_pb2.GenerateRequest(text=prompts[i], **_greedy(12, ignore_eos=True))
+        return _collect(stubs[i % 2].Generate(req))[0]
+
+    serial = [run(i) for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        concurrent = list(pool.map(run, range(32)))
+    assert concurrent == serial
+    assert len(set(serial)) > 16
+
+
+def test_shm_handoff_when_colocated_inline_otherwise(stack: dict[str, str]) -> None:
+    eng = _eng_stub(stack["engine"])
+    req = generation_pb2.GenerateRequest(text="The shared memory test says", **_greedy(8, ignore_eos=True))
+    c0 = eng.GetInfo(engine_pb2.GetInfoRequest()).counters
+    via_shm = _collect(_gen_stub(stack["shm"]).Generate(req))[0]
+    c1 = eng.GetInfo(engine_pb2.GetInfoRequest()).counters
+    via_inline = _collect(_gen_stub(stack["inline"]).Generate(req))[0]
+    c2 = eng.GetInfo(engine_pb2.GetInfoRequest()).counters
+    assert (c1.shm_handoffs - c0.shm_handoffs, c1.inline_handoffs - c0.inline_handoffs) == (1, 0)
+    assert (c2.shm_handoffs - c1.shm_handoffs, c2.inline_handoffs - c1.inline_handoffs) == (0, 1)
+    assert via_shm == via_inline and via_shm
+    # A segment the engine cannot open is refused, which is what sends a tokenizer to inline ids.
+    r = eng.RegisterSharedMemory(engine_pb2.RegisterSharedMemoryRequest(segment="sluice-no-such-seg",
+                                                                       size_bytes=4096))
+    assert not r.ok and "cannot open" in r.error
+
+
+@pytest.mark.parametrize(("request_kwargs", "field"), [
+    ({"token_ids": common_pb2.TokenIds(ids=[1, 2, 999_999])}, "prompt_token_ids"),
+    ({"token_ids": common_pb2.TokenIds(ids=[5] * 9000)}, "prompt"),
+    ({"text": "hi", "sampling": common_pb2.SamplingParameters(temperature=-1.0)}, "temperature"),
+    ({"text": ""}, "prompt"),
+    ({"text": "hi", "sampling": common_pb2.SamplingParameters(top_p=1.5)}, "top_p"),
+    ({"text": "hi", "stopping": generation_pb2.StoppingCriteria(max_tokens=0)}, "max_tokens"),
+])
+def test_invalid_requests_are_invalid_argument(stack: dict[str, str], request_kwargs: dict, field: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        list(_gen_stub(stack["shm"]).Generate(generation_pb2.GenerateRequest(**request_kwargs)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    text, _ = _collect(_gen_stub(stack["shm"]).Generate(generation_pb2.GenerateRequest(text="Hi", **_greedy(2))))
+    assert text  # still serving
+
+
+def test_request_id_is_echoed(stack: dict[str, str]) -> None:
+    call = _gen_stub(stack["shm"]).Generate(generation_pb2.GenerateRequest(text="Hi", **_greedy(2)),
+                                            metadata=(("x-request-id", "req-abc-123"),))
+    msgs = list(call)
+    assert dict(call.initial_metadata())["x-request-id"] == "req-abc-123"
+    assert all(m.request_id == "req-abc-123" for m in msgs)
