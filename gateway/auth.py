@@ -26,7 +26,9 @@ def bearer_token(scope: Scope) -> str | None:
 
 
 def key_matches(token: str, keys: tuple[bytes, ...]) -> bool:
-    presented = token.encode("utf-8", "surrogateescape")
+    # Header values are decoded as latin-1: encoding back gives the bytes the client
+    # sent, so a UTF-8 key sent as UTF-8 matches.
+    presented = token.encode("latin-1", "replace")
     matched = False
     for key in keys:  # compare with every key: time does not tell which one matched
         matched |= hmac.compare_digest(presented, key)

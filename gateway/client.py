@@ -32,6 +32,7 @@ from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("gateway")
 
+HEALTH_SERVICE = "sluice.v1.Generation"
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 128k-token prompts as ids and their logprobs fit easily
 
 _CODES = {
@@ -182,16 +183,18 @@ class GrpcBackend:
         return ModelInfo(resp.model_name, resp.max_model_len)
 
     async def check_ready(self, *, timeout: float) -> bool:
-        """SERVING on the standard health service (NOT_SERVING while a backend drains).
-
-        A backend without the health service counts as ready when it describes its model.
-        """
-        try:
-            resp = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+        """SERVING on the standard health service (NOT_SERVING while a backend drains),
+        for the Generation service or else the whole server. A backend that reports
+        neither counts as ready when it describes its model."""
+        for service in (HEALTH_SERVICE, ""):
+            try:
+                resp = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    continue  # this name is not registered: try the next
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    break
                 return False
-        else:
             return resp.status == health_pb2.HealthCheckResponse.SERVING
         try:
             await self.model_info(timeout=timeout)

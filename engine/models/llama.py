@@ -1,7 +1,7 @@
 """The Llama block family: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm).
 
 Layout differs from transformers in two fused projections — q/k/v is one Linear and gate/up is one
-Linear — so each layer runs two matmuls fewer; ``load_weights`` splices the checkpoint's separate
+Linear — so each layer runs three matmuls fewer; ``load_weights`` splices the checkpoint's separate
 tensors into them. Sliding-window attention (Mistral v0.1, some Qwen2 configs) is ignored: every
 layer attends over the full context, which is exact while sequences are shorter than the window.
 """

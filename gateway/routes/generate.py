@@ -105,19 +105,16 @@ async def _whole(request: Request, run: _Run) -> Response:
             run.record(*item)
 
     try:
-        completed = await _unless_disconnected(request, collect())
+        if not await _unless_disconnected(request, collect()):
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        if run.failed():
+            raise internal_error(run.rid)
+        run.finish()
+        return JSONResponse(run.builder.full(run.usage.total()))
     except BackendError as err:
         raise run.state.api_error(err) from None
     finally:
-        await run.stream.aclose()
-    if not completed:
-        run.tracker.close()
-        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-    if run.failed():
-        run.tracker.close()
-        raise internal_error(run.rid)
-    run.finish()
-    return JSONResponse(run.builder.full(run.usage.total()))
+        await run.close()
 
 
 async def _events(run: _Run, first: tuple[int, Delta] | str | None) -> AsyncIterator[str]:

@@ -77,9 +77,10 @@ def make_gateway(fake_server: FakeServer) -> GatewayFactory:
     """``async with make_gateway(**settings) as gw`` — a gateway in front of the fake server."""
 
     @contextlib.asynccontextmanager
-    async def factory(*, asgi: bool = False, **overrides: Any) -> AsyncIterator[Gateway]:
-        """``asgi=True``: call the app in-process (httpx's ASGI transport) instead of over
-        a socket — faster, but with no streaming and no disconnects."""
+    async def factory(*, live: bool = False, **overrides: Any) -> AsyncIterator[Gateway]:
+        """By default the app is called in-process (httpx's ASGI transport: fast, whole
+        responses only); ``live=True`` serves it with uvicorn on a socket, for timing,
+        incremental streaming and disconnects."""
         values: dict[str, Any] = {"tokenizer_addresses": (fake_server.address,), "served_model_names": (SERVED,),
                                   "keepalive_interval": 0.2}
         values.update(overrides)
@@ -88,7 +89,7 @@ def make_gateway(fake_server: FakeServer) -> GatewayFactory:
         metrics = GatewayMetrics()
         app = create_app(settings, backend, metrics)
         try:
-            if asgi:
+            if not live:
                 url = "http://gateway.test"
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url=url) as client:
                     yield Gateway(url, client, fake_server, metrics, settings)
@@ -104,4 +105,10 @@ def make_gateway(fake_server: FakeServer) -> GatewayFactory:
 @pytest.fixture
 async def gateway(make_gateway: GatewayFactory) -> AsyncIterator[Gateway]:
     async with make_gateway() as gw:
+        yield gw
+
+
+@pytest.fixture
+async def live_gateway(make_gateway: GatewayFactory) -> AsyncIterator[Gateway]:
+    async with make_gateway(live=True) as gw:
         yield gw

@@ -266,7 +266,8 @@ async def test_auth_accepts_the_key(make_gateway: GatewayFactory) -> None:
             assert (await gw.client.get(path)).status_code == 200
 
 
-async def test_openai_sdk_json_and_stream(gateway: Gateway) -> None:
+async def test_openai_sdk_json_and_stream(live_gateway: Gateway) -> None:
+    gateway = live_gateway
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)

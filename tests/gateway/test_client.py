@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from gateway.backend import ChatTurn, FinishReason, GenerationParams, Prompt, Usage
@@ -176,7 +175,3 @@ async def test_unary_calls(fake_server: FakeServer) -> None:
         assert (info.model_name, info.max_model_len) == ("fake-model", 2048)
     finally:
         await backend.close()
-
-
-def test_grpc_status_names_used_by_the_mapping_exist() -> None:
-    assert grpc.StatusCode.RESOURCE_EXHAUSTED.name == "RESOURCE_EXHAUSTED"

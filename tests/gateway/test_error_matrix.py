@@ -151,7 +151,7 @@ async def send(gw: Gateway, case: Case) -> httpx.Response:
 
 @pytest.mark.parametrize("case", REJECTED, ids=[c.id for c in REJECTED])
 async def test_gateway_rejects_without_calling_the_backend(make_gateway: GatewayFactory, case: Case) -> None:
-    async with make_gateway(asgi=True, api_keys=(API_KEY,), max_body_bytes=MAX_BODY) as gw:
+    async with make_gateway(api_keys=(API_KEY,), max_body_bytes=MAX_BODY) as gw:
         r = await send(gw, case)
         err = check_error_body(r, case.status, case.param)
         if case.status == 401:

@@ -15,6 +15,12 @@ pytestmark = pytest.mark.anyio
 KEEPALIVE = ": keep-alive"
 
 
+@pytest.fixture
+def gateway(live_gateway: Gateway) -> Gateway:
+    """Every test here needs a real socket: incremental bodies, timing, disconnects."""
+    return live_gateway
+
+
 def frames(body: str) -> list[str]:
     assert body.endswith("\n\n")
     return body.split("\n\n")[:-1]

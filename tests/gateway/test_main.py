@@ -1,0 +1,77 @@
+"""``python -m gateway`` flags become one GatewaySettings; auth and request-id helpers."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.__main__ import build_parser, settings_from_args
+from gateway.auth import bearer_token, key_matches
+from gateway.request_context import pick_request_id
+from gateway.settings import GatewaySettings
+
+
+def settings(argv: list[str], env: dict[str, str] | None = None) -> GatewaySettings:
+    return settings_from_args(build_parser().parse_args(argv), env or {})
+
+
+def test_defaults() -> None:
+    s = settings([])
+    assert s == GatewaySettings()
+    assert s.api_keys == () and s.allowed_origins == () and s.request_timeout is None
+
+
+def test_flags() -> None:
+    s = settings(["--tokenizer", "127.0.0.1:1, 127.0.0.1:2", "--host", "0.0.0.0", "--port", "9000",
+                  "--api-key", "a", "--api-key", "b", "--allowed-origins", "https://x,https://y",
+                  "--served-model-name", "m", "--max-body-bytes", "100", "--request-timeout", "30",
+                  "--keepalive-interval", "2", "--max-n", "4"])
+    assert s == GatewaySettings(tokenizer_addresses=("127.0.0.1:1", "127.0.0.1:2"), host="0.0.0.0", port=9000,
+                                api_keys=("a", "b"), allowed_origins=("https://x", "https://y"),
+                                served_model_names=("m",), max_body_bytes=100, request_timeout=30.0,
+                                keepalive_interval=2.0, max_n=4)
+
+
+def test_api_key_from_environment_unless_given() -> None:
+    assert settings([], {"SLUICE_API_KEY": "env"}).api_keys == ("env",)
+    assert settings(["--api-key", "flag"], {"SLUICE_API_KEY": "env"}).api_keys == ("flag",)
+
+
+@pytest.mark.parametrize("bad", [dict(keepalive_interval=0), dict(request_timeout=-1), dict(max_body_bytes=0),
+                                 dict(tokenizer_addresses=()), dict(api_keys=("",)), dict(max_n=0)])
+def test_invalid_settings(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        GatewaySettings(**bad)  # type: ignore[arg-type]
+
+
+def test_bad_flag_values_exit_with_usage() -> None:
+    from gateway.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--keepalive-interval", "0"])
+    assert info.value.code == 2
+
+
+def scope(*headers: tuple[bytes, bytes]) -> dict[str, object]:
+    return {"type": "http", "headers": list(headers)}
+
+
+def test_bearer_token_parsing() -> None:
+    assert bearer_token(scope((b"authorization", b"Bearer abc"))) == "abc"
+    assert bearer_token(scope((b"authorization", b"bearer  abc "))) == "abc"
+    assert bearer_token(scope((b"authorization", b"Basic abc"))) is None
+    assert bearer_token(scope()) is None
+
+
+def test_key_matching() -> None:
+    keys = (b"k1", b"k2")
+    assert key_matches("k1", keys) and key_matches("k2", keys)
+    assert not key_matches("k", keys) and not key_matches("k1 ", keys) and not key_matches("", keys)
+    assert not key_matches("\u4e00", keys)  # not latin-1: replaced, no crash
+    utf8_key = "ключ".encode()
+    assert key_matches(bearer_token(scope((b"authorization", b"Bearer " + utf8_key))) or "", (utf8_key,))
+
+
+def test_request_ids() -> None:
+    assert pick_request_id(scope((b"x-request-id", b"req-1.a:b_c"))) == "req-1.a:b_c"
+    generated = pick_request_id(scope((b"x-request-id", b"x" * 129)))
+    assert len(generated) == 32 and generated != pick_request_id(scope())
