@@ -4,7 +4,8 @@ benchmark sweep against it, stop it; then write one markdown table and one plot.
     python -m benchmarks.compare --systems sluice,llamacpp,vllm --concurrency 1,8,32 --num-prompts 64
 
 Peers come from their own virtualenvs (benchmarks/install_peers.sh). Command templates may use
-{python} (this interpreter), {port}, {gguf} (default model file), {hf_dir} and {peers}.
+{python} (this interpreter), {port} (the HTTP port benchmarked), {engine_port} and {tokenizer_port}
+(more free ports, for Sluice's internal gRPC services), {gguf} (default model file), {hf_dir} and {peers}.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from benchmarks.report import machine_info, utc_timestamp
 PEERS_DIR = Path(__file__).resolve().parent / ".peers"
 
 DEFAULT_COMMANDS: dict[str, str] = {
-    "sluice": "{python} -m services.cli serve --host 127.0.0.1 --port {port}",
+    "sluice": ("{python} -m services.cli serve --host 127.0.0.1 --port {port} --engine-port {engine_port} "
+               "--tokenizer-port {tokenizer_port}"),
     "llamacpp": ("{peers}/venv-llama/bin/python -m llama_cpp.server --model {gguf} --host 127.0.0.1 --port {port} "
                  "--n_ctx 2048 --n_threads 1 --n_threads_batch 1 --logits_all False --interrupt_requests False "
                  "--model_alias smollm2"),
@@ -67,7 +69,8 @@ def free_port() -> int:
 
 
 def build_system(name: str, template: str, port: int, *, gguf: str, hf_dir: str) -> SystemSpec:
-    command = template.format(python=sys.executable, port=port, gguf=gguf, hf_dir=hf_dir, peers=PEERS_DIR)
+    command = template.format(python=sys.executable, port=port, engine_port=free_port(),
+                              tokenizer_port=free_port(), gguf=gguf, hf_dir=hf_dir, peers=PEERS_DIR)
     return SystemSpec(name=name, command=tuple(shlex.split(command)), port=port, env=DEFAULT_ENV.get(name, {}),
                       bench_args=DEFAULT_BENCH_ARGS.get(name, ()), ready_path=READY_PATHS.get(name, "/v1/models"))
 

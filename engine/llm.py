@@ -189,6 +189,9 @@ class LLM:
             return 0
         seq.detok.finish()
         seq.text = seq.detok.output_text
+        if seq.detok.stop_string is not None:  # the stop string completed in the final flush
+            seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_string
+            return 1
         seq.finish_reason = _FINISH_NAMES[out.finish_reason]
         if out.finish_reason is FinishReason.STOP and out.new_token_ids:
             seq.stop_reason = out.new_token_ids[-1]

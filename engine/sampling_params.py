@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from engine.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
+_GREEDY_EPS = 1e-5  # below this temperature sampling is greedy (vLLM's _SAMPLING_EPS; the sampler agrees)
 
 
 @dataclass
@@ -44,7 +45,10 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {_token_id(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError("logit_bias", "keys must be token ids and values numbers") from e
         if self.top_k is not None and self.top_k <= 0:
             # vLLM spells "disabled" as 0 or -1; we keep None as the one spelling.
             if self.top_k in (0, -1):
@@ -53,15 +57,15 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _GREEDY_EPS
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequestError` naming the first bad field."""
-        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature",
                f"must be >= 0, got {self.temperature!r}")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1), "top_k",
+        _check(self.top_k is None or (_int(self.top_k) and self.top_k >= 1), "top_k",
                f"must be >= 1 (or 0/-1/None to disable), got {self.top_k!r}")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
         _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
@@ -70,15 +74,15 @@ class SamplingParams:
                f"must be in [-2, 2], got {self.frequency_penalty!r}")
         _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
                f"must be > 0, got {self.repetition_penalty!r}")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        _check(self.max_tokens is None or (_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+        _check(_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
                f"must be an integer >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
+        _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= _MAX_LOGPROBS),
                "logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _check(self.seed is None or _int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
@@ -87,11 +91,24 @@ class SamplingParams:
         if vocab_size is not None:
             for name, ids in (("stop_token_ids", self.stop_token_ids),
                               ("logit_bias", list(self.logit_bias or {}))):
-                bad = [t for t in ids if not 0 <= t < vocab_size]
+                bad = [t for t in ids if not (_int(t) and 0 <= t < vocab_size)]
                 _check(not bad, name, f"token id {bad[:1]} out of range [0, {vocab_size})")
 
     def clone(self, **changes: object) -> SamplingParams:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_id(key: object) -> int:
+    """logit_bias keys arrive as ints, or as decimal strings from JSON; nothing else is a token id."""
+    if _int(key):
+        return int(key)  # type: ignore[call-overload]
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    raise ValueError(key)
 
 
 def _finite(x: object) -> bool:

@@ -149,19 +149,23 @@ class FakeServer:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool, service: str = "") -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self.health.set("", status)
+        await self.health.set(service, status)
 
 
-async def start_fake_server() -> FakeServer:
+async def start_fake_server(*, with_health: bool = True) -> FakeServer:
+    """Serves the fake Generation API and (unless told not to) grpc.health.v1 with
+    the whole server ("") SERVING."""
     server = grpc.aio.server()
     servicer = FakeGeneration()
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if with_health:
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     fake = FakeServer(server, port, servicer, health)
-    await fake.set_serving(True)
+    if with_health:
+        await fake.set_serving(True)
     return fake

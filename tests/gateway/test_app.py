@@ -220,6 +220,10 @@ async def test_health_ready_and_metrics(gateway: Gateway) -> None:
     r = await gateway.client.get("/ready")
     assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable"
     await gateway.client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2})
+    r = await gateway.client.post("/v1/completions", json={"prompt": "abort:RESOURCE_EXHAUSTED:full"})
+    assert r.status_code == 429
+    r = await gateway.client.post("/v1/completions", json={"prompt": "abort:UNAVAILABLE:down", "stream": True})
+    assert r.status_code == 503
     text = (await gateway.client.get("/metrics")).text
     assert f'sluice:request_success_total{{finished_reason="length",model_name="{SERVED}"}} 1.0' in text
     assert f'sluice:prompt_tokens_total{{model_name="{SERVED}"}} 2.0' in text
@@ -229,6 +233,7 @@ async def test_health_ready_and_metrics(gateway: Gateway) -> None:
     assert f'sluice:num_requests_running{{model_name="{SERVED}"}} 0.0' in text
     assert 'sluice:http_requests_total{method="GET",route="/ready",status="503"} 1.0' in text
     assert 'sluice:http_requests_total{method="POST",route="/v1/completions",status="200"} 1.0' in text
+    assert 'sluice:http_requests_total{method="POST",route="/v1/completions",status="429"} 1.0' in text
 
 
 async def test_request_id_is_echoed_and_forwarded(gateway: Gateway) -> None:

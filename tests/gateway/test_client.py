@@ -175,3 +175,30 @@ async def test_unary_calls(fake_server: FakeServer) -> None:
         assert (info.model_name, info.max_model_len) == ("fake-model", 2048)
     finally:
         await backend.close()
+
+
+@pytest_anyio
+async def test_readiness_follows_the_health_service(fake_server: FakeServer) -> None:
+    backend = GrpcBackend.connect([fake_server.address])
+    try:
+        assert await backend.check_ready(timeout=2)  # "" SERVING, the Generation service not registered
+        await fake_server.set_serving(False, "sluice.v1.Generation")
+        assert not await backend.check_ready(timeout=2)  # the named service wins
+        await fake_server.set_serving(True, "sluice.v1.Generation")
+        await fake_server.set_serving(False, "")
+        assert await backend.check_ready(timeout=2)
+    finally:
+        await backend.close()
+
+
+@pytest_anyio
+async def test_readiness_without_a_health_service_asks_for_the_model() -> None:
+    fake = await start_fake_server(with_health=False)
+    backend = GrpcBackend.connect([fake.address])
+    try:
+        assert await backend.check_ready(timeout=2)
+        assert len(fake.servicer.unary_requests) == 1
+        await fake.server.stop(0)
+        assert not await backend.check_ready(timeout=0.5)
+    finally:
+        await backend.close()
