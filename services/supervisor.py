@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"))
     p.add_argument("--allowed-origins", default=None)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
+    p.add_argument("--keepalive-interval", type=float, default=5.0, help="seconds between SSE keep-alive comments")
+    p.add_argument("--request-timeout", type=float, default=None, help="gateway deadline per request, seconds")
     p.add_argument("--log-level", default="info")
     add_engine_args(p)
     return p
@@ -178,7 +180,10 @@ class Supervisor:
         for i in range(ns.gateways):
             port = ns.port + i
             argv = [py, "-m", "gateway", "--tokenizer", ",".join(tok_addrs), "--host", ns.host, "--port", str(port),
-                    "--served-model-name", config.model_name, "--shutdown-timeout", str(ns.shutdown_timeout)]
+                    "--served-model-name", config.model_name, "--shutdown-timeout", str(ns.shutdown_timeout),
+                    "--keepalive-interval", str(ns.keepalive_interval), "--log-level", ns.log_level]
+            if ns.request_timeout is not None:
+                argv += ["--request-timeout", str(ns.request_timeout)]
             if ns.allowed_origins:
                 argv += ["--allowed-origins", ns.allowed_origins]
             self.gateways.append(Child(f"gateway-{i}", argv,
