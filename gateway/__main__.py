@@ -7,6 +7,7 @@ environment variable. ``/health``, ``/ready`` and ``/metrics`` need no key.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 
@@ -14,6 +15,15 @@ from gateway.settings import GatewaySettings
 
 
 def _csv(value: str) -> tuple[str, ...]:
+    """``a,b`` — or a JSON list (``'["a", "b"]'``), as vLLM's ``--allowed-origins`` takes it."""
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {value!r}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {value!r}")
+        return tuple(items)
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 

@@ -139,7 +139,7 @@ class GrpcBackend:
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self._channel = channel
-        self._stub = generation_pb2_grpc.GenerationStub(channel)
+        self._stub = generation_pb2_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
         self._health = health_pb2_grpc.HealthStub(channel)
 
     @classmethod
@@ -173,7 +173,7 @@ class GrpcBackend:
             resp = await self._stub.Detokenize(req, timeout=timeout, metadata=_metadata(request_id))
         except grpc.aio.AioRpcError as err:
             raise to_backend_error(err) from None
-        return resp.text
+        return str(resp.text)
 
     async def model_info(self, *, timeout: float | None) -> ModelInfo:
         try:
@@ -195,7 +195,7 @@ class GrpcBackend:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     break
                 return False
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
+            return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
         try:
             await self.model_info(timeout=timeout)
         except BackendError:

@@ -25,7 +25,7 @@ _VALID_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 def pick_request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
-            candidate = value.decode("latin-1")
+            candidate = bytes(value).decode("latin-1")
             if _VALID_ID.fullmatch(candidate):
                 return candidate
             break

@@ -85,3 +85,62 @@ def tokenizer_process(tmp: Path, engine_addr: str, *flags: str) -> Iterator[str]
         yield addr
     finally:
         stop(proc)
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return None
+
+
+class ServeStack:
+    """``sluice serve`` as a real process tree; ports are chosen free."""
+
+    def __init__(self, tmp: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.engine_port = free_port()
+        self.tokenizer_port = free_port()
+        while self.tokenizer_port + 1 in (self.port, self.engine_port):
+            self.tokenizer_port = free_port()
+        self.flags = list(flags)
+        self.log = tmp / f"serve-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine_addr(self) -> str:
+        return f"127.0.0.1:{self.engine_port}"
+
+    def start(self, timeout: float = 300) -> ServeStack:
+        self.proc = spawn(["-m", "services.cli", "serve", "--port", str(self.port), "--engine-port",
+                           str(self.engine_port), "--tokenizer-port", str(self.tokenizer_port), *self.flags],
+                          self.log)
+        wait_until(lambda: http_status(f"{self.base_url}/ready") == 200, timeout, self.proc, "sluice serve ready")
+        return self
+
+    def child_pids(self) -> list[int]:
+        assert self.proc is not None
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def engine_pid(self) -> int:
+        for pid in self.child_pids():
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"engine" in cmd and b"-m" in cmd and cmd[cmd.index(b"-m") + 1] == b"engine":
+                return pid
+        raise LookupError("no engine child")
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        return stop(self.proc, timeout=30)

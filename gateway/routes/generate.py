@@ -119,8 +119,8 @@ async def _whole(request: Request, run: _Run) -> Response:
 
 async def _events(run: _Run, first: tuple[int, Delta] | str | None) -> AsyncIterator[str]:
     builder = run.builder
-    for chunk in builder.role_chunks():
-        yield event(chunk)
+    for role_chunk in builder.role_chunks():
+        yield event(role_chunk)
     item = first
     try:
         while item is not None:

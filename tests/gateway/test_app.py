@@ -291,6 +291,9 @@ async def test_openai_sdk_json_and_stream(live_gateway: Gateway) -> None:
                 usage = chunk.usage
         assert "".join(parts) == "Hello world"
         assert usage is not None and usage.total_tokens == usage.prompt_tokens + 3
+        # keep-alive comments (interval 0.2 s) before the first token are skipped by the SDK
+        stream = await client.completions.create(model=SERVED, prompt="slow:0.5", stream=True)
+        assert "".join([c.choices[0].text async for c in stream]) == "Hello world"
         comp = await client.completions.create(model=SERVED, prompt="a b", max_tokens=2)
         assert comp.choices[0].text == "Hello" and comp.choices[0].finish_reason == "length"
         models = await client.models.list()

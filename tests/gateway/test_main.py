@@ -31,6 +31,12 @@ def test_flags() -> None:
                                 keepalive_interval=2.0, max_n=4)
 
 
+def test_origins_as_a_json_list_like_vllm() -> None:
+    assert settings(["--allowed-origins", '["*"]']).allowed_origins == ("*",)
+    with pytest.raises(SystemExit):
+        settings(["--allowed-origins", "[1]"])
+
+
 def test_api_key_from_environment_unless_given() -> None:
     assert settings([], {"SLUICE_API_KEY": "env"}).api_keys == ("env",)
     assert settings(["--api-key", "flag"], {"SLUICE_API_KEY": "env"}).api_keys == ("flag",)

@@ -1,0 +1,271 @@
+"""`sluice serve` end to end, as users run it: the official openai SDK, curl, real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from engine.config import default_model_path
+from proto.sluice.v1 import engine_pb2, engine_pb2_grpc
+from tests.procs import ServeStack, http_status, wait_until
+
+pytestmark = pytest.mark.slow
+
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
+    s = ServeStack(tmp_path_factory.mktemp("serve"), "--dtype", "float32", "--max-num-seqs", "4",
+                   "--kv-cache-memory", "512MiB", "--tokenizers", "2", "--keepalive-interval", "0.5")
+    s.start()
+    yield s
+    s.stop()
+
+
+def _client(stack: ServeStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def _engine_idle(stack: ServeStack) -> engine_pb2.GetInfoResponse:
+    stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(stack.engine_addr))
+    deadline = time.monotonic() + 15
+    while True:
+        info = stub.GetInfo(engine_pb2.GetInfoRequest(), timeout=5)
+        if (info.num_running == 0 and info.num_waiting == 0 and info.free_kv_blocks == info.total_kv_blocks) \
+                or time.monotonic() > deadline:
+            return info
+        time.sleep(0.2)
+
+
+def test_openai_sdk_chat_sync_and_stream(stack: ServeStack) -> None:
+    client = _client(stack)
+    model = client.models.list().data[0].id
+    resp = client.chat.completions.create(model=model, messages=PARIS, temperature=0, max_tokens=32)
+    text = resp.choices[0].message.content
+    assert "Paris" in text
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    tok = httpx.post(f"{stack.base_url}/tokenize", json={"model": model, "messages": PARIS}).json()
+    assert resp.usage.prompt_tokens == tok["count"]
+    assert resp.usage.completion_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model=model, messages=PARIS, temperature=0, max_tokens=32,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        resp.usage.prompt_tokens, resp.usage.completion_tokens)
+
+
+def test_openai_sdk_completions_async(stack: ServeStack) -> None:
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+        model = (await client.models.list()).data[0].id
+        prompt = "The capital of France is"
+        resp = await client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=12)
+        assert "Paris" in resp.choices[0].text
+        tok = httpx.post(f"{stack.base_url}/tokenize", json={"model": model, "prompt": prompt}).json()
+        assert resp.usage.prompt_tokens == tok["count"]
+        stream = await client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=12,
+                                                 stream=True)
+        streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+        assert streamed == resp.choices[0].text
+        await client.close()
+
+    asyncio.run(run())
+
+
+def _curl_stream(stack: ServeStack, body: dict) -> list[str]:
+    out = subprocess.run(["curl", "-sN", "-X", "POST", f"{stack.base_url}/v1/completions",
+                          "-H", "Content-Type: application/json", "-d", json.dumps(body)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return out.stdout.split("\n")
+
+
+def test_curl_sees_sse_framing_and_keepalives_while_queued(stack: ServeStack) -> None:
+    client = _client(stack)
+    model = client.models.list().data[0].id
+    stop_flag = threading.Event()
+
+    def occupy() -> None:
+        with httpx.stream("POST", f"{stack.base_url}/v1/completions", timeout=60,
+                          json={"model": model, "prompt": "Go on and on:", "max_tokens": 300, "ignore_eos": True,
+                                "stream": True}) as r:
+            for _ in r.iter_lines():
+                if stop_flag.is_set():
+                    break
+
+    busy = [threading.Thread(target=occupy) for _ in range(4)]  # all 4 running slots
+    for t in busy:
+        t.start()
+    time.sleep(1.0)
+    try:
+        lines = _curl_stream(stack, {"model": model, "prompt": "Hello", "max_tokens": 5, "stream": True})
+    finally:
+        stop_flag.set()
+        for t in busy:
+            t.join(30)
+    events = [ln for ln in lines if ln]
+    assert all(ln.startswith("data: ") or ln.startswith(":") for ln in events), events
+    first_data = next(i for i, ln in enumerate(events) if ln.startswith("data: "))
+    assert any(ln.startswith(":") for ln in events[:first_data]), "keep-alive comments while queued"
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(ln[6:]) for ln in events if ln.startswith("data: {")]
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    _engine_idle(stack)
+
+
+def test_64_streams_with_random_disconnects_free_everything(stack: ServeStack) -> None:
+    model = _client(stack).models.list().data[0].id
+    rng = random.Random(4)
+    plan = [rng.randrange(1, 10) if i % 3 == 0 else None for i in range(64)]  # a third disconnect
+
+    async def one(i: int, http: httpx.AsyncClient) -> tuple[int, int, bool]:
+        body = {"model": model, "prompt": f"Item {i}: describe a colour.", "max_tokens": 12, "ignore_eos": True,
+                "stream": True}
+        finishes, done, seen = 0, False, 0
+        async with http.stream("POST", f"{stack.base_url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                seen += 1
+                finishes += json.loads(line[6:])["choices"][0]["finish_reason"] is not None
+                if plan[i] is not None and seen >= plan[i]:
+                    return i, finishes, done  # disconnect mid-stream
+        return i, finishes, done
+
+    async def run() -> list[tuple[int, int, bool]]:
+        async with httpx.AsyncClient(timeout=180) as http:
+            return await asyncio.gather(*(one(i, http) for i in range(64)))
+
+    for i, finishes, done in asyncio.run(run()):
+        if plan[i] is None:
+            assert (finishes, done) == (1, True), i  # exactly one terminal event, then [DONE]
+        else:
+            assert finishes <= 1
+    info = _engine_idle(stack)
+    assert info.free_kv_blocks == info.total_kv_blocks and info.num_running == 0 and info.num_waiting == 0
+
+
+@pytest.fixture(scope="module")
+def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
+    s = ServeStack(tmp_path_factory.mktemp("serve-small"), "--dtype", "float32", "--max-num-seqs", "2",
+                   "--max-queued-requests", "2", "--kv-cache-memory", "256MiB", "--shutdown-timeout", "3")
+    s.start()
+    yield s
+    s.stop()
+
+
+def test_overload_gets_fast_429_with_retry_after(small_stack: ServeStack) -> None:
+    url = f"{small_stack.base_url}/v1/completions"
+
+    async def one(i: int, http: httpx.AsyncClient) -> tuple[int, float, httpx.Response]:
+        t0 = time.monotonic()
+        r = await http.post(url, json={"prompt": f"Burst {i}", "max_tokens": 24, "ignore_eos": True})
+        return r.status_code, time.monotonic() - t0, r
+
+    async def run() -> list[tuple[int, float, httpx.Response]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(one(i, http) for i in range(16)))
+
+    results = asyncio.run(run())
+    codes = [c for c, _, _ in results]
+    assert set(codes) <= {200, 429, 503}, codes
+    rejected = [(t, r) for c, t, r in results if c != 200]
+    assert rejected and codes.count(200) >= 4
+    for took, r in rejected:
+        assert r.headers.get("retry-after")
+        assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+        assert took < 5.0
+    for c, _, r in results:
+        if c == 200:
+            assert r.json()["usage"]["completion_tokens"] == 24
+
+
+def test_engine_killed_mid_stream_then_restarted(small_stack: ServeStack) -> None:
+    url = f"{small_stack.base_url}/v1/completions"
+    events: list[str] = []
+    ended_at: list[float] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", url, timeout=60, json={"prompt": "Long story:", "max_tokens": 400,
+                                                         "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+        ended_at.append(time.monotonic())
+
+    t = threading.Thread(target=stream)
+    t.start()
+    wait_until(lambda: len(events) >= 2, 60, what="stream started")
+    killed_at = time.monotonic()
+    os.kill(small_stack.engine_pid(), signal.SIGKILL)
+    t.join(10)
+    assert ended_at and ended_at[0] - killed_at < 2.0
+    errors = [e for e in events if e.startswith("data: {") and "error" in json.loads(e[6:])]
+    assert errors, events[-3:]
+    assert http_status(f"{small_stack.base_url}/ready") == 503
+    wait_until(lambda: http_status(f"{small_stack.base_url}/ready") == 200, 300, what="engine restarted")
+    r = httpx.post(url, json={"prompt": "Back again", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_sigterm_drains_and_exits_zero(small_stack: ServeStack) -> None:
+    assert small_stack.proc is not None
+    children = small_stack.child_pids()
+    assert len(children) == 3
+    t0 = time.monotonic()
+    small_stack.proc.send_signal(signal.SIGTERM)
+    code = small_stack.proc.wait(3 + 2 + 3)
+    assert code == 0
+    assert time.monotonic() - t0 <= 3 + 2
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or b"zombie" in Path(f"/proc/{pid}/status").read_bytes().lower()
+
+
+def test_mindie_config_is_accepted_as_is(tmp_path: Path) -> None:
+    cfg = {
+        "Version": "1.0.0",
+        "ServerConfig": {"ipAddress": "127.0.0.1", "port": 1025, "maxLinkNum": 300, "httpsEnabled": False},
+        "BackendConfig": {
+            "backendName": "mindieservice_llm_engine", "npuDeviceIds": [[0]],
+            "ModelDeployConfig": {"maxSeqLen": 1024, "maxInputTokenLen": 1000, "truncation": False,
+                                  "ModelConfig": [{"modelInstanceType": "Standard", "modelName": "smollm2-mindie",
+                                                   "modelWeightPath": default_model_path(), "worldSize": 1,
+                                                   "cpuMemSize": 5, "npuMemSize": -1, "backendType": "atb"}]},
+            "ScheduleConfig": {"templateType": "Standard", "cacheBlockSize": 32, "maxPrefillBatchSize": 50,
+                               "maxPrefillTokens": 2048, "maxBatchSize": 8, "maxIterTimes": 512},
+        },
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    s = ServeStack(tmp_path, "--config", str(path), "--kv-cache-memory", "128MiB")
+    s.flags += ["--host", "127.0.0.1"]  # explicit flags override the file (its port 1025 too: --port is given)
+    s.start()
+    try:
+        models = httpx.get(f"{s.base_url}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["smollm2-mindie"]
+        assert models[0]["max_model_len"] == 1024
+        info = engine_pb2_grpc.EngineStub(grpc.insecure_channel(s.engine_addr)).GetInfo(engine_pb2.GetInfoRequest())
+        assert (info.max_model_len, info.block_size) == (1024, 32)
+    finally:
+        assert s.stop() == 0
