@@ -30,7 +30,7 @@ def _csv(value: str) -> tuple[str, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice gateway", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokenizer", type=_csv, default=("127.0.0.1:50052",), metavar="ADDR[,ADDR...]",
+    p.add_argument("--tokenizer", type=_csv, default=("127.0.0.1:50061",), metavar="ADDR[,ADDR...]",
                    help="tokenizer services' gRPC addresses, balanced round-robin (or one dns:/// target)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per backend call (default: none)")
     p.add_argument("--keepalive-interval", type=float, default=5.0, help="seconds between SSE keep-alive comments")
     p.add_argument("--max-n", type=int, default=16, help="largest n per request")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -61,6 +63,7 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         request_timeout=ns.request_timeout,
         keepalive_interval=ns.keepalive_interval,
         max_n=ns.max_n,
+        shutdown_timeout=ns.shutdown_timeout,
     )
 
 
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     from gateway.app import create_app
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, loop="uvloop", http="httptools",
-                log_level=ns.log_level, timeout_graceful_shutdown=10, server_header=False)
+                log_level=ns.log_level, timeout_graceful_shutdown=settings.shutdown_timeout, server_header=False)
 
 
 if __name__ == "__main__":

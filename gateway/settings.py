@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class GatewaySettings:
     # Tokenizer services' gRPC addresses (host:port, or one full gRPC target).
-    tokenizer_addresses: tuple[str, ...] = ("127.0.0.1:50052",)
+    tokenizer_addresses: tuple[str, ...] = ("127.0.0.1:50061",)
     host: str = "127.0.0.1"
     port: int = 8000
     # Bearer keys accepted; empty: no authentication.
@@ -29,6 +29,8 @@ class GatewaySettings:
     retry_after_seconds: int = 1
     # Largest `n` (sequences per prompt) one request may ask for.
     max_n: int = 16
+    # After SIGTERM: no new connections; in-flight requests get this long (seconds).
+    shutdown_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.tokenizer_addresses:
@@ -41,6 +43,8 @@ class GatewaySettings:
             raise ValueError("keepalive_interval must be > 0")
         if self.ready_timeout <= 0:
             raise ValueError("ready_timeout must be > 0")
+        if self.shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout must be >= 0")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
         if any(not k for k in self.api_keys):

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__.strip())
         raise SystemExit(0 if args and args[0] in ("-h", "--help") else 2)
     module = importlib.import_module(_COMMANDS[args[0]])
-    module.main(args[1:])
+    raise SystemExit(module.main(args[1:]))
 
 
 if __name__ == "__main__":

@@ -24,11 +24,11 @@ def test_flags() -> None:
     s = settings(["--tokenizer", "127.0.0.1:1, 127.0.0.1:2", "--host", "0.0.0.0", "--port", "9000",
                   "--api-key", "a", "--api-key", "b", "--allowed-origins", "https://x,https://y",
                   "--served-model-name", "m", "--max-body-bytes", "100", "--request-timeout", "30",
-                  "--keepalive-interval", "2", "--max-n", "4"])
+                  "--keepalive-interval", "2", "--max-n", "4", "--shutdown-timeout", "3"])
     assert s == GatewaySettings(tokenizer_addresses=("127.0.0.1:1", "127.0.0.1:2"), host="0.0.0.0", port=9000,
                                 api_keys=("a", "b"), allowed_origins=("https://x", "https://y"),
                                 served_model_names=("m",), max_body_bytes=100, request_timeout=30.0,
-                                keepalive_interval=2.0, max_n=4)
+                                keepalive_interval=2.0, max_n=4, shutdown_timeout=3.0)
 
 
 def test_origins_as_a_json_list_like_vllm() -> None:

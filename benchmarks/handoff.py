@@ -1,0 +1,378 @@
+"""Handoff benchmark: prompt ids to the engine through shared memory vs inline protobuf (DESIGN §3).
+
+    python -m benchmarks.handoff --sizes 1024,8192,32768,131072 --repeat 50 --out benchmarks/results/handoff.json
+
+The real path end to end, without a model. The server is a separate process
+running the engine's own ``EngineServicer`` (same interceptor, same message
+limits) in front of a recording stand-in for ``AsyncEngine``: it notes the
+moment ``Generate`` hands it the prompt as the ``list[int]`` the engine core
+takes, and answers with one message. The client builds each request with the
+tokenizer service's own ``_engine_request`` (``ShmRing.put`` + reference, or
+``ids.extend``) from the ``list[int]`` a tokenizer returns, sends it and waits
+for the first reply, releasing the shm slot on the acknowledgement as the
+service does.
+
+Per prompt size and mode: ``send → ids in engine`` (client ``perf_counter`` at
+the start of building the request to server ``perf_counter`` when the ids
+arrive; both read CLOCK_MONOTONIC, so they compare across processes) and the
+round trip to the first reply; median and p90 over ``--repeat`` repetitions,
+modes interleaved so that load on a shared machine hits both alike. A
+``breakdown`` section times each step of both paths in one process, to show
+where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import platform
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MODES = ("inline", "shm")
+TARGET_RATIO = 5.0
+_MSG_LIMIT = 64 * 2**20  # the limit engine/server.py and services/tokenizer/server.py set
+
+
+@dataclass(frozen=True)
+class HandoffSettings:
+    sizes: tuple[int, ...] = (1024, 8192, 32768, 131072)
+    repeat: int = 50
+    warmup: int = 3
+    vocab_size: int = 49152          # SmolLM2's: most ids take 3 bytes as protobuf varints
+    shm_tokens: int = 4 * 2**20      # the tokenizer service's default ring
+    seed: int = 0
+    breakdown_repeat: int = 20
+
+
+@dataclass
+class Sample:
+    mode: str
+    size: int
+    send_to_engine_us: float
+    round_trip_us: float
+
+
+@dataclass
+class Arrival:
+    """What the server saw of one request: when the ids arrived, and whether they are what the engine takes."""
+
+    t: float
+    length: int
+    is_int_list: bool
+    ids: list[int] | None = None  # kept only when the server was asked to (correctness checks)
+
+
+@dataclass
+class HandoffRun:
+    samples: list[Sample] = field(default_factory=list)
+    arrivals: dict[str, Arrival] = field(default_factory=dict)
+
+
+# -- server side (own process) ----------------------------------------------------------------------------
+class RecordingEngine:
+    """Stands in for AsyncEngine behind the real EngineServicer: records the ids it is given, answers at once."""
+
+    def __init__(self, keep_ids: bool) -> None:
+        self.keep_ids = keep_ids
+        self.arrivals: dict[str, Arrival] = {}
+        self.is_alive = True
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                       *, priority: int = 0) -> AsyncIterator[Any]:
+        t = time.perf_counter()  # first thing: the ids are in the engine in the form its core takes
+        from engine.outputs import EngineCoreOutput
+        from engine.request import FinishReason
+
+        yield EngineCoreOutput(request_id, [], finish_reason=FinishReason.LENGTH,
+                               num_prompt_tokens=len(prompt_token_ids))
+        # Bookkeeping after the reply went out, so that it is in neither timing.
+        ok = isinstance(prompt_token_ids, list) and all(type(x) is int for x in prompt_token_ids[:64])
+        self.arrivals[request_id] = Arrival(t, len(prompt_token_ids), ok,
+                                            list(prompt_token_ids) if self.keep_ids else None)
+
+
+def serve_main(conn: Connection, keep_ids: bool) -> None:
+    """Entry point of the server process: sends its port, serves until told to stop, sends the arrivals."""
+    try:
+        import uvloop  # as engine/__main__.py does
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(_serve(conn, keep_ids))
+
+
+async def _serve(conn: Connection, keep_ids: bool) -> None:
+    import grpc
+
+    from engine.grpc_errors import ErrorMappingInterceptor
+    from engine.server import EngineServicer
+    from proto.sluice.v1 import engine_pb2_grpc
+
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
+                             options=[("grpc.max_receive_message_length", _MSG_LIMIT), ("grpc.so_reuseport", 0)])
+    engine = RecordingEngine(keep_ids)
+    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)  # type: ignore[arg-type]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    conn.send(port)
+    await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # any message means stop
+    await server.stop(0)
+    conn.send({rid: asdict(a) for rid, a in engine.arrivals.items()})
+
+
+class HandoffServer:
+    """The server process, started with spawn (no fork of the client's gRPC state)."""
+
+    def __init__(self, keep_ids: bool = False) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=serve_main, args=(child, keep_ids), daemon=True)
+        self._proc.start()
+        child.close()
+        if not self._conn.poll(120):
+            self._proc.kill()
+            raise TimeoutError("handoff server did not start in 120 s")
+        self.address = f"127.0.0.1:{self._conn.recv()}"
+
+    def stop(self) -> dict[str, Arrival]:
+        self._conn.send("stop")
+        arrivals = {rid: Arrival(**a) for rid, a in self._conn.recv().items()} if self._conn.poll(60) else {}
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+        return arrivals
+
+
+# -- client side: the tokenizer service's own request building --------------------------------------------
+async def run_client(address: str, settings: HandoffSettings, prompts: dict[int, list[int]]) -> list[
+        tuple[str, str, int, float, float]]:
+    """(request_id, mode, size, t_send, t_first_reply) per request, warm-up ones included."""
+    import grpc
+
+    from proto.sluice.v1 import generation_pb2
+    from services.tokenizer.service import GenerationServicer
+
+    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", _MSG_LIMIT),
+                                                          ("grpc.max_send_message_length", _MSG_LIMIT)])
+    # Two tokenizer-service servicers on one channel: one with a ring (shm), one without (inline ids).
+    # The tokenizer itself is never used by _engine_request.
+    services = {mode: GenerationServicer(None, channel, served_model_name="bench", model_path="",  # type: ignore[arg-type]
+                                         shm_tokens=settings.shm_tokens if mode == "shm" else 0)
+                for mode in MODES}
+    if not await services["shm"].ensure_shm():
+        raise RuntimeError("the server could not map the shared-memory ring")
+    public = generation_pb2.GenerateRequest()
+    public.stopping.max_tokens = 1
+    records: list[tuple[str, str, int, float, float]] = []
+    try:
+        for rep in range(settings.warmup + settings.repeat):
+            for size in settings.sizes:
+                # Alternate which mode goes first, so neither always follows the other's garbage.
+                for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+                    rid = f"{mode}-{size}-{rep}"
+                    service = services[mode]
+                    t0 = time.perf_counter()
+                    request, handoff = await service._engine_request(public, rid, prompts[size], 1)
+                    if (request.WhichOneof("prompt") == "prompt_shm") != (mode == "shm"):
+                        raise RuntimeError(f"{rid}: the request went {request.WhichOneof('prompt')}")
+                    t1 = None
+                    async for msg in service.engine.Generate(request, timeout=60):
+                        t1 = t1 or time.perf_counter()
+                        if msg.HasField("released_shm_slot"):
+                            handoff.release()
+                    handoff.release()
+                    if t1 is None:
+                        raise RuntimeError(f"{rid}: no reply")
+                    records.append((rid, mode, size, t0, t1))
+    finally:
+        for service in services.values():
+            service.close()
+        await channel.close()
+    return records
+
+
+def make_prompts(settings: HandoffSettings) -> dict[int, list[int]]:
+    """Random ids as a tokenizer returns them: Python lists of ints."""
+    rng = np.random.default_rng(settings.seed)
+    return {n: rng.integers(0, settings.vocab_size, n).tolist() for n in settings.sizes}
+
+
+def run_handoff(settings: HandoffSettings, *, keep_ids: bool = False) -> HandoffRun:
+    prompts = make_prompts(settings)
+    server = HandoffServer(keep_ids)
+    try:
+        records = asyncio.run(run_client(server.address, settings, prompts))
+    finally:
+        arrivals = server.stop()
+    run = HandoffRun(arrivals=arrivals)
+    for rid, mode, size, t0, t1 in records:
+        arrival = arrivals[rid]
+        if arrival.length != size or not arrival.is_int_list:
+            raise RuntimeError(f"{rid}: the engine got {arrival.length} ids (list of int: {arrival.is_int_list})")
+        if int(rid.rsplit("-", 1)[1]) >= settings.warmup:
+            run.samples.append(Sample(mode, size, (arrival.t - t0) * 1e6, (t1 - t0) * 1e6))
+    return run
+
+
+# -- where the time goes: each step of both paths, in one process ------------------------------------------
+def _median_us(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def breakdown(size: int, settings: HandoffSettings) -> dict[str, float]:
+    """Median µs of each step of the inline and shm paths for one prompt of ``size`` ids."""
+    from proto.shm import ShmReader, ShmRef, ShmRing
+    from proto.sluice.v1 import engine_pb2
+
+    ids = make_prompts(HandoffSettings(sizes=(size,), vocab_size=settings.vocab_size, seed=settings.seed))[size]
+    r = settings.breakdown_repeat
+    out: dict[str, float] = {}
+
+    def inline_msg() -> engine_pb2.EngineGenerateRequest:
+        m = engine_pb2.EngineGenerateRequest(request_id="x")
+        m.prompt_token_ids.ids.extend(ids)
+        return m
+
+    msg = inline_msg()
+    wire = msg.SerializeToString()
+    parsed = engine_pb2.EngineGenerateRequest.FromString(wire)
+    out["inline.extend"] = _median_us(inline_msg, r)
+    out["inline.serialize"] = _median_us(msg.SerializeToString, r)
+    out["inline.parse"] = _median_us(lambda: engine_pb2.EngineGenerateRequest.FromString(wire), r)
+    out["inline.list"] = _median_us(lambda: list(parsed.prompt_token_ids.ids), r)
+    out["inline.wire_bytes"] = float(len(wire))
+    with ShmRing(max(size * 2, 1024)) as ring, ShmReader() as reader:
+        reader.register(ring.name, ring.size_bytes)
+        array = np.asarray(ids, dtype=np.int32)
+
+        def put(src: object) -> ShmRef:
+            ref = ring.put(src)  # type: ignore[arg-type]
+            assert ref is not None
+            ring.release(ref.slot)
+            return ref
+
+        ref = put(ids)
+        out["shm.asarray(list)"] = _median_us(lambda: np.asarray(ids), r)
+        out["shm.put(list)"] = _median_us(lambda: put(ids), r)
+        out["shm.put(ndarray)"] = _median_us(lambda: put(array), r)
+        read = reader.read(ref)
+        out["shm.read"] = _median_us(lambda: reader.read(ref), r)
+        out["shm.tolist"] = _median_us(read.tolist, r)
+    out["inline.total"] = sum(out[k] for k in ("inline.extend", "inline.serialize", "inline.parse", "inline.list"))
+    out["shm.total"] = out["shm.put(list)"] + out["shm.read"] + out["shm.tolist"]
+    # What the shm path would cost if the tokenizer handed over an ndarray and the engine kept one.
+    out["shm.total_if_ndarray_end_to_end"] = out["shm.put(ndarray)"] + out["shm.read"]
+    return out
+
+
+# -- results ----------------------------------------------------------------------------------------------
+def _pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def summarize(run: HandoffRun, settings: HandoffSettings) -> list[dict[str, Any]]:
+    rows = []
+    for size in settings.sizes:
+        row: dict[str, Any] = {"size": size}
+        for mode in MODES:
+            mine = [s for s in run.samples if s.mode == mode and s.size == size]
+            for metric in ("send_to_engine_us", "round_trip_us"):
+                values = [getattr(s, metric) for s in mine]
+                row[f"{mode}.{metric}.p50"] = statistics.median(values)
+                row[f"{mode}.{metric}.p90"] = _pct(values, 90)
+        for metric in ("send_to_engine_us", "round_trip_us"):
+            row[f"ratio.{metric}"] = row[f"inline.{metric}.p50"] / row[f"shm.{metric}.p50"]
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| prompt tokens | inline p50 / p90 (µs) | shm p50 / p90 (µs) | inline/shm | "
+             "round trip inline p50 (µs) | round trip shm p50 (µs) | inline/shm |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        m = "send_to_engine_us"
+        lines.append(f"| {r['size']} | {r[f'inline.{m}.p50']:.0f} / {r[f'inline.{m}.p90']:.0f} | "
+                     f"{r[f'shm.{m}.p50']:.0f} / {r[f'shm.{m}.p90']:.0f} | {r[f'ratio.{m}']:.2f}× | "
+                     f"{r['inline.round_trip_us.p50']:.0f} | {r['shm.round_trip_us.p50']:.0f} | "
+                     f"{r['ratio.round_trip_us']:.2f}× |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    sizes = [r["size"] for r in rows]
+    for mode in MODES:
+        ax.plot(sizes, [r[f"{mode}.send_to_engine_us.p50"] for r in rows], marker="o", label=mode)
+    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="send → ids in engine, p50 (µs)",
+           title="Prompt handoff: shared memory vs inline protobuf")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.handoff", description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="1024,8192,32768,131072", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--repeat", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--breakdown-repeat", type=int, default=20, help="repetitions of each step in the breakdown")
+    p.add_argument("--out", default="benchmarks/results/handoff.json", help="JSON; .md and .png are written beside it")
+    ns = p.parse_args(argv)
+    settings = HandoffSettings(sizes=tuple(int(s) for s in ns.sizes.split(",")), repeat=ns.repeat,
+                               warmup=ns.warmup, breakdown_repeat=ns.breakdown_repeat)
+    started = time.time()
+    run = run_handoff(settings)
+    rows = summarize(run, settings)
+    largest = rows[-1]
+    result = {
+        "benchmark": "handoff", "command": " ".join(["python -m benchmarks.handoff", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)), "python": platform.python_version(),
+        "settings": asdict(settings), "rows": rows,
+        "target": {"ratio": TARGET_RATIO, "size": largest["size"], "metric": "send_to_engine_us p50",
+                   "measured": largest["ratio.send_to_engine_us"],
+                   "met": largest["ratio.send_to_engine_us"] >= TARGET_RATIO},
+        "breakdown_us": {str(n): breakdown(n, settings) for n in settings.sizes},
+        "samples": [asdict(s) for s in run.samples],
+    }
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    table = markdown(rows)
+    out.with_suffix(".md").write_text(f"`{result['command']}` — {result['date']}\n\n{table}\n", encoding="utf-8")
+    plot(rows, out.with_suffix(".png"))
+    print(table)
+    t = result["target"]
+    print(f"\ntarget ≥ {TARGET_RATIO:g}× at {t['size']} tokens: {t['measured']:.2f}× — "
+          f"{'met' if t['met'] else 'NOT met'}")
+    print("breakdown at the largest size (µs):",
+          json.dumps({k: round(v, 1) for k, v in result["breakdown_us"][str(largest["size"])].items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
