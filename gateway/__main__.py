@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import logging
 import os
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     from gateway.app import create_app
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, loop="uvloop", http="httptools",
-                log_level=ns.log_level, timeout_graceful_shutdown=settings.shutdown_timeout, server_header=False)
+                log_level=ns.log_level, timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout), server_header=False)
 
 
 if __name__ == "__main__":
