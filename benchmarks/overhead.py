@@ -1,0 +1,290 @@
+"""Serving overhead: output tokens/s through the gRPC services vs the in-process ``LLM.generate``.
+
+    python -m benchmarks.overhead --prompts 32 --input-tokens 128 --output-tokens 64 --concurrency 32 \\
+        --rounds 2 --out benchmarks/results/overhead.json
+
+The same workload, the same engine settings, in the same run: an engine
+process and a tokenizer-service process on 127.0.0.1 driven through the public
+``sluice.v1.Generation`` API by a grpc.aio client keeping ``--concurrency``
+calls in flight; then, with those processes stopped, ``engine.LLM(...)`` in
+this process given every prompt at once. Greedy, ``ignore_eos``, text prompts
+of about ``--input-tokens`` tokens. Each measured run is preceded by a short
+warm-up; every run gets its own prompt prefix so the prefix cache never serves
+one run from another. Rounds alternate which side goes first, since a shared
+machine's load drifts; the ratio is taken per round and over medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_RATIO = 0.95
+_FILLER = ("The harbour master kept a ledger of every ship that entered the bay, noting its cargo, its crew, "
+           "the weather on the day it arrived and the price of salt in the market that morning. ")
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: int = 32
+    input_tokens: int = 128
+    output_tokens: int = 64
+    concurrency: int = 32
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Given to both sides: engine CLI flags for the process, keyword arguments for ``LLM``."""
+
+    dtype: str = "auto"
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: str = "1GiB"
+    num_threads: int | None = None
+    seed: int = 0
+
+    def cli_flags(self) -> list[str]:
+        return [x for k, v in asdict(self).items() if v is not None for x in (f"--{k.replace('_', '-')}", str(v))]
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class RunResult:
+    side: str            # "grpc" or "in-process"
+    round: int
+    wall_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def make_prompts(tokenizer: Any, workload: Workload, tag: str) -> list[str]:
+    """``workload.prompts`` texts of about ``input_tokens`` tokens each, all different from their first token."""
+    filler_ids = tokenizer.encode(_FILLER * (workload.input_tokens // 20 + 2), add_special_tokens=False)
+    prompts = []
+    for i in range(workload.prompts):
+        head = f"[{tag} #{i}] "
+        budget = workload.input_tokens - len(tokenizer.encode(head, add_special_tokens=False))
+        prompts.append(head + tokenizer.decode(filler_ids[:max(budget, 1)]))
+    return prompts
+
+
+# -- the gRPC side ----------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serving(addr: str, service: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+            return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
+@contextmanager
+def _process(args: list[str], log: Path, service: str, port: int, timeout: float = 600) -> Iterator[str]:
+    """``python -m …`` on 127.0.0.1:``port``, yielded once its health service says SERVING; SIGTERM after."""
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    addr = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while not _serving(addr, service):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{args[0]} exited with {proc.returncode}; see {log}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{args[0]} not serving after {timeout:.0f} s; see {log}")
+            time.sleep(0.5)
+        yield addr
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def grpc_stack(settings: EngineSettings, log_dir: Path) -> Iterator[str]:
+    """An engine and a tokenizer service (shm handoff on, as deployed); yields the public API's address."""
+    engine_port, tok_port = _free_port(), _free_port()
+    with _process(["engine", "--port", str(engine_port), *settings.cli_flags()], log_dir / "overhead-engine.log",
+                  "sluice.v1.Engine", engine_port) as engine_addr:
+        with _process(["services.tokenizer", "--engine", engine_addr, "--port", str(tok_port)],
+                      log_dir / "overhead-tokenizer.log", "sluice.v1.Generation", tok_port) as addr:
+            yield addr
+
+
+async def _grpc_workload(addr: str, prompts: list[str], output_tokens: int, concurrency: int) -> tuple[int, int]:
+    """Every prompt through Generation.Generate, ``concurrency`` at a time; (prompt tokens, output tokens)."""
+    import grpc
+
+    from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    totals = [0, 0]
+    queue = list(reversed(prompts))
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def worker() -> None:
+            while queue:
+                request = generation_pb2.GenerateRequest(text=queue.pop())
+                request.sampling.temperature = 0.0
+                request.stopping.max_tokens = output_tokens
+                request.stopping.ignore_eos = True
+                last = None
+                async for last in stub.Generate(request, timeout=3600):
+                    pass
+                if last is None or last.finish_reason != common_pb2.FINISH_REASON_LENGTH:
+                    raise RuntimeError(f"request ended without FINISH_REASON_LENGTH: {last}")
+                totals[0] += last.usage.prompt_tokens
+                totals[1] += last.usage.completion_tokens
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+    return totals[0], totals[1]
+
+
+def run_grpc(addr: str, prompts: list[str], workload: Workload, round_: int) -> RunResult:
+    t0 = time.perf_counter()
+    prompt_tokens, output_tokens = asyncio.run(
+        _grpc_workload(addr, prompts, workload.output_tokens, workload.concurrency))
+    return RunResult("grpc", round_, time.perf_counter() - t0, prompt_tokens, output_tokens)
+
+
+# -- the in-process side ----------------------------------------------------------------------------------
+def run_in_process(llm: Any, prompts: list[str], workload: Workload, round_: int) -> RunResult:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=workload.output_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    if any(o.outputs[0].finish_reason != "length" for o in outputs):
+        raise RuntimeError("an in-process request did not end by length")
+    return RunResult("in-process", round_, wall, sum(len(o.prompt_token_ids) for o in outputs),
+                     sum(len(o.outputs[0].token_ids) for o in outputs))
+
+
+# -- one benchmark ----------------------------------------------------------------------------------------
+def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, log_dir: Path) -> list[RunResult]:
+    from engine.config import default_model_path
+    from engine.text import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(default_model_path())
+    warm = Workload(prompts=min(4, workload.prompts), input_tokens=16, output_tokens=4, concurrency=4)
+    results: list[RunResult] = []
+    for r in range(rounds):
+        sides = ("grpc", "in-process") if r % 2 == 0 else ("in-process", "grpc")
+        for side in sides:
+            prompts = make_prompts(tokenizer, workload, f"run {r}{side[0]}")  # same length on both sides
+            warm_prompts = make_prompts(tokenizer, warm, f"warm {r}{side[0]}")
+            if side == "grpc":
+                with grpc_stack(settings, log_dir) as addr:
+                    run_grpc(addr, warm_prompts, warm, r)
+                    results.append(run_grpc(addr, prompts, workload, r))
+            else:
+                from engine.llm import LLM
+
+                llm = LLM(**settings.llm_kwargs())
+                run_in_process(llm, warm_prompts, warm, r)
+                results.append(run_in_process(llm, prompts, workload, r))
+                del llm  # free the model and KV cache before the next round's processes start
+            last = results[-1]
+            print(f"round {r} {side:10s}: {last.output_tokens} tokens in {last.wall_s:.2f} s = "
+                  f"{last.output_tok_s:.1f} tok/s", flush=True)
+    return results
+
+
+def summarize(results: list[RunResult]) -> dict[str, Any]:
+    by_side = {side: [x.output_tok_s for x in results if x.side == side] for side in ("grpc", "in-process")}
+    medians = {side: statistics.median(v) for side, v in by_side.items()}
+    per_round = []
+    for r in sorted({x.round for x in results}):
+        mine = {x.side: x.output_tok_s for x in results if x.round == r}
+        per_round.append(mine["grpc"] / mine["in-process"])
+    ratio = medians["grpc"] / medians["in-process"]
+    return {"grpc_tok_s_median": medians["grpc"], "in_process_tok_s_median": medians["in-process"],
+            "ratio": ratio, "ratio_per_round": per_round, "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO}
+
+
+def markdown(results: list[RunResult], summary: dict[str, Any]) -> str:
+    lines = ["| round | side | prompt tokens | output tokens | wall (s) | output tok/s |", "|---:|---|---:|---:|---:|---:|"]
+    for x in results:
+        lines.append(f"| {x.round} | {x.side} | {x.prompt_tokens} | {x.output_tokens} | {x.wall_s:.2f} | "
+                     f"{x.output_tok_s:.1f} |")
+    per_round = ", ".join(f"{v:.3f}" for v in summary["ratio_per_round"])
+    lines += ["", f"gRPC / in-process (medians): **{summary['ratio']:.3f}** (per round: {per_round}); "
+                  f"target ≥ {TARGET_RATIO:g}: {'met' if summary['met'] else 'NOT met'}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.split("\n")[0])
+    w, e = Workload(), EngineSettings()
+    p.add_argument("--prompts", type=int, default=w.prompts)
+    p.add_argument("--input-tokens", type=int, default=w.input_tokens)
+    p.add_argument("--output-tokens", type=int, default=w.output_tokens)
+    p.add_argument("--concurrency", type=int, default=w.concurrency)
+    p.add_argument("--rounds", type=int, default=2, help="each round runs both sides once, order alternating")
+    p.add_argument("--dtype", default=e.dtype)
+    p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
+    p.add_argument("--kv-cache-memory", default=e.kv_cache_memory)
+    p.add_argument("--num-threads", type=int, default=e.num_threads)
+    p.add_argument("--out", default="benchmarks/results/overhead.json", help="JSON; the .md is written beside it")
+    ns = p.parse_args(argv)
+    workload = Workload(ns.prompts, ns.input_tokens, ns.output_tokens, ns.concurrency)
+    if workload.concurrency < workload.prompts:
+        print("note: LLM.generate takes every prompt at once; the gRPC side keeps only --concurrency in flight",
+              file=sys.stderr)
+    settings = EngineSettings(dtype=ns.dtype, max_num_seqs=ns.max_num_seqs,
+                              max_num_batched_tokens=ns.max_num_batched_tokens, kv_cache_memory=ns.kv_cache_memory,
+                              num_threads=ns.num_threads)
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    results = run_overhead(workload, settings, ns.rounds, out.parent)
+    summary = summarize(results)
+    doc = {"benchmark": "overhead", "command": " ".join(["python -m benchmarks.overhead", *(argv or sys.argv[1:])]),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+           "python": platform.python_version(), "workload": asdict(workload), "engine": asdict(settings),
+           "runs": [dict(asdict(x), output_tok_s=x.output_tok_s) for x in results], "summary": summary}
+    out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    table = markdown(results, summary)
+    out.with_suffix(".md").write_text(f"`{doc['command']}` — {doc['date']}\n\n{table}\n", encoding="utf-8")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
