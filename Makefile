@@ -20,7 +20,12 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# The whole stack (engine, tokenizer service, gateway) with the default model on port 8000.
 run: $(STAMP)
+	$(BIN)/sluice serve --port 8000
+
+# The offline API in one process: a chat through LLM.
+demo: $(STAMP)
 	$(BIN)/python -m engine.demo
 
 NODE_DEPS := tests/node/node_modules/.installed
