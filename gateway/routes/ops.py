@@ -30,11 +30,13 @@ async def list_models(request: Request) -> Response:
     state = gateway_state(request)
     try:
         names = await state.models.names()
+        # vLLM lists max_model_len with each model; clients size their prompts from it.
+        info = await state.backend.model_info(timeout=state.settings.unary_timeout)
     except BackendError as err:
         raise state.api_error(err) from None
     created = int(time.time())
     data = [{"id": name, "object": "model", "created": created, "owned_by": "sluice", "root": name,
-             "parent": None} for name in names]
+             "parent": None, "max_model_len": info.max_model_len} for name in names]
     return JSONResponse({"object": "list", "data": data})
 
 

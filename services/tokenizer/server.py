@@ -51,7 +51,7 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
-    watcher = asyncio.create_task(_track_engine(servicer, health_servicer, stop))
+    watcher = asyncio.create_task(_track_engine(servicer, channel, health_servicer, stop))
     logger.info("tokenizer service on %s:%d, engine at %s", host, bound, engine_addr)
     await stop.wait()
     watcher.cancel()
@@ -62,9 +62,13 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
     await channel.close()
 
 
-async def _track_engine(servicer: GenerationServicer, health_servicer: health.aio.HealthServicer,
-                        stop: asyncio.Event) -> None:
-    """SERVING while the engine answers GetInfo; re-registers shared memory after an engine restart."""
+async def _track_engine(servicer: GenerationServicer, channel: grpc.aio.Channel,
+                        health_servicer: health.aio.HealthServicer, stop: asyncio.Event) -> None:
+    """SERVING while the engine answers GetInfo; re-registers shared memory after an engine restart.
+
+    Probes every second, and at once when the engine connection changes state (an engine that dies
+    drops the connection, so readiness follows within milliseconds, not a polling period).
+    """
     serving: bool | None = None
     while not stop.is_set():
         try:
@@ -79,4 +83,8 @@ async def _track_engine(servicer: GenerationServicer, health_servicer: health.ai
             for svc in (SERVICE_NAME, ""):
                 await health_servicer.set(svc, status)
             serving = ok
-        await asyncio.sleep(1.0 if ok else 0.25)
+        state = channel.get_state(try_to_connect=True)
+        try:
+            await asyncio.wait_for(channel.wait_for_state_change(state), 1.0 if ok else 0.25)
+        except asyncio.TimeoutError:
+            pass

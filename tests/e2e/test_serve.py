@@ -191,7 +191,7 @@ def test_overload_gets_fast_429_with_retry_after(small_stack: ServeStack) -> Non
     codes = [c for c, _, _ in results]
     assert set(codes) <= {200, 429, 503}, codes
     rejected = [(t, r) for c, t, r in results if c != 200]
-    assert rejected and codes.count(200) >= 4
+    assert rejected and codes.count(200) >= 2  # at least the queue's 2 places
     for took, r in rejected:
         assert r.headers.get("retry-after")
         assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
@@ -223,7 +223,7 @@ def test_engine_killed_mid_stream_then_restarted(small_stack: ServeStack) -> Non
     assert ended_at and ended_at[0] - killed_at < 2.0
     errors = [e for e in events if e.startswith("data: {") and "error" in json.loads(e[6:])]
     assert errors, events[-3:]
-    assert http_status(f"{small_stack.base_url}/ready") == 503
+    wait_until(lambda: http_status(f"{small_stack.base_url}/ready") == 503, 2, what="/ready fails while down")
     wait_until(lambda: http_status(f"{small_stack.base_url}/ready") == 200, 300, what="engine restarted")
     r = httpx.post(url, json={"prompt": "Back again", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"]

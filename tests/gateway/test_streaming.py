@@ -98,7 +98,7 @@ async def test_disconnect_mid_stream_cancels_the_backend_call(gateway: Gateway) 
                 break
         assert not fake.cancelled.is_set()
     # Leaving the block closed the connection mid-body.
-    await asyncio.wait_for(fake.cancelled.wait(), 5)
+    await asyncio.wait_for(fake.cancelled.wait(), 15)
     assert not fake.finished.is_set()
     for _ in range(100):
         if await _running(gateway) == 0:
@@ -118,4 +118,4 @@ async def test_disconnect_while_waiting_for_a_whole_response_cancels_too(gateway
     task.cancel()  # httpx closes the connection
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.wait_for(fake.cancelled.wait(), 5)
+    await asyncio.wait_for(fake.cancelled.wait(), 15)
