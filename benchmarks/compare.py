@@ -6,6 +6,7 @@ benchmark sweep against it, stop it; then write one markdown table and one plot.
 Peers come from their own virtualenvs (benchmarks/install_peers.sh). Command templates may use
 {python} (this interpreter), {port} (the HTTP port benchmarked), {engine_port} and {tokenizer_port}
 (more free ports, for Sluice's internal gRPC services), {gguf} (default model file), {hf_dir} and {peers}.
+A system named BASE-VARIANT (e.g. sluice-t2) runs BASE's command plus its --extra-args.
 """
 
 from __future__ import annotations
@@ -68,11 +69,43 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build_system(name: str, template: str, port: int, *, gguf: str, hf_dir: str) -> SystemSpec:
+def base_name(name: str) -> str:
+    """``sluice-t2`` -> ``sluice``: a variant of a known system (same defaults, more arguments)."""
+    return name if name in DEFAULT_COMMANDS else name.split("-", 1)[0]
+
+
+def build_system(name: str, template: str, port: int, *, gguf: str, hf_dir: str,
+                 extra_args: str = "") -> SystemSpec:
     command = template.format(python=sys.executable, port=port, engine_port=free_port(),
                               tokenizer_port=free_port(), gguf=gguf, hf_dir=hf_dir, peers=PEERS_DIR)
-    return SystemSpec(name=name, command=tuple(shlex.split(command)), port=port, env=DEFAULT_ENV.get(name, {}),
-                      bench_args=DEFAULT_BENCH_ARGS.get(name, ()), ready_path=READY_PATHS.get(name, "/v1/models"))
+    base = base_name(name)
+    return SystemSpec(name=name, command=(*shlex.split(command), *shlex.split(extra_args)), port=port,
+                      env=DEFAULT_ENV.get(base, {}), bench_args=DEFAULT_BENCH_ARGS.get(base, ()),
+                      ready_path=READY_PATHS.get(base, "/v1/models"))
+
+
+def parse_name_values(items: Sequence[str], flag: str) -> dict[str, str]:
+    """``["llamacpp=32", "sluice-t2=--num-threads 2"]`` -> {name: value}."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"{flag} expects NAME=VALUE, got {item!r}")
+        out[name.strip()] = value
+    return out
+
+
+def step_plan(concurrency: str, num_prompts: str, cap: int | None) -> list[tuple[str, int]]:
+    """(concurrency list, measured requests) per bench call: one call for the whole sweep when
+    ``num_prompts`` is one number, else one call per step (one count per concurrency); ``cap``
+    bounds every count (llama.cpp serves one request at a time, so large steps only cost time)."""
+    conc = [c.strip() for c in concurrency.split(",") if c.strip()]
+    counts = [int(n) for n in num_prompts.split(",") if n.strip()]
+    if len(counts) == 1:
+        return [(",".join(conc), min(counts[0], cap) if cap else counts[0])]
+    if len(counts) != len(conc):
+        raise ValueError(f"--num-prompts has {len(counts)} counts for {len(conc)} concurrency steps")
+    return [(c, min(n, cap) if cap else n) for c, n in zip(conc, counts)]
 
 
 def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
@@ -107,7 +140,17 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
             continue
 
 
-def run_system(spec: SystemSpec, bench_argv: Sequence[str], out_dir: Path, ready_timeout_s: float) -> Path | None:
+def merge_results(parts: Sequence[Path], out: Path) -> None:
+    """One result document from per-step bench calls: the first call's header, every call's runs."""
+    docs = plot.load_results(parts)
+    merged = {**docs[0], "runs": [run for d in docs for run in d["runs"]],
+              "command": " ; ".join(d["command"] for d in docs)}
+    merged["config"] = {**docs[0]["config"], "num_prompts": [d["config"]["num_prompts"] for d in docs]}
+    out.write_text(json.dumps(merged, indent=1) + "\n", encoding="utf-8")
+
+
+def run_system(spec: SystemSpec, bench_argv: Sequence[str], out_dir: Path, ready_timeout_s: float,
+               steps: Sequence[tuple[str, int]] = ()) -> Path | None:
     """Start, benchmark and stop one system; returns its result file (None on failure, logged)."""
     if not Path(spec.command[0]).exists() and "/" in spec.command[0]:
         print(f"[{spec.name}] skipped: {spec.command[0]} missing (run benchmarks/install_peers.sh)", flush=True)
@@ -122,11 +165,19 @@ def run_system(spec: SystemSpec, bench_argv: Sequence[str], out_dir: Path, ready
             started = time.monotonic()
             wait_ready(proc, f"http://127.0.0.1:{spec.port}{spec.ready_path}", ready_timeout_s)
             print(f"[{spec.name}] ready after {time.monotonic() - started:.0f} s", flush=True)
-            argv = [*bench_argv, *spec.bench_args, "--base-url", spec.base_url, "--label", spec.name,
-                    "--result-file", str(result)]
-            rc = bench.main(argv)
-            if rc != 0:
-                print(f"[{spec.name}] benchmark exit code {rc}", flush=True)
+            common = [*bench_argv, *spec.bench_args, "--base-url", spec.base_url, "--label", spec.name]
+            if len(steps) <= 1:
+                plan = [(steps[0] if steps else None, result)]
+            else:  # per-step calls; a different seed per step keeps later steps off the prefix cache
+                plan = [(step, out_dir / f"{spec.name}.step{i}.json") for i, step in enumerate(steps)]
+            for i, (step, path) in enumerate(plan):
+                load = [] if step is None else ["--concurrency", step[0], "--num-prompts", str(step[1])]
+                seed = [] if len(plan) == 1 else ["--seed", str(1000 * (i + 1))]
+                rc = bench.main([*common, *load, *seed, "--result-file", str(path)])
+                if rc != 0:
+                    print(f"[{spec.name}] benchmark exit code {rc}", flush=True)
+            if len(plan) > 1 and all(path.exists() for _, path in plan):
+                merge_results([path for _, path in plan], result)
             return result if result.exists() else None
         except (RuntimeError, TimeoutError) as e:
             print(f"[{spec.name}] failed: {e} (see {log_path})", flush=True)
@@ -166,8 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf", default=None, help="GGUF model file (default: Sluice's default model)")
     p.add_argument("--hf-dir", default=str(PEERS_DIR / "smollm2-hf"), help="HF directory of the model (vLLM)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for each server")
+    p.add_argument("--extra-args", action="append", default=[], metavar="NAME=ARGS",
+                   help="more arguments for one system's command, e.g. 'sluice-t2=--num-threads 2' (repeatable)")
     p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", default="64",
+                   help="measured requests per step: one number, or one per --concurrency step")
+    p.add_argument("--max-prompts", action="append", default=[], metavar="NAME=N",
+                   help="cap one system's requests per step, e.g. llamacpp=32 (repeatable)")
     p.add_argument("--input-len", type=int, default=106)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--warmup", type=int, default=2)
@@ -181,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
-    unknown = [n for n in names if n not in DEFAULT_COMMANDS]
+    unknown = [n for n in names if base_name(n) not in DEFAULT_COMMANDS]
     if unknown:
         print(f"unknown systems {unknown}; known: {list(DEFAULT_COMMANDS)}", file=sys.stderr)
         return 2
@@ -190,13 +246,20 @@ def main(argv: list[str] | None = None) -> int:
         args.gguf = default_model_path()
     out_dir = Path(args.out_dir or Path(__file__).resolve().parent / "results" / f"compare-{int(time.time())}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    bench_argv = ["--concurrency", args.concurrency, "--num-prompts", str(args.num_prompts),
-                  "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+    try:
+        extra = parse_name_values(args.extra_args, "--extra-args")
+        caps = {k: int(v) for k, v in parse_name_values(args.max_prompts, "--max-prompts").items()}
+        plans = {n: step_plan(args.concurrency, args.num_prompts, caps.get(n)) for n in names}
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    bench_argv = ["--input-len", str(args.input_len), "--output-len", str(args.output_len),
                   "--warmup", str(args.warmup), "--endpoint", args.endpoint, *shlex.split(args.bench_args)]
     results: list[Path] = []
     for name in names:
-        spec = build_system(name, getattr(args, f"{name}_cmd"), free_port(), gguf=args.gguf, hf_dir=args.hf_dir)
-        path = run_system(spec, bench_argv, out_dir, args.ready_timeout)
+        spec = build_system(name, getattr(args, f"{base_name(name)}_cmd"), free_port(), gguf=args.gguf,
+                            hf_dir=args.hf_dir, extra_args=extra.get(name, ""))
+        path = run_system(spec, bench_argv, out_dir, args.ready_timeout, plans[name])
         if path is not None:
             results.append(path)
     if not results:

@@ -36,6 +36,15 @@ class StepStats:
     num_scheduled_tokens: dict[str, int]
     num_batched_tokens: int
     duration_s: float
+    # Host-side bookkeeping: the part of a step that an accelerator cannot hide.
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    update_s: float = 0.0
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Scheduler + input preparation + output processing, as a share of the step."""
+        return (self.schedule_s + self.prepare_s + self.update_s) / self.duration_s if self.duration_s else 0.0
 
 
 class EngineCore:
@@ -137,17 +146,24 @@ class EngineCore:
             return outputs
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        prepare_s = 0.0
         if sched.scheduled or sched.block_copies:
             run = self.runner.execute(sched)
+            prepare_s = self.runner.last_prepare_s
+            t2 = time.perf_counter()
             step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs)
         else:
+            t2 = time.perf_counter()
             step_outputs = self.scheduler.update_from_output(sched, {}, {})
+        t3 = time.perf_counter()
         finished = [o.request_id for o in step_outputs if o.finished]
         if finished:
             self.runner.release(finished)
         self.total_steps += 1
         self.last_step = StepStats({s.request.request_id: s.num_new_tokens for s in sched.scheduled},
-                                   sched.num_batched_tokens, time.perf_counter() - t0)
+                                   sched.num_batched_tokens, time.perf_counter() - t0,
+                                   schedule_s=t1 - t0, prepare_s=prepare_s, update_s=t3 - t2)
         return outputs + step_outputs
 
     def scheduler_stats(self) -> dict[str, int]:

@@ -7,6 +7,7 @@ device wants it) host staging buffers, so building step N+1 is cheap Python.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +65,7 @@ class ModelRunner:
         self.d2h_stream = device.new_stream()
         self.inputs_ready = device.new_event()
         self.generators: dict[str, torch.Generator] = {}
+        self.last_prepare_s = 0.0  # host time spent building the last step's inputs
         pin = device.pin_memory
         self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
         self._positions = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
@@ -86,8 +88,10 @@ class ModelRunner:
         if not scheduled:
             return RunnerOutput()
         dev = self.device
+        t0 = time.perf_counter()
         with dev.use_stream(self.copy_stream):
             input_ids, positions, meta, sample_idx = self._prepare(scheduled)
+            self.last_prepare_s = time.perf_counter() - t0
             dev.record_event(self.inputs_ready, self.copy_stream)
         dev.wait_event(self.compute_stream, self.inputs_ready)
         with dev.use_stream(self.compute_stream):
