@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.grpc_errors import ErrorMappingInterceptor
+from engine.grpc_server import bind, new_server, stop_event
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -170,41 +167,25 @@ def warm_up(core: EngineCore) -> None:
 
 async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: float = 10.0,
                 ready: asyncio.Event | None = None) -> None:
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
-                             options=[("grpc.max_receive_message_length", 64 * 2**20),
-                                      ("grpc.so_reuseport", 0)])
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in (SERVICE_NAME, ""):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    server, health_service = new_server(SERVICE_NAME)
+    await health_service.set_serving(False)
     servicer = EngineServicer()
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = bind(server, host, port)
     await server.start()
     logger.info("engine gRPC listening on %s:%d (loading model)", host, bound)
+    stop = stop_event()
     loop = asyncio.get_running_loop()
     core = await loop.run_in_executor(None, EngineCore, config)
     await loop.run_in_executor(None, warm_up, core)
     engine = AsyncEngine(core)
     servicer.attach(engine)
-    for name in (SERVICE_NAME, ""):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_service.set_serving(True)
     logger.info("engine ready: %s on %s:%d", config.model_name, host, bound)
     if ready is not None:
         ready.set()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
     await stop.wait()
     logger.info("draining (grace %.1fs)", shutdown_grace)
-    for name in (SERVICE_NAME, ""):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_service.set_serving(False)
     await server.stop(shutdown_grace)
     engine.shutdown()

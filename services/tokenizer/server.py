@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine.config import DEFAULT_SERVED_NAME, default_model_path
-from engine.grpc_errors import ErrorMappingInterceptor
+from engine.grpc_server import CHANNEL_OPTIONS, Health, bind, new_server, stop_event
 from engine.text import Tokenizer
 from proto.sluice.v1 import generation_pb2_grpc
 from services.tokenizer.service import GenerationServicer
@@ -25,10 +21,8 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
                 served_model_name: str | None, shm_tokens: int, shutdown_grace: float = 10.0) -> None:
     model_path = model or default_model_path()
     tok = Tokenizer.from_pretrained(tokenizer or model_path)
-    channel = grpc.aio.insecure_channel(engine_addr, options=[("grpc.max_receive_message_length", 64 * 2**20),
-                                                              ("grpc.max_send_message_length", 64 * 2**20)])
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
-                             options=[("grpc.max_receive_message_length", 64 * 2**20), ("grpc.so_reuseport", 0)])
+    channel = grpc.aio.insecure_channel(engine_addr, options=CHANNEL_OPTIONS)
+    server, health_service = new_server(SERVICE_NAME)
     name = served_model_name or (DEFAULT_SERVED_NAME if model is None else None)
     if name is None:
         from engine.config import EngineConfig
@@ -37,33 +31,22 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
     servicer = GenerationServicer(tok, channel, served_model_name=name, model_path=model_path,
                                   shm_tokens=shm_tokens)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    await health_service.set_serving(False)
+    bind_port = bind(server, host, port)
     await server.start()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
-    watcher = asyncio.create_task(_track_engine(servicer, channel, health_servicer, stop))
-    logger.info("tokenizer service on %s:%d, engine at %s", host, bound, engine_addr)
+    stop = stop_event()
+    watcher = asyncio.create_task(_track_engine(servicer, channel, health_service, stop))
+    logger.info("tokenizer service on %s:%d, engine at %s", host, bind_port, engine_addr)
     await stop.wait()
     watcher.cancel()
-    for svc in (SERVICE_NAME, ""):
-        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_service.set_serving(False)
     await server.stop(shutdown_grace)
     servicer.close()
     await channel.close()
 
 
 async def _track_engine(servicer: GenerationServicer, channel: grpc.aio.Channel,
-                        health_servicer: health.aio.HealthServicer, stop: asyncio.Event) -> None:
+                        health_service: Health, stop: asyncio.Event) -> None:
     """SERVING while the engine answers GetInfo; re-registers shared memory after an engine restart.
 
     Probes every second, and at once when the engine connection changes state (an engine that dies
@@ -79,9 +62,7 @@ async def _track_engine(servicer: GenerationServicer, channel: grpc.aio.Channel,
         if ok and serving is False:
             servicer.engine_restarted()
         if ok != serving:
-            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
-            for svc in (SERVICE_NAME, ""):
-                await health_servicer.set(svc, status)
+            await health_service.set_serving(ok)
             serving = ok
         state = channel.get_state(try_to_connect=True)
         try:

@@ -1,0 +1,61 @@
+"""The device interface: CPU runs everything; accelerators are imported only when chosen."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.device import CpuDevice, get_device
+
+
+def test_cpu_device_is_a_complete_no_op_stream_backend() -> None:
+    dev = get_device("cpu")
+    assert isinstance(dev, CpuDevice) and dev.torch_device == torch.device("cpu")
+    stream, event = dev.new_stream(), dev.new_event()
+    with dev.use_stream(stream):
+        x = torch.ones(3) * 2
+    dev.record_event(event, stream)
+    dev.wait_event(stream, event)
+    dev.synchronize()
+    assert x.tolist() == [2.0, 2.0, 2.0]
+    free, total = dev.memory_info()
+    assert 0 < free <= total
+    assert dev.attention_backend() is not None
+
+
+def test_unknown_device_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown device"):
+        get_device("tpu")
+
+
+def test_npu_backend_needs_torch_npu_and_says_so() -> None:
+    # torch_npu is not installed here: choosing npu fails with a clear message, never an ImportError trace.
+    code = ("from engine.device import get_device\n"
+            "try:\n    get_device('npu')\nexcept RuntimeError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "ERR device 'npu' needs torch_npu" in out.stdout
+
+
+def test_engine_never_imports_torch_npu_unless_chosen() -> None:
+    code = ("import sys\nfrom engine.config import EngineConfig\nimport engine.core, engine.llm, engine.server\n"
+            "print('torch_npu' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_streams_and_events() -> None:
+    dev = get_device("cuda")
+    s1, s2, ev = dev.new_stream(), dev.new_stream(), dev.new_event()
+    with dev.use_stream(s1):
+        x = torch.ones(1024, device=dev.torch_device) * 3
+    dev.record_event(ev, s1)
+    dev.wait_event(s2, ev)
+    with dev.use_stream(s2):
+        y = x + 1
+    dev.synchronize()
+    assert y[0].item() == 4.0
