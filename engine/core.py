@@ -113,7 +113,8 @@ class EngineCore:
         """Validate and queue a request. Raises InvalidRequestError (naming the field) or QueueFullError."""
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        lo, hi = min(prompt_token_ids), max(prompt_token_ids)  # C loops; a generator costs ~4 ms at 128k
+        bad = lo if lo < 0 else hi if hi >= self.vocab_size else None
         if bad is not None:
             raise InvalidRequestError("prompt_token_ids", f"token id {bad} is out of range [0, {self.vocab_size})")
         if len(prompt_token_ids) > self.max_model_len:
