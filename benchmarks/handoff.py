@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(run := run_handoff(settings), settings)
     largest = rows[-1]
     measured = largest["ratio.send_to_engine_us"]
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "handoff", "command": " ".join(["python -m benchmarks.handoff", *(argv or sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)), "python": platform.python_version(),
         "settings": asdict(settings), "rows": rows,

@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -148,7 +148,8 @@ def grpc_stack(settings: EngineSettings, log_dir: Path) -> Iterator[str]:
             yield addr
 
 
-async def _grpc_workload(addr: str, prompts: list[str], output_tokens: int, concurrency: int) -> tuple[int, int]:
+async def _grpc_workload(addr: str, prompts: list[str], output_tokens: int, concurrency: int,
+                         timeout: float) -> tuple[int, int]:
     """Every prompt through Generation.Generate, ``concurrency`` at a time; (prompt tokens, output tokens)."""
     import grpc
 
@@ -166,21 +167,54 @@ async def _grpc_workload(addr: str, prompts: list[str], output_tokens: int, conc
                 request.stopping.max_tokens = output_tokens
                 request.stopping.ignore_eos = True
                 last = None
-                async for last in stub.Generate(request, timeout=3600):
+                # A bounded deadline: an engine whose core thread died leaves streams open forever.
+                async for last in stub.Generate(request, timeout=timeout):
                     pass
                 if last is None or last.finish_reason != common_pb2.FINISH_REASON_LENGTH:
                     raise RuntimeError(f"request ended without FINISH_REASON_LENGTH: {last}")
                 totals[0] += last.usage.prompt_tokens
                 totals[1] += last.usage.completion_tokens
 
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+        async def watchdog() -> None:
+            # The tokenizer service reports NOT_SERVING once the engine stops answering GetInfo (a dead
+            # core thread leaves open streams hanging): fail the run instead of waiting for the deadline.
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            health, misses = health_pb2_grpc.HealthStub(channel), 0
+            while True:
+                await asyncio.sleep(2)
+                try:
+                    r = await health.Check(health_pb2.HealthCheckRequest(service="sluice.v1.Generation"), timeout=10)
+                    serving = r.status == health_pb2.HealthCheckResponse.SERVING
+                except grpc.aio.AioRpcError:
+                    serving = False
+                misses = 0 if serving else misses + 1
+                if misses >= 3:
+                    raise EngineDied("the tokenizer service reports the engine down")
+
+        work = asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+        guard = asyncio.ensure_future(watchdog())
+        try:
+            pending: list[asyncio.Future[Any]] = [work, guard]
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if guard.done():
+                work.cancel()
+                guard.result()  # raises EngineDied
+            await work
+        finally:
+            guard.cancel()
     return totals[0], totals[1]
 
 
-def run_grpc(addr: str, prompts: list[str], workload: Workload, round_: int, repeat: int) -> RunResult:
+class EngineDied(RuntimeError):
+    """The engine process stopped serving during a run."""
+
+
+def run_grpc(addr: str, prompts: list[str], workload: Workload, round_: int, repeat: int,
+             timeout: float = 900) -> RunResult:
     t0 = time.perf_counter()
     prompt_tokens, output_tokens = asyncio.run(
-        _grpc_workload(addr, prompts, workload.output_tokens, workload.concurrency))
+        _grpc_workload(addr, prompts, workload.output_tokens, workload.concurrency, timeout))
     return RunResult("grpc", round_, repeat, time.perf_counter() - t0, prompt_tokens, output_tokens)
 
 
@@ -199,8 +233,12 @@ def run_in_process(llm: Any, prompts: list[str], workload: Workload, round_: int
 
 
 # -- one benchmark ----------------------------------------------------------------------------------------
-def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repeat: int,
-                 log_dir: Path) -> list[RunResult]:
+def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repeat: int, log_dir: Path,
+                 on_result: Callable[[list[RunResult]], object] = lambda results: None,
+                 crashes: list[str] | None = None, max_attempts: int = 3) -> list[RunResult]:
+    """All runs; ``on_result`` sees the list after each one (so a crash later keeps what was measured).
+    Engine crashes (see BENCHMARKS.md) are appended to ``crashes`` and the round's gRPC side is redone."""
+    crashes = crashes if crashes is not None else []
     from engine.config import default_model_path
     from engine.text import Tokenizer
 
@@ -213,6 +251,7 @@ def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repe
         for k in range(repeat):
             # A fresh prefix per run (same length on both sides): no run is served from another's cache.
             results.append(once(make_prompts(tokenizer, workload, f"run {r}.{k}{side[0]}"), workload, r, k))
+            on_result(results)
             x = results[-1]
             print(f"round {r}.{k} {side:10s}: {x.output_tokens} tokens in {x.wall_s:.2f} s = "
                   f"{x.output_tok_s:.1f} tok/s", flush=True)
@@ -220,8 +259,18 @@ def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repe
     for r in range(rounds):
         for side in ("grpc", "in-process") if r % 2 == 0 else ("in-process", "grpc"):
             if side == "grpc":
-                with grpc_stack(settings, log_dir) as addr:
-                    measure(side, r, lambda p, w, r_, k: run_grpc(addr, p, w, r_, k))
+                for attempt in range(max_attempts):
+                    done = len(results)
+                    try:
+                        with grpc_stack(settings, log_dir) as addr:
+                            measure(side, r, lambda p, w, r_, k: run_grpc(addr, p, w, r_, k))
+                        break
+                    except EngineDied as e:
+                        del results[done:]  # a round's gRPC runs all come from one engine process
+                        crashes.append(f"round {r}, attempt {attempt}: {e}")
+                        print(f"round {r} grpc: {e}; starting a fresh stack", flush=True)
+                else:
+                    raise EngineDied(f"round {r}: the engine died in {max_attempts} attempts")
             else:
                 from engine.llm import LLM
 
@@ -248,11 +297,13 @@ def summarize(results: list[RunResult]) -> dict[str, Any]:
             "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO}
 
 
-def markdown(results: list[RunResult], summary: dict[str, Any]) -> str:
+def markdown(results: list[RunResult], summary: dict[str, Any] | None) -> str:
     lines = ["| run | side | prompt tokens | output tokens | wall (s) | output tok/s |", "|---:|---|---:|---:|---:|---:|"]
     for x in results:
         lines.append(f"| {x.round}.{x.repeat} | {x.side} | {x.prompt_tokens} | {x.output_tokens} | {x.wall_s:.2f} | "
                      f"{x.output_tok_s:.1f} |")
+    if summary is None:
+        return "\n".join(lines + ["", "(incomplete: the benchmark stopped before every run was done)"])
     per_round = ", ".join(f"{v:.3f}" for v in summary["ratio_per_round"])
     lines += ["", f"gRPC / in-process, medians: **{summary['ratio']:.3f}** "
                   f"({summary['grpc_tok_s_median']:.1f} / {summary['in_process_tok_s_median']:.1f} tok/s); "
@@ -288,15 +339,24 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    results = run_overhead(workload, settings, ns.rounds, ns.repeat, out.parent)
-    summary = summarize(results)
-    doc = {"benchmark": "overhead", "command": " ".join(["python -m benchmarks.overhead", *(argv or sys.argv[1:])]),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-           "python": platform.python_version(), "workload": asdict(workload), "engine": asdict(settings),
-           "runs": [dict(asdict(x), output_tok_s=x.output_tok_s) for x in results], "summary": summary}
-    out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    table = markdown(results, summary)
-    out.with_suffix(".md").write_text(f"`{doc['command']}` — {doc['date']}\n\n{table}\n", encoding="utf-8")
+    doc: dict[str, Any] = {
+        "benchmark": "overhead", "command": " ".join(["python -m benchmarks.overhead", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+        "python": platform.python_version(), "workload": asdict(workload), "engine": asdict(settings)}
+
+    crashes: list[str] = []
+
+    def write(results: list[RunResult], complete: bool) -> str:
+        doc.update(complete=complete, engine_crashes=crashes, runs=[dict(asdict(x), output_tok_s=x.output_tok_s) for x in results])
+        sides = {x.side for x in results}
+        doc["summary"] = summarize(results) if sides == {"grpc", "in-process"} and complete else None
+        out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        table = markdown(results, doc["summary"])
+        out.with_suffix(".md").write_text(f"`{doc['command']}` — {doc['date']}\n\n{table}\n", encoding="utf-8")
+        return table
+
+    results = run_overhead(workload, settings, ns.rounds, ns.repeat, out.parent, lambda r: write(r, False), crashes)
+    table = write(results, True)
     print(table)
     return 0
 

@@ -105,7 +105,12 @@ class AsyncEngine:
 
         done: Future[None] = Future()
         self._commands.put(_Add(request_id, prompt_token_ids, params, priority, sink, done))
-        await asyncio.wrap_future(done)
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            # Cancelled while queued: if the engine thread had already taken the request, abort it.
+            self.abort([request_id])
+            raise
         tracker = _Terminals(params.n)
         try:
             while not tracker.done:
@@ -142,7 +147,10 @@ class AsyncEngine:
                 if isinstance(cmd, _Stop):
                     self._fail_all(EngineDeadError("engine stopped"))
                     return
-                self._handle(cmd)
+                try:
+                    self._handle(cmd)
+                except Exception:  # a bad command never ends the loop
+                    logger.exception("engine command failed")
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
@@ -167,6 +175,9 @@ class AsyncEngine:
                     del self._sinks[parent]
 
     def _handle(self, cmd: _Add | _Abort | _Call) -> None:
+        # A caller that gave up (cancelled, deadline) before we got here has a cancelled future: skip it.
+        if isinstance(cmd, (_Add, _Call)) and not cmd.done.set_running_or_notify_cancel():
+            return
         if isinstance(cmd, _Add):
             try:
                 self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority)
