@@ -5,11 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
-
-# Before torch loads its OpenMP runtime: the engine shares the cores with the tokenizer service and the
-# gateway, and OpenMP workers that spin while waiting starve them (measured 3x slower steps under load).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from engine.args import add_engine_args, config_from_args
 

@@ -59,3 +59,13 @@ def test_cuda_streams_and_events() -> None:
         y = x + 1
     dev.synchronize()
     assert y[0].item() == 4.0
+
+
+def test_importing_engine_makes_openmp_workers_sleep_unless_the_user_chose() -> None:
+    code = "import os, engine, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "PASSIVE"
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "ACTIVE"
