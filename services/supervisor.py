@@ -68,7 +68,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def grpc_serving(addr: str, service: str) -> bool:
+def grpc_serving(addr: str, service: str = "") -> bool:
+    """Whether the gRPC health service at ``addr`` reports ``service`` ("" = the whole server) SERVING."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

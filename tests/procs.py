@@ -12,8 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from services.supervisor import grpc_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,15 +21,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def grpc_serving(addr: str, service: str = "") -> bool:
-    try:
-        with grpc.insecure_channel(addr) as ch:
-            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
-            return r.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
 
 
 def wait_until(check: Callable[[], bool], timeout: float, proc: subprocess.Popen[bytes] | None = None,
