@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -14,6 +15,7 @@ from engine.models import CausalLM, build_model, load_model, resolve_dtype
 from engine.models.config import RopeScaling, config_from_hf
 from engine.models.dtype import cpu_has_native_bf16
 from engine.models.gguf_loader import hf_name, unpermute_qk
+from engine.models.llama import SMALL_BATCH_ROWS, linear
 from tests.engine.paged_factory import PagedKV
 
 TOL = 1e-4  # fp32 vs fp32: only summation order differs
@@ -258,3 +260,15 @@ def test_default_gguf_matches_transformers(default_gguf: tuple[Path, CausalLM]) 
         logits = _run(ours, kv, [("q", answer[-1:])])
     assert tokenizer.decode(answer, skip_special_tokens=True) == "The capital of France is Paris."
     assert answer[-1] == 2  # stopped on <|im_end|>
+
+
+@pytest.mark.parametrize("rows", [1, 2, 32, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_batch_linear_matches_f_linear(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 48, generator=gen)
+    weight = torch.randn(80, 48, generator=gen)
+    bias = torch.randn(80, generator=gen) if with_bias else None
+    out = linear(x, weight, bias)
+    assert out.shape == (rows, 80) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
