@@ -7,10 +7,13 @@ slot is ``block_id * block_size + offset``; a sequence's block table lists its b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.kernels import PagedDecodeAttention
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -78,7 +81,13 @@ class TorchAttentionBackend:
     length mask. Prefill chunks run one SDPA call each, causal with the query offset
     ``seq_len - query_len`` (SDPA's own ``is_causal`` aligns the diagonal top-left, which is only
     right when there is no earlier context).
+
+    ``decode_kernel`` (the CPU device passes ``engine.kernels.cpu_paged_decode_attention``) replaces the
+    gather + SDPA of float32 decodes with one pass over the blocks in place.
     """
+
+    def __init__(self, decode_kernel: PagedDecodeAttention | None = None) -> None:
+        self.decode_kernel = decode_kernel
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -98,6 +107,10 @@ class TorchAttentionBackend:
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         num_decodes = meta.num_decodes
+        if (self.decode_kernel is not None and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
+                and kv_cache.is_contiguous()):
+            return self.decode_kernel(query.contiguous(), kv_cache, meta.block_tables[:num_decodes].contiguous(),
+                                      meta.seq_lens[:num_decodes].contiguous(), scale)
         block_size = meta.block_size
         max_len = max(meta.seq_lens_host[:num_decodes])
         num_blocks = -(-max_len // block_size)

@@ -54,6 +54,7 @@ class EngineCore:
         self.device.set_seed(config.seed)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.model = load_model(config.model_path, self.dtype, self.device.torch_device)
+        self.device.prepare_model(self.model, self.dtype)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = set(mc.eos_token_ids)

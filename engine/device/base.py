@@ -73,6 +73,9 @@ class Device(ABC):
     def attention_backend(self) -> AttentionBackend:
         """The attention kernels: KV write by slot mapping, prefill and paged decode attention."""
 
+    def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Rewrite a loaded model's weights into this device's fastest layout (default: leave them)."""
+
 
 class _NullStream:
     """Stands in for a stream on CPU: work runs in issue order on the calling thread."""
@@ -107,5 +110,12 @@ class CpuDevice(Device):
 
     def attention_backend(self) -> AttentionBackend:
         from engine.attention import TorchAttentionBackend
+        from engine.kernels import cpu_paged_decode_attention
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(decode_kernel=cpu_paged_decode_attention())
+
+    def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        """float32: oneDNN prepacked linears (engine.kernels; ``SLUICE_CPU_KERNELS=0`` keeps F.linear)."""
+        from engine.kernels import prepare_cpu_model
+
+        prepare_cpu_model(model, dtype)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend, kv_cache_shape
+from engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, kv_cache_shape
 
 
 @dataclass
@@ -29,6 +29,7 @@ class PagedKV:
     block_size: int = 4
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    backend: AttentionBackend = field(default_factory=TorchAttentionBackend)
     kv_caches: list[torch.Tensor] = field(init=False)
     tables: dict[str, list[int]] = field(init=False, default_factory=dict)
     tokens: dict[str, list[int]] = field(init=False, default_factory=dict)
@@ -79,6 +80,6 @@ class PagedKV:
             seq_lens_host=seq_lens,
             num_decodes=num_decodes,
             block_size=self.block_size,
-            backend=TorchAttentionBackend(),
+            backend=self.backend,
         )
         return Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), meta)

@@ -1,4 +1,5 @@
-"""TorchAttentionBackend against naive dense causal attention, one sequence at a time."""
+"""TorchAttentionBackend, with and without the CPU decode kernel, against naive dense causal attention,
+one sequence at a time."""
 from __future__ import annotations
 
 import random
@@ -8,7 +9,17 @@ import pytest
 import torch
 
 from engine.attention import TorchAttentionBackend, kv_cache_shape, write_kv_cache
+from engine.kernels import cpu_paged_decode_attention
 from tests.engine.paged_factory import PagedKV
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def backend(request: pytest.FixtureRequest) -> TorchAttentionBackend:
+    if request.param == "torch":
+        return TorchAttentionBackend()
+    kernel = cpu_paged_decode_attention()
+    assert kernel is not None, "the CPU paged-attention kernel did not build (see the warning logged)"
+    return TorchAttentionBackend(decode_kernel=kernel)
 
 
 @dataclass
@@ -44,7 +55,8 @@ def _make_seqs(rng: random.Random, num_decodes: int, prefills: list[tuple[int, i
     return seqs
 
 
-def _check(seqs: list[Seq], num_decodes: int, hq: int, hkv: int, d: int, block_size: int) -> None:
+def _check(backend: TorchAttentionBackend, seqs: list[Seq], num_decodes: int, hq: int, hkv: int, d: int,
+           block_size: int) -> None:
     kv = PagedKV(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=96, block_size=block_size, seed=len(seqs))
     cache = kv.kv_caches[0]
     with_context = [s for s in seqs if s.context]
@@ -57,7 +69,7 @@ def _check(seqs: list[Seq], num_decodes: int, hq: int, hkv: int, d: int, block_s
     new_k = torch.cat([s.k[s.context:] for s in seqs])
     new_v = torch.cat([s.v[s.context:] for s in seqs])
     scale = d ** -0.5
-    out = TorchAttentionBackend().forward(torch.cat([s.q for s in seqs]), new_k, new_v, cache, step.meta, scale)
+    out = backend.forward(torch.cat([s.q for s in seqs]), new_k, new_v, cache, step.meta, scale)
     assert out.shape == (sum(s.new for s in seqs), hq, d)
     # the step's keys and values landed in their slots
     flat = cache.view(2, -1, hkv, d)
@@ -67,28 +79,28 @@ def _check(seqs: list[Seq], num_decodes: int, hq: int, hkv: int, d: int, block_s
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_random_mixed_batches_match_dense_reference(seed: int) -> None:
+def test_random_mixed_batches_match_dense_reference(backend: TorchAttentionBackend, seed: int) -> None:
     rng = random.Random(seed)
     hkv = rng.choice([1, 2, 3])
     hq = hkv * rng.choice([1, 2, 4])
-    d = rng.choice([8, 16, 32])
+    d = rng.choice([8, 16, 32, 36])  # 36: the kernel's tail past its 8-float lanes
     block_size = rng.choice([1, 4, 16])
     num_decodes = rng.randint(0, 4)
     prefills = [(rng.choice([0, 0, rng.randint(1, 20)]), rng.randint(1, 9)) for _ in range(rng.randint(0, 3))]
     if num_decodes == 0 and not prefills:
         num_decodes = 1
-    _check(_make_seqs(rng, num_decodes, prefills, hq, hkv, d), num_decodes, hq, hkv, d, block_size)
+    _check(backend, _make_seqs(rng, num_decodes, prefills, hq, hkv, d), num_decodes, hq, hkv, d, block_size)
 
 
-def test_decodes_of_different_lengths() -> None:
+def test_decodes_of_different_lengths(backend: TorchAttentionBackend) -> None:
     # lengths straddle block boundaries; the shortest sees padding and foreign blocks that must be masked
     seqs = _make_seqs(random.Random(1), 0, [(1, 1), (4, 1), (5, 1), (23, 1)], 4, 2, 16)
-    _check(seqs, 4, 4, 2, 16, block_size=4)
+    _check(backend, seqs, 4, 4, 2, 16, block_size=4)
 
 
-def test_prefill_chunk_after_context_and_fresh_prefill() -> None:
+def test_prefill_chunk_after_context_and_fresh_prefill(backend: TorchAttentionBackend) -> None:
     seqs = _make_seqs(random.Random(2), 0, [(0, 7), (9, 6), (3, 1)], 6, 3, 8)
-    _check(seqs, 0, 6, 3, 8, block_size=4)
+    _check(backend, seqs, 0, 6, 3, 8, block_size=4)
 
 
 def test_kv_cache_shape() -> None:
@@ -99,3 +111,18 @@ def test_kv_cache_shape() -> None:
     assert cache[0, 2, 1, 0, 0] == 1.0 and cache[1, 2, 1, 0, 0] == 3.0
     assert cache[0, 0, 0, 0, 0] == 2.0 and cache[1, 0, 0, 0, 0] == 4.0
     assert cache.count_nonzero() == 4
+
+
+def test_decode_kernel_rejects_bad_tables_with_an_error() -> None:
+    kernel = cpu_paged_decode_attention()
+    assert kernel is not None
+    cache = torch.zeros(kv_cache_shape(4, 2, 1, 8))
+    query = torch.zeros(1, 2, 8)
+    ok = kernel(query, cache, torch.tensor([[3, 1]]), torch.tensor([4]), 1.0)
+    assert ok.shape == (1, 2, 8)
+    with pytest.raises(RuntimeError, match="block id"):
+        kernel(query, cache, torch.tensor([[4, 0]]), torch.tensor([2]), 1.0)
+    with pytest.raises(RuntimeError, match="seq_len"):
+        kernel(query, cache, torch.tensor([[0, 1]]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel(query.double(), cache.double(), torch.tensor([[0, 1]]), torch.tensor([2]), 1.0)

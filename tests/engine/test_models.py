@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from engine.attention import AttentionBackend, TorchAttentionBackend
+from engine.device.base import CpuDevice
 from engine.models import CausalLM, build_model, load_model, resolve_dtype
 from engine.models.config import RopeScaling, config_from_hf
 from engine.models.dtype import cpu_has_native_bf16
@@ -51,14 +53,27 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
                 param.copy_(0.08 * noise)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+# "+cpu-kernels": the engine's CPU path (CpuDevice.prepare_model: oneDNN prepacked linears, and the
+# compiled paged decode attention kernel).
+PATHS = ["torch", "cpu-kernels"]
+
+
+def _prepare(model: CausalLM, path: str) -> CausalLM:
+    if path == "cpu-kernels":
+        CpuDevice().prepare_model(model, torch.float32)
+        assert model.onednn_packed, "oneDNN packing did not happen (SLUICE_CPU_KERNELS=0 or no mkldnn)"
+    return model
+
+
+@pytest.fixture(scope="module", params=[(v, p) for v in VARIANTS for p in PATHS], ids=lambda vp: "+".join(vp))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, CausalLM]:
+    variant, path = request.param
     torch.manual_seed(0)
-    hf = VARIANTS[request.param]().eval()
+    hf = VARIANTS[variant]().eval()
     _randomize(hf, seed=1)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    return hf, load_model(str(path), torch.float32)
+    ckpt = tmp_path_factory.mktemp(variant)
+    hf.save_pretrained(ckpt)
+    return hf, _prepare(load_model(str(ckpt), torch.float32), path)
 
 
 def _hf_logits(hf: PreTrainedModel, ids: list[int]) -> torch.Tensor:
@@ -66,9 +81,17 @@ def _hf_logits(hf: PreTrainedModel, ids: list[int]) -> torch.Tensor:
         return hf(input_ids=torch.tensor([ids])).logits[0].float()
 
 
+def _backend(model: CausalLM) -> AttentionBackend:
+    if model.onednn_packed:
+        backend = CpuDevice().attention_backend()
+        assert getattr(backend, "decode_kernel", None) is not None, "the CPU decode kernel did not build"
+        return backend
+    return TorchAttentionBackend()
+
+
 def _paged(model: CausalLM, block_size: int = 4) -> PagedKV:
     cfg = model.config
-    return PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size)
+    return PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size, backend=_backend(model))
 
 
 def _run(model: CausalLM, kv: PagedKV, chunks: list[tuple[str, list[int]]]) -> torch.Tensor:
@@ -152,8 +175,8 @@ def test_fused_projections_hold_the_checkpoint_slices(pair: tuple[PreTrainedMode
     hf_attn, hf_mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
     attn, mlp = ours.layers[1].self_attn, ours.layers[1].mlp
     qkv = torch.cat([hf_attn.q_proj.weight, hf_attn.k_proj.weight, hf_attn.v_proj.weight])
-    assert torch.equal(attn.qkv_proj.weight, qkv)
-    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]))
+    assert torch.equal(attn.qkv_proj.dense_weight(), qkv)
+    assert torch.equal(mlp.gate_up_proj.dense_weight(), torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]))
     if ours.config.attention_bias:
         assert torch.equal(attn.qkv_proj.bias, torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias]))
 
@@ -228,12 +251,12 @@ def test_gguf_tensor_names() -> None:
 GGUF_TOL = 5e-4  # both dequantize the same blocks to fp32; measured max diff 6e-5 on logits up to ~38
 
 
-@pytest.fixture(scope="module")
-def default_gguf() -> tuple[Path, CausalLM]:
+@pytest.fixture(scope="module", params=PATHS)
+def default_gguf(request: pytest.FixtureRequest) -> tuple[Path, CausalLM]:
     from engine.config import default_model_path
 
     path = Path(default_model_path())
-    return path, load_model(str(path), torch.float32)
+    return path, _prepare(load_model(str(path), torch.float32), request.param)
 
 
 @pytest.mark.slow
@@ -250,7 +273,7 @@ def test_default_gguf_matches_transformers(default_gguf: tuple[Path, CausalLM]) 
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     expected = _hf_logits(hf, ids)
     del hf
-    kv = PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=16)
+    kv = PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=16, backend=_backend(ours))
     logits = _run(ours, kv, [("q", ids)])
     torch.testing.assert_close(logits, expected, atol=GGUF_TOL, rtol=0)
     assert int(logits[-1].argmax()) == int(expected[-1].argmax())

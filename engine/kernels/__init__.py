@@ -1,0 +1,76 @@
+"""Native CPU kernels: oneDNN prepacked linears, and a paged decode attention kernel compiled on first
+use with ``torch.utils.cpp_extension`` (g++ and ninja).
+
+The build lands in torch's extension cache (``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``)
+and is reused by every later process; the first engine start on a machine pays for it (about a
+minute on 2 cores). It is compiled with ``-march=native``, so the module name carries a digest of
+this CPU's model and flags: a cache shared between different CPUs never loads a build for the wrong
+one. When anything fails (no compiler, no ninja), the engine logs why and runs the PyTorch path.
+
+``SLUICE_CPU_KERNELS=0`` turns both off (plain ``F.linear`` and gather + SDPA), for comparison or when
+a kernel misbehaves on some CPU; ``1`` (the default) uses them when they are available.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = Path(__file__).resolve().parent
+ENV_CPU_KERNELS = "SLUICE_CPU_KERNELS"
+
+PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _cpu_digest() -> str:
+    """This CPU's model name and feature flags, hashed: what ``-march=native`` compiled for."""
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features"))]
+        text += "".join(sorted(set(lines)))
+    except OSError:
+        pass
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def cpu_kernels_enabled() -> bool:
+    """False when ``SLUICE_CPU_KERNELS`` is 0 / false / no / off."""
+    return os.environ.get(ENV_CPU_KERNELS, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Prepack a float32 model's linears for oneDNN when enabled and available; True when packed."""
+    if dtype != torch.float32 or not cpu_kernels_enabled() or not torch.backends.mkldnn.is_available():
+        return False
+    pack = getattr(model, "pack_onednn", None)
+    if pack is None:
+        return False
+    pack()
+    return True
+
+
+@functools.cache
+def cpu_paged_decode_attention() -> PagedDecodeAttention | None:
+    """The compiled ``paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)``,
+    or None when CPU kernels are turned off or it cannot be built."""
+    if not cpu_kernels_enabled():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(name=f"sluice_paged_attention_cpu_{_cpu_digest()}",
+                      sources=[str(_SOURCES / "paged_attention_cpu.cpp")],
+                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # compiler, ninja or headers missing: the PyTorch path still works
+        logger.warning("CPU paged-attention kernel unavailable, using the PyTorch path: %s", e)
+        return None
+    return module.paged_decode_attention
