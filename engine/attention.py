@@ -133,12 +133,15 @@ class TorchAttentionBackend:
         query_len = query.shape[0]
         seq_len = meta.seq_lens_host[seq_index]
         context_len = seq_len - query_len
+        # 4-D (batch of one): SDPA's fused CPU kernel needs it; 3-D falls back to the math path,
+        # 1.7x slower at 128 tokens and 4.5x at 2048 here.
         q = query.transpose(0, 1)  # [Hq, Q, D]
         if context_len == 0:
             # Nothing cached before this chunk: attend over the new keys directly, no gather.
             out = F.scaled_dot_product_attention(
-                q, key.transpose(0, 1), value.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True)
-            return out.transpose(0, 1)
+                q[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], is_causal=True, scale=scale,
+                enable_gqa=True)
+            return out[0].transpose(0, 1)
         num_blocks = -(-seq_len // meta.block_size)
         keys, values = gather_kv(kv_cache, meta.block_tables[seq_index:seq_index + 1], num_blocks)
         keys = keys[0, :seq_len].transpose(0, 1)  # [Hkv, S, D]
@@ -147,5 +150,6 @@ class TorchAttentionBackend:
         q_pos = torch.arange(context_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         mask = k_pos[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+        return out[0].transpose(0, 1)
