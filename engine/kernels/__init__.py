@@ -1,5 +1,6 @@
-"""Native CPU kernels: oneDNN prepacked linears, and a paged decode attention kernel compiled on first
-use with ``torch.utils.cpp_extension`` (g++ and ninja).
+"""Native CPU kernels for float32: oneDNN prepacked linears, and ``cpu_ops.cpp`` (paged decode
+attention, RMSNorm with the residual add, SiLU-and-mul, rotary embedding) compiled on first use with
+``torch.utils.cpp_extension`` (g++ and ninja).
 
 The build lands in torch's extension cache (``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``)
 and is reused by every later process; the first engine start on a machine pays for it (about a
@@ -18,6 +19,7 @@ import logging
 import os
 import platform
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -48,29 +50,38 @@ def cpu_kernels_enabled() -> bool:
 
 
 def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Prepack a float32 model's linears for oneDNN when enabled and available; True when packed."""
-    if dtype != torch.float32 or not cpu_kernels_enabled() or not torch.backends.mkldnn.is_available():
+    """float32 models: prepack the linears for oneDNN (when torch has it) and hand the model the fused
+    elementwise ops (when ``cpu_ops`` builds). True when anything changed."""
+    if dtype != torch.float32 or not cpu_kernels_enabled():
         return False
-    pack = getattr(model, "pack_onednn", None)
-    if pack is None:
-        return False
-    pack()
-    return True
+    changed = False
+    if torch.backends.mkldnn.is_available() and hasattr(model, "pack_onednn"):
+        model.pack_onednn()
+        changed = True
+    ops = cpu_ops()
+    if ops is not None and hasattr(model, "use_cpu_ops"):
+        model.use_cpu_ops(ops)
+        changed = True
+    return changed
 
 
 @functools.cache
-def cpu_paged_decode_attention() -> PagedDecodeAttention | None:
-    """The compiled ``paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)``,
-    or None when CPU kernels are turned off or it cannot be built."""
+def cpu_ops() -> Any | None:
+    """The compiled ``cpu_ops.cpp`` extension (``paged_decode_attention``, ``rms_norm``, ``add_rms_norm``,
+    ``silu_and_mul``, ``rotary_``), or None when CPU kernels are turned off or it cannot be built."""
     if not cpu_kernels_enabled():
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"sluice_paged_attention_cpu_{_cpu_digest()}",
-                      sources=[str(_SOURCES / "paged_attention_cpu.cpp")],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        return load(name=f"sluice_cpu_ops_{_cpu_digest()}", sources=[str(_SOURCES / "cpu_ops.cpp")],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler, ninja or headers missing: the PyTorch path still works
-        logger.warning("CPU paged-attention kernel unavailable, using the PyTorch path: %s", e)
+        logger.warning("CPU kernels unavailable, using the PyTorch path: %s", e)
         return None
-    return module.paged_decode_attention
+
+
+def cpu_paged_decode_attention() -> PagedDecodeAttention | None:
+    """``paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)`` from ``cpu_ops``, or None."""
+    ops = cpu_ops()
+    return None if ops is None else ops.paged_decode_attention

@@ -8,6 +8,7 @@ layer attends over the full context, which is exact while sequences are shorter 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +99,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary  # one module shared by every layer; its buffers are not persistent
         self.scale = config.head_dim ** -0.5
+        self.ops: Any = None  # engine.kernels.cpu_ops once CausalLM.use_cpu_ops ran
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -110,7 +112,11 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.ops is not None:  # in place on the fused projection's output
+            self.ops.rotary_(q, positions, self.rotary.cos_cache, self.rotary.sin_cache)
+            self.ops.rotary_(k, positions, self.rotary.cos_cache, self.rotary.sin_cache)
+        else:
+            q, k = self.rotary(positions, q, k)
         out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))
 
@@ -121,8 +127,11 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.ops: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -139,6 +148,20 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      kv_cache: torch.Tensor, meta: AttentionMetadata, ops: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the residual stream carried separately (vLLM's layout): each residual add
+        is fused into the RMSNorm that follows it. ``x`` is the previous layer's MLP output (or the
+        embeddings, with ``residual`` None); returns this layer's MLP output and the residual."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual = x
+            h = ops.rms_norm(x, norm1.weight, norm1.eps)
+        else:
+            h = ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)  # residual += x
+        h = ops.add_rms_norm(self.self_attn(h, positions, kv_cache, meta), residual, norm2.weight, norm2.eps)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -157,6 +180,13 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: int64 [T]; one KV cache per layer. Returns the final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        ops = self._ops
+        if ops is not None:
+            residual: torch.Tensor | None = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer.forward_fused(x, residual, positions, kv_cache, meta, ops)
+            assert residual is not None
+            return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, kv_cache, meta)
         return self.norm(x)
@@ -171,6 +201,21 @@ class CausalLM(nn.Module):
 
     _tied_packed: torch.Tensor | None = None  # oneDNN copy of the tied embedding, for the lm_head
     onednn_packed = False
+    _ops: Any = None
+
+    @property
+    def uses_cpu_ops(self) -> bool:
+        return self._ops is not None
+
+    def use_cpu_ops(self, ops: Any) -> None:
+        """Run RMSNorm (fused with the residual adds), SiLU-and-mul and rotary through ``ops``
+        (engine.kernels.cpu_ops: float32 CPU kernels), each one pass over memory instead of several."""
+        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in self.parameters()):
+            raise ValueError("use_cpu_ops: float32 CPU models only")
+        self._ops = ops
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.ops = ops
 
 
     def pack_onednn(self) -> None:

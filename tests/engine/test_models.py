@@ -54,7 +54,7 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
 
 
 # "+cpu-kernels": the engine's CPU path (CpuDevice.prepare_model: oneDNN prepacked linears, and the
-# compiled paged decode attention kernel).
+# compiled cpu_ops: paged decode attention, RMSNorm fused with the residual adds, SiLU-and-mul, rotary).
 PATHS = ["torch", "cpu-kernels"]
 
 
@@ -62,6 +62,7 @@ def _prepare(model: CausalLM, path: str) -> CausalLM:
     if path == "cpu-kernels":
         CpuDevice().prepare_model(model, torch.float32)
         assert model.onednn_packed, "oneDNN packing did not happen (SLUICE_CPU_KERNELS=0 or no mkldnn)"
+        assert model.uses_cpu_ops, "engine/kernels/cpu_ops.cpp did not build (see the warning logged)"
     return model
 
 

@@ -1,7 +1,11 @@
-// Paged decode attention for CPU, float32: one new query token per sequence, attending over that
-// sequence's keys and values where they lie in the paged KV cache. No gather: each key and value is
-// read once from its block, which is what the pure-PyTorch path (index_select + SDPA) pays three
-// times for. Built on first use by engine/kernels/__init__.py (torch.utils.cpp_extension).
+// The engine's CPU float32 kernels, built on first use by engine/kernels/__init__.py
+// (torch.utils.cpp_extension). Each replaces a chain of PyTorch ops that would each make a pass over
+// memory; all are checked against the PyTorch path in tests/engine/test_kernels.py and, through the
+// model, against transformers in tests/engine/test_models.py.
+//
+// paged_decode_attention: one new query token per sequence, attending over that sequence's keys and
+// values where they lie in the paged KV cache. No gather: each key and value is read once from its
+// block, which is what the pure-PyTorch path (index_select + SDPA) pays three times for.
 //
 // query        [N, Hq, D]            float32, contiguous
 // kv_cache     [2, NB, BS, Hkv, D]   float32, contiguous; index 0 keys, 1 values
@@ -151,7 +155,130 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   return out;
 }
 
+namespace {
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, name, ": float32 CPU tensor expected");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": [rows, features] with contiguous rows expected");
+}
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for one row of `n` floats.
+inline void rms_norm_row(const float* x, const float* weight, float* out, int64_t n, float eps) {
+  float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) acc[j] += x[i + j] * x[i + j];
+  }
+  float ss = 0.f;
+  for (; i < n; ++i) ss += x[i] * x[i];
+  for (int64_t j = 0; j < kLanes; ++j) ss += acc[j];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t d = 0; d < n; ++d) out[d] = weight[d] * (x[d] * inv);
+}
+
+}  // namespace
+
+// RMSNorm of each row of x [T, H] (float32), as transformers computes it in float32.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm: x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == at::kFloat,
+              "rms_norm: weight must be float32 [H]");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows, n}, x.options());
+  const float* src = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(src + r * stride, w, dst + r * n, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x (in place), then returns rms_norm(residual): the residual add and the next layer's
+// input norm in one pass.
+torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm: x");
+  check_rows(residual, "add_rms_norm: residual");
+  TORCH_CHECK(residual.is_contiguous() && x.sizes() == residual.sizes(), "add_rms_norm: shapes differ");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == at::kFloat,
+              "add_rms_norm: weight must be float32 [H]");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows, n}, x.options());
+  const float* src = x.data_ptr<float>();
+  float* res = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* rr = res + r * n;
+      const float* xr = src + r * stride;
+      for (int64_t d = 0; d < n; ++d) rr[d] += xr[d];
+      rms_norm_row(rr, w, dst + r * n, n, static_cast<float>(eps));
+    }
+  });
+  return out;
+}
+
+// [T, 2I] gate|up -> [T, I] silu(gate) * up.
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+  check_rows(gate_up, "silu_and_mul: gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: odd width");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = src + r * stride;
+      const float* u = g + inter;
+      float* o = dst + r * inter;
+      for (int64_t d = 0; d < inter; ++d) o[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
+    }
+  });
+  return out;
+}
+
+// Rotary embedding, GPT-NeoX layout (the halves of each head rotate together), in place on x
+// [T, heads, D] whose heads and features are contiguous (tokens may be strided, e.g. a slice of the
+// fused qkv output). cos/sin [max_positions, D/2]; positions [T] int64.
+void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3, "rotary_: float32 [T, H, D]");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == dim && dim % 2 == 0, "rotary_: heads and features contiguous");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(),
+              "rotary_: cos/sin must be float32 [positions, D/2]");
+  TORCH_CHECK(positions.is_contiguous() && positions.scalar_type() == at::kLong && positions.numel() == tokens,
+              "rotary_: positions must be int64 [T]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_: position out of range");
+  float* base = x.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* ct = c + pos[t] * half;
+      const float* st = s + pos[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x1 = base + t * stride + h * dim;
+        float* x2 = x1 + half;
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = x1[d], b = x2[d];
+          x1[d] = a * ct[d] - b * st[d];
+          x2[d] = b * ct[d] + a * st[d];
+        }
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention over a [2, blocks, block_size, kv_heads, head_dim] float32 KV cache (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32, CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm(residual) (float32, CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up tensor (float32, CPU)");
+  m.def("rotary_", &rotary_, "GPT-NeoX rotary embedding in place (float32, CPU)");
 }

@@ -1,0 +1,90 @@
+"""engine/kernels/cpu_ops.cpp's elementwise kernels against the PyTorch ops they replace.
+
+(The paged decode attention kernel is checked in test_attention.py; the whole set, through the model,
+against transformers in test_models.py.)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu_ops
+from engine.models.llama import RMSNorm
+from engine.models.rope import _rotate
+
+
+@pytest.fixture(scope="module")
+def ops() -> Any:
+    module = cpu_ops()
+    assert module is not None, "engine/kernels/cpu_ops.cpp did not build (see the warning logged)"
+    return module
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 64), (7, 576), (33, 100), (300, 36)])
+def test_rms_norm_matches_the_model_norm(ops: Any, rows: int, width: int) -> None:
+    norm = RMSNorm(width, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=_gen(1)))
+    x = torch.randn(rows, width, generator=_gen(rows)) * 3
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, norm.eps), norm(x), rtol=1e-5, atol=1e-5)
+    # rows may be strided (a slice of a wider tensor)
+    wide = torch.randn(rows, width + 8, generator=_gen(2))
+    torch.testing.assert_close(ops.rms_norm(wide[:, :width], norm.weight, 1e-5), norm(wide[:, :width]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_add_rms_norm_updates_the_residual_in_place(ops: Any) -> None:
+    x = torch.randn(19, 96, generator=_gen(3))
+    residual = torch.randn(19, 96, generator=_gen(4))
+    weight = torch.randn(96, generator=_gen(5))
+    expected_residual = residual + x
+    expected = F.rms_norm(expected_residual, (96,), weight, 1e-6)
+    out = ops.add_rms_norm(x, residual, weight, 1e-6)
+    torch.testing.assert_close(residual, expected_residual)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_silu_and_mul(ops: Any, rows: int) -> None:
+    gate_up = torch.randn(rows, 2 * 40, generator=_gen(rows)) * 4
+    gate, up = gate_up.split(40, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_in_place_on_a_slice_of_the_fused_projection(ops: Any) -> None:
+    tokens, hq, hkv, d = 11, 4, 2, 16
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=_gen(6))
+    positions = torch.randint(0, 50, (tokens,), generator=_gen(7))
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    cos, sin = freqs.cos(), freqs.sin()
+    q = qkv[:, :hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    expected_q, expected_k = _rotate(q, c, s), _rotate(k, c, s)
+    v_before = qkv[:, (hq + hkv) * d:].clone()
+    ops.rotary_(q, positions, cos, sin)
+    ops.rotary_(k, positions, cos, sin)
+    torch.testing.assert_close(q, expected_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, expected_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # values untouched
+
+
+def test_bad_inputs_raise_instead_of_crashing(ops: Any) -> None:
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(torch.zeros(2, 4), torch.ones(5), 1e-5)
+    with pytest.raises(RuntimeError, match="shapes differ"):
+        ops.add_rms_norm(torch.zeros(2, 4), torch.zeros(3, 4), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="odd width"):
+        ops.silu_and_mul(torch.zeros(2, 5))
+    cos = torch.zeros(8, 2)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        ops.rotary_(torch.zeros(1, 1, 4), torch.tensor([8]), cos, cos)
