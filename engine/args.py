@@ -38,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=True)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on CPU")
+    g.add_argument("--disable-log-stats", action="store_true", default=False,
+                   help="no periodic 'Avg prompt throughput ...' status line")
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:

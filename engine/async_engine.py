@@ -21,6 +21,7 @@ from engine.errors import EngineDeadError
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.stats_logger import StatsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,10 @@ class _Terminals:
 class AsyncEngine:
     """Asyncio face of an :class:`EngineCore` running on a background thread."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, *, log_stats_interval: float | None = None) -> None:
+        """``log_stats_interval``: seconds between vLLM-style status lines (engine.stats_logger); None: none."""
         self.core = core
+        self._stats = StatsLogger(core, log_stats_interval) if log_stats_interval else None
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
         self._sinks: dict[str, tuple[Callable[[EngineCoreOutput], None], _Terminals]] = {}
         self._dead: BaseException | None = None
@@ -140,9 +143,12 @@ class AsyncEngine:
         while True:
             block = not core.has_unfinished_requests()
             try:
-                cmd = self._commands.get(block=block)
+                # Idle: wake up at the stats interval so the last busy interval still gets its line.
+                cmd = self._commands.get(block=block, timeout=self._stats.interval_s if block and self._stats else None)
             except queue.Empty:
                 cmd = None
+            if self._stats is not None:
+                self._stats.maybe_log()
             while cmd is not None:
                 if isinstance(cmd, _Stop):
                     self._fail_all(EngineDeadError("engine stopped"))
@@ -163,6 +169,8 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._fail_all(e)
                 continue
+            if self._stats is not None and core.last_step is not None:
+                self._stats.record_step(core.last_step.duration_s)
             for out in outputs:
                 parent = out.request_id.partition("#")[0]
                 entry = self._sinks.get(parent)

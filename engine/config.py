@@ -64,6 +64,7 @@ class EngineConfig:
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
     num_threads: int | None = None           # torch intra-op threads on CPU; None = torch's default
+    disable_log_stats: bool = False          # no periodic status line (engine.stats_logger)
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None and not isinstance(self.kv_cache_memory, int):

@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 
 from engine.async_engine import AsyncEngine
+from engine.stats_logger import DEFAULT_INTERVAL_S
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, InvalidRequestError
@@ -180,7 +181,7 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
     loop = asyncio.get_running_loop()
     core = await loop.run_in_executor(None, EngineCore, config)
     await loop.run_in_executor(None, warm_up, core)
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(core, log_stats_interval=None if config.disable_log_stats else DEFAULT_INTERVAL_S)
     servicer.attach(engine)
     await health_service.set_serving(True)
     logger.info("engine ready: %s on %s:%d", config.model_name, host, bound)

@@ -99,6 +99,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
             continue
         if name == "enable_prefix_caching":
             flags.append("--enable-prefix-caching" if value else "--no-enable-prefix-caching")
+        elif name == "disable_log_stats":
+            flags.append("--disable-log-stats")
         else:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
