@@ -275,10 +275,13 @@ void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
+  // The GIL is released while a kernel runs (arguments are converted before, results after): the
+  // engine's gRPC event loop shares the process with the thread that runs the model.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode_attention", &paged_decode_attention, release(),
         "Paged decode attention over a [2, blocks, block_size, kv_heads, head_dim] float32 KV cache (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32, CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm(residual) (float32, CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up tensor (float32, CPU)");
-  m.def("rotary_", &rotary_, "GPT-NeoX rotary embedding in place (float32, CPU)");
+  m.def("rms_norm", &rms_norm, release(), "RMSNorm of each row (float32, CPU)");
+  m.def("add_rms_norm", &add_rms_norm, release(), "residual += x in place, then RMSNorm(residual) (float32, CPU)");
+  m.def("silu_and_mul", &silu_and_mul, release(), "silu(gate) * up of a [T, 2I] gate|up tensor (float32, CPU)");
+  m.def("rotary_", &rotary_, release(), "GPT-NeoX rotary embedding in place (float32, CPU)");
 }
