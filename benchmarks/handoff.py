@@ -5,8 +5,9 @@
 The real path end to end, without a model. The server is a separate process
 running the engine's own ``EngineServicer`` (same interceptor, same message
 limits) in front of a recording stand-in for ``AsyncEngine``: it notes the
-moment ``Generate`` hands it the prompt as the ``list[int]`` the engine core
-takes, and answers with one message. The client builds each request with the
+moment ``Generate`` hands it the prompt in the form the engine core keeps (an
+integer ndarray: the int32 copy out of shared memory, or the array view of
+protobuf's repeated field), and answers with one message. The client builds each request with the
 tokenizer service's own ``_engine_request`` (``ShmRing.put`` + reference, or
 ``ids.extend``) from the ``list[int]`` a tokenizer returns, sends it and waits
 for the first reply, releasing the shm slot on the acknowledgement as the
@@ -39,9 +40,6 @@ from typing import Any
 import numpy as np
 
 MODES = ("inline", "shm")
-# --what-if: both paths as they would be if the engine took an int32 ndarray instead of a list[int]
-# (the writer converting the tokenizer's list with dtype=int32 at once, the reader skipping .tolist()).
-WHAT_IF_MODES = ("inline-ndarray", "shm-ndarray")
 TARGET_RATIO = 5.0
 _MSG_LIMIT = 64 * 2**20  # the limit engine/server.py and services/tokenizer/server.py set
 
@@ -55,11 +53,10 @@ class HandoffSettings:
     shm_tokens: int = 4 * 2**20      # the tokenizer service's default ring
     seed: int = 0
     breakdown_repeat: int = 20
-    what_if: bool = False
 
     @property
     def modes(self) -> tuple[str, ...]:
-        return MODES + WHAT_IF_MODES if self.what_if else MODES
+        return MODES
 
 
 @dataclass
@@ -76,7 +73,7 @@ class Arrival:
 
     t: float
     length: int
-    form: str                     # "list[int]" as the engine takes it today, "ndarray[int32]" in what-if modes
+    form: str                     # "ndarray[int32]" (shm) or "ndarray[uint32]" (protobuf's repeated uint32)
     ids: list[int] | None = None  # kept only when the server was asked to (correctness checks)
 
 
@@ -95,7 +92,7 @@ class RecordingEngine:
         self.arrivals: dict[str, Arrival] = {}
         self.is_alive = True
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any,
+    async def generate(self, request_id: str, prompt_token_ids: Any, params: Any,
                        *, priority: int = 0) -> AsyncIterator[Any]:
         t = time.perf_counter()  # first thing: the ids are in the engine in the form its core takes
         from engine.outputs import EngineCoreOutput
@@ -105,40 +102,9 @@ class RecordingEngine:
                                num_prompt_tokens=len(prompt_token_ids))
         # Bookkeeping after the reply went out, so that it is in neither timing.
         ids: Any = prompt_token_ids
-        if isinstance(ids, list) and all(type(x) is int for x in ids[:64]):
-            form = "list[int]"
-        elif isinstance(ids, np.ndarray) and ids.dtype == np.int32:
-            form, ids = "ndarray[int32]", ids.tolist()
-        else:
-            form = type(ids).__name__
-        self.arrivals[request_id] = Arrival(t, len(ids), form, list(ids) if self.keep_ids else None)
-
-
-def _what_if_servicer(base: type) -> type:
-    """EngineServicer, except that what-if requests hand the engine an int32 ndarray (no list conversion)."""
-    from engine.server import output_to_pb, sampling_params_from_pb
-    from proto.shm import ShmRef
-
-    class WhatIfServicer(base):  # type: ignore[misc,valid-type]
-        async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
-            if not request.request_id.startswith(WHAT_IF_MODES):
-                async for msg in super().Generate(request, context):
-                    yield msg
-                return
-            released: int | None = None
-            if request.WhichOneof("prompt") == "prompt_shm":
-                ref = request.prompt_shm
-                ids = self._shm.read(ShmRef(ref.segment, ref.offset, ref.length, ref.slot))
-                released = ref.slot
-            else:  # upb's repeated fields export __array__: one memcpy-like pass, no Python ints
-                ids = np.asarray(request.prompt_token_ids.ids).astype(np.int32)
-            async for out in self.engine.generate(request.request_id, ids, sampling_params_from_pb(request)):
-                msg = output_to_pb(out)
-                if released is not None:
-                    msg.released_shm_slot, released = released, None
-                yield msg
-
-    return WhatIfServicer
+        form = f"ndarray[{ids.dtype}]" if isinstance(ids, np.ndarray) else type(ids).__name__
+        ids = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+        self.arrivals[request_id] = Arrival(t, len(ids), form, ids if self.keep_ids else None)
 
 
 async def serve(keep_ids: bool) -> None:
@@ -153,7 +119,7 @@ async def serve(keep_ids: bool) -> None:
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
                              options=[("grpc.max_receive_message_length", _MSG_LIMIT), ("grpc.so_reuseport", 0)])
     engine = RecordingEngine(keep_ids)
-    engine_pb2_grpc.add_EngineServicer_to_server(_what_if_servicer(EngineServicer)(engine), server)
+    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(json.dumps({"port": port}), flush=True)
@@ -219,7 +185,7 @@ async def run_client(address: str, settings: HandoffSettings, prompts: dict[int,
                               shm_tokens=settings.shm_tokens)
     plain = GenerationServicer(None, channel, served_model_name="bench", model_path="",  # type: ignore[arg-type]
                                shm_tokens=0)
-    services = {mode: ring if mode.startswith("shm") else plain for mode in settings.modes}
+    services = {"shm": ring, "inline": plain}
     if not await ring.ensure_shm():
         raise RuntimeError("the server could not map the shared-memory ring")
     public = generation_pb2.GenerateRequest()
@@ -233,9 +199,8 @@ async def run_client(address: str, settings: HandoffSettings, prompts: dict[int,
                     rid = f"{mode}-{size}-{rep}"
                     service = services[mode]
                     t0 = time.perf_counter()
-                    ids: Any = np.array(prompts[size], dtype=np.int32) if mode == "shm-ndarray" else prompts[size]
-                    request, handoff = await service._engine_request(public, rid, ids, 1)
-                    if (request.WhichOneof("prompt") == "prompt_shm") != mode.startswith("shm"):
+                    request, handoff = await service._engine_request(public, rid, prompts[size], 1)
+                    if (request.WhichOneof("prompt") == "prompt_shm") != (mode == "shm"):
                         raise RuntimeError(f"{rid}: the request went {request.WhichOneof('prompt')}")
                     t1 = None
                     async for msg in service.engine.Generate(request, timeout=60):
@@ -268,7 +233,7 @@ def run_handoff(settings: HandoffSettings, *, keep_ids: bool = False) -> Handoff
     run = HandoffRun(arrivals=arrivals)
     for rid, mode, size, t0, t1 in records:
         arrival = arrivals[rid]
-        form = "ndarray[int32]" if mode in WHAT_IF_MODES else "list[int]"
+        form = "ndarray[int32]" if mode == "shm" else "ndarray[uint32]"
         if arrival.length != size or arrival.form != form:
             raise RuntimeError(f"{rid}: the engine got {arrival.length} ids as {arrival.form}, not {size} as {form}")
         if int(rid.rsplit("-", 1)[1]) >= settings.warmup:
@@ -306,9 +271,9 @@ def breakdown(size: int, settings: HandoffSettings) -> dict[str, float]:
     out["inline.extend(list)"] = _median_us(inline_msg, r)
     out["inline.serialize"] = _median_us(msg.SerializeToString, r)
     out["inline.parse"] = _median_us(lambda: engine_pb2.EngineGenerateRequest.FromString(wire), r)
-    out["inline.list(repeated)"] = _median_us(lambda: list(repeated), r)            # what engine/server.py does
+    out["inline.list(repeated)"] = _median_us(lambda: list(repeated), r)
     out["inline.asarray(repeated).tolist()"] = _median_us(lambda: np.asarray(repeated).tolist(), r)
-    out["inline.asarray(repeated)"] = _median_us(lambda: np.asarray(repeated).astype(np.int32), r)
+    out["inline.asarray(repeated)"] = _median_us(lambda: np.asarray(repeated), r)  # what engine/server.py does
     out["inline.wire_bytes"] = float(len(wire))
     with ShmRing(max(size * 2, 1024)) as ring, ShmReader() as reader:
         reader.register(ring.name, ring.size_bytes)
@@ -327,20 +292,16 @@ def breakdown(size: int, settings: HandoffSettings) -> dict[str, float]:
         out["shm.put(ndarray)"] = _median_us(lambda: put(array), r)
         read = reader.read(ref)
         out["shm.read"] = _median_us(lambda: reader.read(ref), r)                  # frombuffer + copy
-        out["shm.tolist"] = _median_us(read.tolist, r)                              # what engine/server.py does
+        out["shm.tolist"] = _median_us(read.tolist, r)                              # what the engine no longer does
+    # The paths as they run: the engine core keeps the array it is handed.
     out["inline.total"] = sum(out[k] for k in ("inline.extend(list)", "inline.serialize", "inline.parse",
-                                               "inline.list(repeated)"))
-    out["shm.total"] = out["shm.put(list)"] + out["shm.read"] + out["shm.tolist"]
-    # The what-if modes: the writer converts with dtype=int32 at once, the engine keeps the ndarray.
-    out["shm-ndarray.total"] = out["shm.array(list, int32)"] + out["shm.put(ndarray)"] + out["shm.read"]
-    out["inline-ndarray.total"] = sum(out[k] for k in ("inline.extend(list)", "inline.serialize", "inline.parse",
-                                                       "inline.asarray(repeated)"))
+                                               "inline.asarray(repeated)"))
+    out["shm.total"] = out["shm.put(list)"] + out["shm.read"]
     return out
 
 
 # -- results ----------------------------------------------------------------------------------------------
-RATIOS = {"ratio": ("inline", "shm"), "ratio_vs_shm_ndarray": ("inline", "shm-ndarray"),
-          "ratio_ndarray": ("inline-ndarray", "shm-ndarray")}
+RATIOS = {"ratio": ("inline", "shm")}
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -376,14 +337,6 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                      f"{r[f'shm.{m}.p50']:.0f} / {r[f'shm.{m}.p90']:.0f} | {r[f'ratio.{m}']:.2f}× | "
                      f"{r['inline.round_trip_us.p50']:.0f} | {r['shm.round_trip_us.p50']:.0f} | "
                      f"{r['ratio.round_trip_us']:.2f}× |")
-    if rows and f"shm-ndarray.{m}.p50" in rows[0]:
-        lines += ["", "What-if (engine takes an int32 ndarray), send → ids in engine:", "",
-                  "| prompt tokens | shm-ndarray p50 / p90 (µs) | inline-ndarray p50 / p90 (µs) | "
-                  "inline (today) / shm-ndarray | inline-ndarray / shm-ndarray |", "|---:|---:|---:|---:|---:|"]
-        for r in rows:
-            lines.append(f"| {r['size']} | {r[f'shm-ndarray.{m}.p50']:.0f} / {r[f'shm-ndarray.{m}.p90']:.0f} | "
-                         f"{r[f'inline-ndarray.{m}.p50']:.0f} / {r[f'inline-ndarray.{m}.p90']:.0f} | "
-                         f"{r[f'ratio_vs_shm_ndarray.{m}']:.2f}× | {r[f'ratio_ndarray.{m}']:.2f}× |")
     return "\n".join(lines)
 
 
@@ -396,8 +349,7 @@ def plot(rows: list[dict[str, Any]], modes: Sequence[str], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     sizes = [r["size"] for r in rows]
     for mode in modes:
-        ax.plot(sizes, [r[f"{mode}.send_to_engine_us.p50"] for r in rows], marker="o", label=mode,
-                linestyle="--" if mode in WHAT_IF_MODES else "-")
+        ax.plot(sizes, [r[f"{mode}.send_to_engine_us.p50"] for r in rows], marker="o", label=mode)
     ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="send → ids in engine, p50 (µs)",
            title="Prompt handoff: shared memory vs inline protobuf")
     ax.grid(True, which="both", alpha=0.3)
@@ -413,7 +365,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=50)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--breakdown-repeat", type=int, default=20, help="repetitions of each step in the breakdown")
-    p.add_argument("--what-if", action="store_true", help="also measure both paths with an ndarray-taking engine")
     p.add_argument("--out", default="benchmarks/results/handoff.json", help="JSON; .md and .png are written beside it")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)     # the server process
     p.add_argument("--keep-ids", action="store_true", help=argparse.SUPPRESS)
@@ -422,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         _run_async(serve(ns.keep_ids))
         return 0
     settings = HandoffSettings(sizes=tuple(int(s) for s in ns.sizes.split(",")), repeat=ns.repeat,
-                               warmup=ns.warmup, breakdown_repeat=ns.breakdown_repeat, what_if=ns.what_if)
+                               warmup=ns.warmup, breakdown_repeat=ns.breakdown_repeat)
     started = time.time()
     rows = summarize(run := run_handoff(settings), settings)
     largest = rows[-1]

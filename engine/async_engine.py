@@ -11,10 +11,12 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from engine.core import EngineCore
 from engine.errors import EngineDeadError
@@ -29,7 +31,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int] | np.ndarray
     params: SamplingParams
     priority: int
     sink: Callable[[EngineCoreOutput], None]
@@ -91,7 +93,7 @@ class AsyncEngine:
         return self._dead is None and self._thread.is_alive()
 
     # -- event-loop side ----------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
                        *, priority: int = 0) -> AsyncIterator[EngineCoreOutput]:
         """Add a request and yield its per-step outputs until the terminal one.
 

@@ -106,7 +106,7 @@ class BlockManager:
         parent: int | None = None
         for i in range(max_blocks):
             block_id = self._block_of_hash.get(hashes[i])
-            if block_id is None or self._key_of_block[block_id] != (parent, tuple(tokens[i * bs:(i + 1) * bs]), None):
+            if block_id is None or self._key_of_block[block_id] != (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None):
                 break
             blocks.append(block_id)
             parent = hashes[i]
@@ -131,7 +131,7 @@ class BlockManager:
                 continue
             parent = hashes[i - 1] if i > 0 else None
             self._hash_of_block[block_id] = hashes[i]
-            self._key_of_block[block_id] = (parent, tuple(tokens[i * bs:(i + 1) * bs]), None)
+            self._key_of_block[block_id] = (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None)
             self._block_of_hash[hashes[i]] = block_id
         self._num_seen_blocks[request.request_id] = num_full
 
@@ -142,7 +142,7 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(self._hash_fn(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs]), None))
+            hashes.append(self._hash_fn(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None))
         return hashes
 
     # ----- allocation --------------------------------------------------------------

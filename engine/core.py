@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -109,12 +111,20 @@ class EngineCore:
         return 4 * tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size) + 4 * self.config.max_num_seqs * mc.vocab_size * 2
 
     # -- requests -----------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
                     *, priority: int = 0, arrival_time: float | None = None) -> Request:
-        """Validate and queue a request. Raises InvalidRequestError (naming the field) or QueueFullError."""
-        if not prompt_token_ids:
+        """Validate and queue a request. Raises InvalidRequestError (naming the field) or QueueFullError.
+
+        ``prompt_token_ids``: a list of ints or a 1-D integer array (what the gRPC servicer passes on,
+        straight from shared memory or protobuf)."""
+        if len(prompt_token_ids) == 0:
             raise InvalidRequestError("prompt", "the prompt is empty")
-        lo, hi = min(prompt_token_ids), max(prompt_token_ids)  # C loops; a generator costs ~4 ms at 128k
+        if isinstance(prompt_token_ids, np.ndarray):
+            if prompt_token_ids.ndim != 1 or not np.issubdtype(prompt_token_ids.dtype, np.integer):
+                raise InvalidRequestError("prompt_token_ids", "must be a one-dimensional array of integers")
+            lo, hi = int(prompt_token_ids.min()), int(prompt_token_ids.max())
+        else:
+            lo, hi = min(prompt_token_ids), max(prompt_token_ids)  # C loops; a generator costs ~4 ms at 128k
         bad = lo if lo < 0 else hi if hi >= self.vocab_size else None
         if bad is not None:
             raise InvalidRequestError("prompt_token_ids", f"token id {bad} is out of range [0, {self.vocab_size})")

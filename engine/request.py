@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
+
+import numpy as np
 
 from engine.sampling_params import SamplingParams
+
+TOKEN_DTYPE = np.int32
 
 
 class RequestStatus(enum.Enum):
@@ -36,7 +41,7 @@ class Request:
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int] | np.ndarray,
         sampling_params: SamplingParams,
         *,
         arrival_time: float | None = None,
@@ -45,14 +50,21 @@ class Request:
         index: int = 0,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        # Token ids live in one growable int32 buffer: prompts arrive as arrays from the engine servicer
+        # (shared memory or protobuf, never as Python ints), and the runner copies slices of it as is.
+        prompt = np.asarray(prompt_token_ids, dtype=TOKEN_DTYPE)
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt_token_ids: one-dimensional ids expected, got shape {prompt.shape}")
+        self._tokens = np.empty(len(prompt) + min(sampling_params.max_tokens or 16, 4096), dtype=TOKEN_DTYPE)
+        self._tokens[:len(prompt)] = prompt
+        self._num_tokens = len(prompt)
+        self.prompt_token_ids: np.ndarray = self._tokens[:len(prompt)]  # a view: the prompt never changes
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         # For n > 1: children forked from a parent share its blocks; index orders the n outputs.
         self.parent_id = parent_id
         self.index = index
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         # Each entry: (sampled token logprob, {token id: logprob} of the top-k) when logprobs asked.
         self.output_logprobs: list[tuple[float, dict[int, float]]] = []
@@ -67,12 +79,17 @@ class Request:
         self.first_token_time: float | None = None
 
     @property
+    def all_token_ids(self) -> np.ndarray:
+        """Prompt then output ids, int32 (a view of the buffer; valid until the next append)."""
+        return self._tokens[:self._num_tokens]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return self._num_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -83,8 +100,21 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_output_token(self, token_id: int) -> None:
+        if self._num_tokens == len(self._tokens):
+            grown = np.empty(2 * len(self._tokens), dtype=TOKEN_DTYPE)
+            grown[:self._num_tokens] = self._tokens[:self._num_tokens]
+            self._tokens = grown
+            self.prompt_token_ids = grown[:len(self.prompt_token_ids)]
+        self._tokens[self._num_tokens] = token_id
+        self._num_tokens += 1
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+
+    def copy_tokens_from(self, other: Request) -> None:
+        """Take ``other``'s ids and outputs (a fork: the child continues from the parent's state)."""
+        self._tokens = other._tokens.copy()
+        self._num_tokens = other._num_tokens
+        self.prompt_token_ids = self._tokens[:len(other.prompt_token_ids)]
+        self.output_token_ids = list(other.output_token_ids)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "

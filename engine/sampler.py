@@ -12,9 +12,10 @@ it is in and wherever it sits in it. Rows without a seed share one generator.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
+import numpy as np
 import torch
 
 from engine.sampling.ops import apply_min_p, apply_penalties, apply_top_k_top_p, compute_logprobs, exponential_race
@@ -157,10 +158,12 @@ class Sampler:
                                column([p.presence_penalty for p in params]))
 
     @staticmethod
-    def _pairs(token_lists: list[list[int]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pairs(token_lists: Sequence[Sequence[int]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(row index, token id) of every token in every row's list, ids outside the vocabulary dropped."""
         lengths = torch.tensor([len(ids) for ids in token_lists], device=like.device)
-        ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=like.device)
+        # Prompts are int32 arrays (Request's buffer), outputs lists: one C-level concatenation.
+        flat = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in token_lists]) if token_lists else []
+        ids = torch.as_tensor(flat, dtype=torch.long).to(like.device)
         rows = torch.repeat_interleave(torch.arange(len(token_lists), device=like.device), lengths)
         keep = (ids >= 0) & (ids < like.shape[1])
         return rows[keep], ids[keep]

@@ -154,8 +154,7 @@ class Scheduler:
         params = parent.sampling_params.clone(n=1, seed=None if seed is None else seed + index)
         child = Request(child_id, parent.prompt_token_ids, params, arrival_time=parent.arrival_time,
                         priority=parent.priority, parent_id=parent.request_id, index=index)
-        child.all_token_ids = list(parent.all_token_ids)
-        child.output_token_ids = list(parent.output_token_ids)
+        child.copy_tokens_from(parent)
         child.output_logprobs = list(parent.output_logprobs)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens

@@ -106,12 +106,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 ids = self._shm.read(ShmRef(ref.segment, ref.offset, ref.length, ref.slot))
             except ShmRefError as e:
                 raise InvalidRequestError(f"prompt_shm.{e.field}", str(e)) from e
-            prompt = ids.tolist()
+            prompt = ids  # the int32 copy out of the segment is what the engine core keeps
             released_slot = ref.slot
             self.counters["shm_handoffs"] += 1
         elif which == "prompt_token_ids":
-            # upb's repeated field exports __array__: one C copy, then C-level tolist (3.9 ms vs 6.9 ms at 128k).
-            prompt = np.asarray(request.prompt_token_ids.ids).tolist()
+            # upb's repeated field exports __array__: one C copy, no Python ints (47 µs at 128k).
+            prompt = np.asarray(request.prompt_token_ids.ids)
             self.counters["inline_handoffs"] += 1
         else:
             raise InvalidRequestError("prompt", "one of prompt_token_ids or prompt_shm is required")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from engine import LLM, InvalidRequestError, SamplingParams
@@ -147,3 +148,41 @@ def test_n_outputs_and_stop_strings(llm: LLM) -> None:
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     info = llm.engine.info()
     assert info["free_kv_blocks"] == info["total_kv_blocks"]
+
+
+def test_array_prompts_as_the_grpc_servicer_passes_them(llm: LLM) -> None:
+    """The engine servicer hands the core numpy arrays (int32 from shared memory, uint32 from protobuf):
+    same outputs as a list, same prefix-cache hits, same validation."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(100, 40000) for _ in range(40)]
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("as-list", prompt, sp)
+    expected, _ = _run_to_end(engine, "as-list")
+    for dtype in (np.int32, np.uint32, np.int64):
+        req = engine.add_request(f"as-{dtype.__name__}", np.array(prompt, dtype=dtype), sp)
+        assert req.all_token_ids.dtype == np.int32 and req.all_token_ids.tolist() == prompt
+        tokens, computed = _run_to_end(engine, req.request_id)
+        assert tokens == expected
+        assert req.num_cached_tokens == 32 and computed == (40 - 32) + (8 - 1)  # two full blocks of 16 cached
+    vocab = engine.vocab_size
+    for bad, field in ((np.array([1, vocab], dtype=np.uint32), "prompt_token_ids"),
+                       (np.array([3, -1], dtype=np.int64), "prompt_token_ids"),
+                       (np.array([[1, 2]], dtype=np.int32), "prompt_token_ids"),
+                       (np.array([1.0, 2.0]), "prompt_token_ids"),
+                       (np.array([], dtype=np.int32), "prompt")):
+        with pytest.raises(InvalidRequestError) as e:
+            engine.add_request("bad", bad, sp)
+        assert e.value.field == field
+    assert not engine.has_unfinished_requests()
+
+
+def test_request_token_buffer_grows_past_its_first_capacity() -> None:
+    from engine.request import Request
+
+    req = Request("r", [5, 6, 7], SamplingParams(max_tokens=2))
+    for t in range(100):
+        req.append_output_token(t)
+    assert req.all_token_ids.tolist() == [5, 6, 7, *range(100)]
+    assert req.prompt_token_ids.tolist() == [5, 6, 7] and req.num_tokens == 103
+    assert req.output_token_ids == list(range(100))
