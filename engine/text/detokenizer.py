@@ -39,7 +39,8 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._stops = tuple(s for s in stop if s)
         self._include_stop = include_stop_str_in_output
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_token_ids else []
+        # A list or an integer array (token-id prompts stay arrays): plain ints either way.
+        context = [int(t) for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]] if len(prompt_token_ids) else []
         # Only the tokens that can still be in a window are kept: [prefix_offset:] of this list.
         self._ids: list[int] = context
         self._prefix_offset = 0

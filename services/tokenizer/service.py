@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 
 from engine.errors import InvalidRequestError
 from engine.text import IncrementalDetokenizer, Tokenizer
@@ -153,7 +154,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                   include_stop_str_in_output=request.stopping.include_stop_str_in_output))
                 for i in range(n)}
         usage = _Usage(prompt=len(prompt_ids))
-        engine_req, handoff = await self._engine_request(request, request_id, prompt_ids, n)
+        source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
+        engine_req, handoff = await self._engine_request(request, request_id, prompt_ids, n, source=source)
         time_limit = request.stopping.time_limit_ms / 1000 if request.stopping.HasField("time_limit_ms") else None
         deadline = time.monotonic() + time_limit if time_limit else None
         timeout = context.time_remaining()
@@ -243,7 +245,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             logger.warning("abort of %s did not reach the engine", request_id)
 
     async def _engine_request(self, request: generation_pb2.GenerateRequest, request_id: str,
-                              prompt_ids: list[int], n: int) -> tuple[engine_pb2.EngineGenerateRequest, _Handoff]:
+                              prompt_ids: list[int] | np.ndarray, n: int, *, source: common_pb2.TokenIds | None = None
+                              ) -> tuple[engine_pb2.EngineGenerateRequest, _Handoff]:
+        """The engine request for ``prompt_ids``: a shm reference when the ring has room, else inline ids
+        (copied message to message from ``source``, the public request's token ids, when given)."""
         st = request.stopping
         stopping = engine_pb2.EngineStoppingCriteria(min_tokens=st.min_tokens, stop_token_ids=st.stop_token_ids,
                                                      ignore_eos=st.ignore_eos)
@@ -261,10 +266,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 req.prompt_shm.CopyFrom(engine_pb2.SharedMemoryRef(segment=ref.segment, offset=ref.offset,
                                                                    length=ref.length, slot=ref.slot))
                 return req, handoff
-        req.prompt_token_ids.ids.extend(prompt_ids)
+        if source is not None:
+            req.prompt_token_ids.CopyFrom(source)  # 1.4 ms for 128k ids, against 15 ms to extend from an array
+        else:
+            req.prompt_token_ids.ids.extend(prompt_ids.tolist() if isinstance(prompt_ids, np.ndarray) else prompt_ids)
         return req, handoff
 
-    def _prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
+    def _prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int] | np.ndarray:
         which = request.WhichOneof("input")
         if which == "text":
             if not request.text:
@@ -273,10 +281,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         elif which == "chat":
             ids = self.tokenizer.encode(self._render(request.chat), add_special_tokens=False)
         elif which == "token_ids":
-            ids = list(request.token_ids.ids)
+            # Kept as an array (upb's repeated field exports __array__: 47 µs for 128k ids): it goes into
+            # the shared-memory ring with one memcpy and the engine keeps it as is, no Python ints on the way.
+            ids = np.asarray(request.token_ids.ids)
         else:
             raise InvalidRequestError("prompt", "one of text, chat or token_ids is required")
-        if not ids:
+        if len(ids) == 0:
             raise InvalidRequestError("prompt", "the prompt is empty")
         return ids
 

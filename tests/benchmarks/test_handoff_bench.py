@@ -46,3 +46,17 @@ def test_summary_and_table_from_known_samples() -> None:
     assert row["ratio.send_to_engine_us"] == pytest.approx(4.0)
     assert row["ratio.round_trip_us"] == pytest.approx(300.0 / 150.0)
     assert markdown([row]).splitlines()[2] == "| 1024 | 200 / 280 | 50 / 58 | 4.00× | 300 | 150 | 2.00× |"
+
+
+def test_token_id_prompts_reach_the_engine_through_both_paths() -> None:
+    settings = HandoffSettings(sizes=(2000,), repeat=1, warmup=0, token_ids=True)
+    prompts = make_prompts(settings)
+    run = run_handoff(settings, keep_ids=True)
+    assert {rid: a.form for rid, a in run.arrivals.items()} == {
+        "inline-2000-0": "ndarray[uint32]", "shm-2000-0": "ndarray[int32]",
+        "inline.ids-2000-0": "ndarray[uint32]", "shm.ids-2000-0": "ndarray[int32]"}
+    assert all(a.ids == prompts[2000] for a in run.arrivals.values())
+    [row] = summarize(run, settings)
+    assert row["ratio_ids.send_to_engine_us"] > 0
+    table = markdown([row])
+    assert "Prompts given as token ids" in table and table.count("| 2000 |") == 2
