@@ -13,6 +13,9 @@
 // seq_lens     [N]                   int64: tokens in the cache for each sequence (this step's included)
 // returns      [N, Hq, D]            float32
 #include <torch/extension.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -57,6 +60,30 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define SLUICE_AVX2 1
+// Dot products of one query with 8 keys `stride` floats apart (8 consecutive tokens of a block), as one
+// vector of 8 scores: one horizontal reduction per 8 tokens instead of one per token. n % 8 == 0.
+inline __m256 dot_8_keys(const float* q, const float* k, int64_t stride, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t d = 0; d < n; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + stride + d), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * stride + d), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * stride + d), a3);
+    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * stride + d), a4);
+    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * stride + d), a5);
+    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * stride + d), a6);
+    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * stride + d), a7);
+  }
+  // hadd pairs within 128-bit lanes, then add the two lanes: [sum a0, ..., sum a7].
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#endif
 
 inline void axpy(float* y, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
@@ -108,7 +135,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   at::parallel_for(0, n_seqs * n_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(group * head_dim);
-    std::vector<float> maxes(group), sums(group);
+    std::vector<float> sums(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / n_kv_heads, h = item % n_kv_heads;
       const int64_t len = lens[n];
@@ -116,27 +143,72 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
       const float* qh = q + (n * n_heads + h * group) * head_dim;
       scores.resize(group * len);
       float* sc = scores.data();
-      std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
       for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
         const float* k = keys + table[b] * block_stride + h * head_dim;
         const int64_t stop = std::min(block_size, len - start);
-        for (int64_t i = 0; i < stop; ++i, k += token_stride) {
-          for (int64_t g = 0; g < group; ++g) {
-            const float s = dot(qh + g * head_dim, k, head_dim) * fscale;
-            sc[g * len + start + i] = s;
-            maxes[g] = std::max(maxes[g], s);
+        int64_t i = 0;
+#ifdef SLUICE_AVX2
+        if (head_dim % 8 == 0) {
+          const __m256 vscale = _mm256_set1_ps(fscale);
+          for (; i + 8 <= stop; i += 8, k += 8 * token_stride) {
+            for (int64_t g = 0; g < group; ++g) {
+              const __m256 s8 = _mm256_mul_ps(dot_8_keys(qh + g * head_dim, k, token_stride, head_dim), vscale);
+              _mm256_storeu_ps(sc + g * len + start + i, s8);
+            }
           }
+        }
+#endif
+        for (; i < stop; ++i, k += token_stride) {
+          for (int64_t g = 0; g < group; ++g) sc[g * len + start + i] = dot(qh + g * head_dim, k, head_dim) * fscale;
         }
       }
       for (int64_t g = 0; g < group; ++g) {
         float* row = sc + g * len;
-        const float m = maxes[g];
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, row[t]);
         for (int64_t t = 0; t < len; ++t) row[t] = exp_nonpositive(row[t] - m);
         float sum = 0.f;
         for (int64_t t = 0; t < len; ++t) sum += row[t];
         sums[g] = sum;
       }
       float* a = acc.data();
+#ifdef SLUICE_AVX2
+      if (head_dim % 64 == 0) {
+        // Per query head and 64-wide slice of the output: 8 accumulators stay in registers over all tokens.
+        for (int64_t g = 0; g < group; ++g) {
+          const float* p = sc + g * len;
+          for (int64_t dc = 0; dc < head_dim; dc += 64) {
+            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+            for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+              const float* v = values + table[b] * block_stride + h * head_dim + dc;
+              const int64_t stop = std::min(block_size, len - start);
+              for (int64_t i = 0; i < stop; ++i, v += token_stride) {
+                const __m256 w = _mm256_set1_ps(p[start + i]);
+                c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), c0);
+                c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), c1);
+                c2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), c2);
+                c3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), c3);
+                c4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), c4);
+                c5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), c5);
+                c6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), c6);
+                c7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), c7);
+              }
+            }
+            const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
+            float* dst = o + (n * n_heads + h * group + g) * head_dim + dc;
+            _mm256_storeu_ps(dst, _mm256_mul_ps(c0, inv));
+            _mm256_storeu_ps(dst + 8, _mm256_mul_ps(c1, inv));
+            _mm256_storeu_ps(dst + 16, _mm256_mul_ps(c2, inv));
+            _mm256_storeu_ps(dst + 24, _mm256_mul_ps(c3, inv));
+            _mm256_storeu_ps(dst + 32, _mm256_mul_ps(c4, inv));
+            _mm256_storeu_ps(dst + 40, _mm256_mul_ps(c5, inv));
+            _mm256_storeu_ps(dst + 48, _mm256_mul_ps(c6, inv));
+            _mm256_storeu_ps(dst + 56, _mm256_mul_ps(c7, inv));
+          }
+        }
+        continue;
+      }
+#endif
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
         const float* v = values + table[b] * block_stride + h * head_dim;

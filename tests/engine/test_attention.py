@@ -78,13 +78,15 @@ def _check(backend: TorchAttentionBackend, seqs: list[Seq], num_decodes: int, hq
     torch.testing.assert_close(out, torch.cat([_reference(s, scale) for s in seqs]), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(24))
 def test_random_mixed_batches_match_dense_reference(backend: TorchAttentionBackend, seed: int) -> None:
     rng = random.Random(seed)
     hkv = rng.choice([1, 2, 3])
     hq = hkv * rng.choice([1, 2, 4])
-    d = rng.choice([8, 16, 32, 36])  # 36: the kernel's tail past its 8-float lanes
-    block_size = rng.choice([1, 4, 16])
+    # 36: the kernel's tail past its 8-float lanes; 64 and 128: its register-blocked value pass.
+    d = rng.choice([8, 16, 32, 36, 64, 128])
+    # 8 and 16: runs of 8 tokens inside a block take the kernel's 8-keys-at-once score path.
+    block_size = rng.choice([1, 4, 8, 16])
     num_decodes = rng.randint(0, 4)
     prefills = [(rng.choice([0, 0, rng.randint(1, 20)]), rng.randint(1, 9)) for _ in range(rng.randint(0, 3))]
     if num_decodes == 0 and not prefills:
@@ -92,10 +94,11 @@ def test_random_mixed_batches_match_dense_reference(backend: TorchAttentionBacke
     _check(backend, _make_seqs(rng, num_decodes, prefills, hq, hkv, d), num_decodes, hq, hkv, d, block_size)
 
 
-def test_decodes_of_different_lengths(backend: TorchAttentionBackend) -> None:
+@pytest.mark.parametrize("d, block_size", [(16, 4), (64, 16), (128, 8)])
+def test_decodes_of_different_lengths(backend: TorchAttentionBackend, d: int, block_size: int) -> None:
     # lengths straddle block boundaries; the shortest sees padding and foreign blocks that must be masked
-    seqs = _make_seqs(random.Random(1), 0, [(1, 1), (4, 1), (5, 1), (23, 1)], 4, 2, 16)
-    _check(backend, seqs, 4, 4, 2, 16, block_size=4)
+    seqs = _make_seqs(random.Random(1), 0, [(1, 1), (4, 1), (5, 1), (23, 1), (40, 1)], 6, 2, d)
+    _check(backend, seqs, 5, 6, 2, d, block_size=block_size)
 
 
 def test_prefill_chunk_after_context_and_fresh_prefill(backend: TorchAttentionBackend) -> None:
