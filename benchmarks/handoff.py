@@ -1,17 +1,22 @@
 """Handoff benchmark: prompt ids to the engine through shared memory vs inline protobuf (DESIGN §3).
 
-    python -m benchmarks.handoff --sizes 1024,8192,32768,131072 --repeat 50 --out benchmarks/results/handoff.json
+    python -m benchmarks.handoff --sizes 1024,8192,32768,131072 --repeat 100 --token-ids --out benchmarks/results/handoff.json
 
 The real path end to end, without a model. The server is a separate process
 running the engine's own ``EngineServicer`` (same interceptor, same message
 limits) in front of a recording stand-in for ``AsyncEngine``: it notes the
 moment ``Generate`` hands it the prompt in the form the engine core keeps (an
 integer ndarray: the int32 copy out of shared memory, or the array view of
-protobuf's repeated field), and answers with one message. The client builds each request with the
-tokenizer service's own ``_engine_request`` (``ShmRing.put`` + reference, or
-``ids.extend``) from the ``list[int]`` a tokenizer returns, sends it and waits
-for the first reply, releasing the shm slot on the acknowledgement as the
-service does.
+protobuf's repeated field), and answers with one message.
+
+The client builds each request with the tokenizer service's own code:
+``inline`` / ``shm`` start from the ``list[int]`` a tokenizer returns for a text
+prompt and call ``_engine_request`` (``ShmRing.put`` + reference, or
+``ids.extend``); with ``--token-ids``, ``inline.ids`` / ``shm.ids`` start from a
+public ``GenerateRequest`` carrying ``token_ids`` and call ``_prompt_ids`` then
+``_engine_request`` (``ring.put(array)``, or ``CopyFrom`` of the message). It
+sends the request and waits for the first reply, releasing the shm slot on the
+acknowledgement as the service does.
 
 Per prompt size and mode: ``send → ids in engine`` (client ``perf_counter`` at
 the start of building the request to server ``perf_counter`` when the ids
