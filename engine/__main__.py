@@ -7,9 +7,11 @@ import asyncio
 import logging
 
 from engine.args import add_engine_args, config_from_args
+from engine.parent_watch import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()  # under `sluice serve`: end with it
     parser = argparse.ArgumentParser(prog="sluice engine", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)

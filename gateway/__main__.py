@@ -12,6 +12,7 @@ import math
 import logging
 import os
 
+from engine.parent_watch import die_with_parent
 from gateway.settings import GatewaySettings
 
 
@@ -69,6 +70,7 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()  # under `sluice serve`: end with it
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:

@@ -10,7 +10,6 @@ restarted. SIGTERM drains: gateways first (no new requests; in-flight ones get
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -23,6 +22,7 @@ from typing import Any
 
 from engine.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
+from engine.parent_watch import ENV_PARENT_PID
 from services.mindie_config import ConfigFileError, load_mindie_config
 
 logger = logging.getLogger("sluice.serve")
@@ -43,7 +43,8 @@ class Child:
     log: list[str] = field(default_factory=list)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, preexec_fn=_die_with_parent)
+        # The child arms its own parent-death signal (engine.parent_watch): no preexec_fn in a threaded parent.
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, ENV_PARENT_PID: str(os.getpid())})
         logger.info("started %s (pid %d)", self.name, self.proc.pid)
 
     def alive(self) -> bool:
@@ -58,14 +59,6 @@ class Child:
                 return True
             time.sleep(0.25)
         return False
-
-
-def _die_with_parent() -> None:
-    """Children get SIGTERM if the supervisor dies, so no orphan outlives it (Linux prctl)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def grpc_serving(addr: str, service: str = "") -> bool:

@@ -6,8 +6,11 @@ import argparse
 import asyncio
 import logging
 
+from engine.parent_watch import die_with_parent
+
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()  # under `sluice serve`: end with it
     parser = argparse.ArgumentParser(prog="sluice tokenizer", description=__doc__)
     parser.add_argument("--engine", default="127.0.0.1:50051", help="engine gRPC address")
     parser.add_argument("--host", default="127.0.0.1")

@@ -269,3 +269,31 @@ def test_mindie_config_is_accepted_as_is(tmp_path: Path) -> None:
         assert (info.max_model_len, info.block_size) == (1024, 32)
     finally:
         assert s.stop() == 0
+
+
+def test_children_end_when_the_supervisor_is_killed(tmp_path: Path) -> None:
+    """SIGKILL leaves `sluice serve` no chance to stop its children: each armed PR_SET_PDEATHSIG itself
+    (engine.parent_watch) and drains on the SIGTERM the kernel sends when the supervisor dies."""
+    stack = ServeStack(tmp_path, "--dtype", "float32", "--kv-cache-memory", "256MiB", "--shutdown-timeout", "2").start()
+    assert stack.proc is not None
+    children = stack.child_pids()
+
+    def gone(pid: int) -> bool:
+        status = Path(f"/proc/{pid}/status")
+        return not status.exists() or b"zombie" in status.read_bytes().lower()
+
+    try:
+        assert len(children) == 3
+        stack.proc.kill()
+        stack.proc.wait(5)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(gone(pid) for pid in children):
+            time.sleep(0.2)
+        left = [pid for pid in children if not gone(pid)]
+        assert not left, f"children outlived the supervisor: {left}"
+    finally:
+        if stack.proc.poll() is None:
+            stack.proc.kill()
+        for pid in children:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
