@@ -236,14 +236,7 @@ void check_rows(const torch::Tensor& x, const char* name) {
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for one row of `n` floats.
 inline void rms_norm_row(const float* x, const float* weight, float* out, int64_t n, float eps) {
-  float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) acc[j] += x[i + j] * x[i + j];
-  }
-  float ss = 0.f;
-  for (; i < n; ++i) ss += x[i] * x[i];
-  for (int64_t j = 0; j < kLanes; ++j) ss += acc[j];
+  const float ss = dot(x, x, n);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int64_t d = 0; d < n; ++d) out[d] = weight[d] * (x[d] * inv);
 }
