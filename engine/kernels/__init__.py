@@ -3,13 +3,13 @@ attention, RMSNorm with the residual add, SiLU-and-mul, rotary embedding) compil
 ``torch.utils.cpp_extension`` (g++ and ninja).
 
 The build lands in torch's extension cache (``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``)
-and is reused by every later process; the first engine start on a machine pays for it (about a
-minute on 2 cores). It is compiled with ``-march=native``, so the module name carries a digest of
+and is reused by every later process; the first engine start on a machine pays for it (about 30 s
+on 2 cores). It is compiled with ``-march=native``, so the module name carries a digest of
 this CPU's model and flags: a cache shared between different CPUs never loads a build for the wrong
 one. When anything fails (no compiler, no ninja), the engine logs why and runs the PyTorch path.
 
-``SLUICE_CPU_KERNELS=0`` turns both off (plain ``F.linear`` and gather + SDPA), for comparison or when
-a kernel misbehaves on some CPU; ``1`` (the default) uses them when they are available.
+``SLUICE_CPU_KERNELS=0`` turns all of it off (``F.linear``, PyTorch element-wise ops, gather + SDPA), for
+comparison or when a kernel misbehaves on some CPU; ``1`` (the default) uses them when available.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import logging
 import os
 import platform
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 

@@ -167,6 +167,11 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only language model over a flat batch of tokens (no padding) and a paged KV cache."""
 
+    # Set by the CPU device after loading (engine.kernels.prepare_cpu_model): pack_onednn, use_cpu_ops.
+    onednn_packed = False
+    _tied_packed: torch.Tensor | None = None  # oneDNN copy of the tied embedding, for the lm_head
+    _ops: Any = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -199,9 +204,9 @@ class CausalLM(nn.Module):
             return onednn_linear(hidden, self._tied_packed)
         return linear(hidden, self.embed_tokens.weight).float()
 
-    _tied_packed: torch.Tensor | None = None  # oneDNN copy of the tied embedding, for the lm_head
-    onednn_packed = False
-    _ops: Any = None
+    def _require_float32_cpu(self, what: str) -> None:
+        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in self.parameters()):
+            raise ValueError(f"{what}: float32 CPU models only")
 
     @property
     def uses_cpu_ops(self) -> bool:
@@ -210,13 +215,11 @@ class CausalLM(nn.Module):
     def use_cpu_ops(self, ops: Any) -> None:
         """Run RMSNorm (fused with the residual adds), SiLU-and-mul and rotary through ``ops``
         (engine.kernels.cpu_ops: float32 CPU kernels), each one pass over memory instead of several."""
-        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in self.parameters()):
-            raise ValueError("use_cpu_ops: float32 CPU models only")
+        self._require_float32_cpu("use_cpu_ops")
         self._ops = ops
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
                 module.ops = ops
-
 
     def pack_onednn(self) -> None:
         """Prepack every projection and the lm_head for oneDNN (CPU, float32; after ``load_weights``).
@@ -225,8 +228,7 @@ class CausalLM(nn.Module):
         ``F.linear`` with torch 2.13 on 2 AVX2 cores. A tied lm_head gets its own packed copy: the
         embedding lookup still needs the plain table.
         """
-        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in self.parameters()):
-            raise ValueError("pack_onednn: float32 CPU models only")
+        self._require_float32_cpu("pack_onednn")
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_onednn()
