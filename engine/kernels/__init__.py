@@ -51,17 +51,24 @@ def cpu_kernels_enabled() -> bool:
 
 def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     """float32 models: prepack the linears for oneDNN (when torch has it) and hand the model the fused
-    elementwise ops (when ``cpu_ops`` builds). True when anything changed."""
+    elementwise ops and the quantized linear (when ``cpu_ops`` builds). True when anything changed."""
+    from engine.models.llama import QUANT_MAX_ROWS
+
+    ops = cpu_ops() if dtype == torch.float32 and cpu_kernels_enabled() else None
+    if ops is None and hasattr(model, "drop_quantized"):
+        model.drop_quantized()  # nothing here reads the block-quantized copies
     if dtype != torch.float32 or not cpu_kernels_enabled():
         return False
     changed = False
     if torch.backends.mkldnn.is_available() and hasattr(model, "pack_onednn"):
         model.pack_onednn()
         changed = True
-    ops = cpu_ops()
     if ops is not None and hasattr(model, "use_cpu_ops"):
         model.use_cpu_ops(ops)
         changed = True
+        if getattr(model, "quantized_linears", 0):
+            logger.info("%d projections run from the checkpoint's quantized blocks at <= %d rows",
+                        model.quantized_linears, QUANT_MAX_ROWS)
     return changed
 
 
@@ -74,7 +81,8 @@ def cpu_ops() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"sluice_cpu_ops_{_cpu_digest()}", sources=[str(_SOURCES / "cpu_ops.cpp")],
+        sources = [str(_SOURCES / "cpu_ops.cpp"), str(_SOURCES / "quant_linear.cpp")]
+        return load(name=f"sluice_cpu_ops_{_cpu_digest()}", sources=sources,
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler, ninja or headers missing: the PyTorch path still works
         logger.warning("CPU kernels unavailable, using the PyTorch path: %s", e)

@@ -339,6 +339,10 @@ void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tens
   });
 }
 
+// quant_linear.cpp
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                           const torch::Tensor& mins, const std::string& format);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs (arguments are converted before, results after): the
   // engine's gRPC event loop shares the process with the thread that runs the model.
@@ -349,4 +353,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, release(), "residual += x in place, then RMSNorm(residual) (float32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, release(), "silu(gate) * up of a [T, 2I] gate|up tensor (float32, CPU)");
   m.def("rotary_", &rotary_, release(), "GPT-NeoX rotary embedding in place (float32, CPU)");
+  m.def("quant_linear", &quant_linear, release(),
+        "x @ dequant(W).T over llama.cpp-style block-quantized weights ('u4': Q4_0/Q4_1, 's8': Q8_0), float32 CPU");
 }

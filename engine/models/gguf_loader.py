@@ -18,6 +18,7 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from engine.models import quant
 from engine.models.config import ModelConfig, RopeScaling, merge_eos
 from engine.models.llama import CausalLM, build_model
 
@@ -139,9 +140,29 @@ def _iter_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str
         yield name, torch.from_numpy(array)
 
 
+def _iter_quantized(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, quant.QuantWeight]]:
+    """The Q4_0 / Q4_1 / Q8_0 matrices as blocks (engine.models.quant), rows in Hugging Face order."""
+    permute = config.architecture == "llama"
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None or len(tensor.shape) != 2 or not quant.supported(tensor.tensor_type):
+            continue
+        weight = quant.from_gguf_blocks(tensor.data, tensor.tensor_type)
+        if permute and name.endswith("q_proj.weight"):
+            weight = quant.permute_rows(weight, lambda a: unpermute_qk(a, config.num_heads))
+        elif permute and name.endswith("k_proj.weight"):
+            weight = quant.permute_rows(weight, lambda a: unpermute_qk(a, config.num_kv_heads))
+        yield name, weight
+
+
 def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> CausalLM:
+    """Weights dequantized to ``dtype``; for float32 on the CPU the model also keeps the quantized blocks
+    (``CausalLM.load_quantized``) for the small-batch ``quant_linear`` kernel (the CPU device drops them
+    when the kernels are off or cannot be built)."""
     reader = GGUFReader(str(path))
     config = config_from_gguf(reader)
     model = build_model(config, dtype, device)
     model.load_weights(_iter_tensors(reader, config))
+    if dtype == torch.float32 and torch.device(device).type == "cpu":
+        model.load_quantized(_iter_quantized(reader, config))
     return model

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig
+from engine.models.quant import QuantWeight, cat_rows
 from engine.models.rope import RotaryEmbedding
 
 
@@ -56,11 +57,27 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Up to this many rows, a linear with block-quantized weights (``Linear.quant``) runs the ``quant_linear``
+# kernel on them; above, oneDNN on the dequantized float32 copy. Measured in a decode step of the default
+# model on 2 AVX2 cores (benchmarks/decode_step.py, BENCHMARKS.md): reading 5-bit weights wins while the
+# step is bound by memory, float32 GEMM once it is bound by arithmetic.
+QUANT_MAX_ROWS = 24
+
+
+def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = ops.quant_linear(x, weight.codes, weight.scales, weight.mins, weight.format)
+    return out if bias is None else out.add_(bias)
+
+
 class Linear(nn.Linear):
-    """nn.Linear with two CPU paths: the small-batch one of ``linear``, and oneDNN on a prepacked
-    weight once ``pack_onednn`` ran (what vLLM's CPU backend and inductor's freezing use too)."""
+    """nn.Linear with three CPU paths: the small-batch one of ``linear``, oneDNN on a prepacked
+    weight once ``pack_onednn`` ran (what vLLM's CPU backend and inductor's freezing use too), and,
+    for a few rows, the ``quant_linear`` kernel on the checkpoint's block-quantized weight when it
+    had one (``quant``, used once ``quant_ops`` is set)."""
 
     packed: torch.Tensor | None = None
+    quant: QuantWeight | None = None
+    quant_ops: Any = None
 
     def pack_onednn(self) -> None:
         """Swap the weight for oneDNN's prepacked copy; the plain weight is freed (``weight`` is None)."""
@@ -72,6 +89,8 @@ class Linear(nn.Linear):
         return self.weight if self.packed is None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_ops is not None and x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS:
+            return quant_linear(self.quant_ops, x, self.quant, self.bias)  # type: ignore[arg-type]
         if self.packed is not None:
             return onednn_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
@@ -170,6 +189,7 @@ class CausalLM(nn.Module):
     # Set by the CPU device after loading (engine.kernels.prepare_cpu_model): pack_onednn, use_cpu_ops.
     onednn_packed = False
     _tied_packed: torch.Tensor | None = None  # oneDNN copy of the tied embedding, for the lm_head
+    _tied_quant: QuantWeight | None = None  # the tied embedding's block-quantized form, for the lm_head
     _ops: Any = None
 
     def __init__(self, config: ModelConfig) -> None:
@@ -200,6 +220,8 @@ class CausalLM(nn.Module):
         """[N, hidden] -> float32 [N, vocab]."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        if self._tied_quant is not None and self._ops is not None and hidden.shape[0] <= QUANT_MAX_ROWS:
+            return quant_linear(self._ops, hidden, self._tied_quant)
         if self._tied_packed is not None:
             return onednn_linear(hidden, self._tied_packed)
         return linear(hidden, self.embed_tokens.weight).float()
@@ -220,6 +242,50 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
                 module.ops = ops
+            elif isinstance(module, Linear) and module.quant is not None:
+                module.quant_ops = ops
+
+    @property
+    def quantized_linears(self) -> int:
+        """How many projections (and a tied lm_head) hold a block-quantized weight."""
+        count = sum(1 for m in self.modules() if isinstance(m, Linear) and m.quant is not None)
+        return count + (self._tied_quant is not None)
+
+    def load_quantized(self, weights: Iterable[tuple[str, QuantWeight]]) -> int:
+        """Keeps block-quantized copies of projection weights (named as in ``load_weights``, which must
+        have loaded the same values dequantized) for the small-batch ``quant_linear`` path. A fused
+        projection gets one only when all its shards come quantized in one format. Returns how many
+        projections got one."""
+        shards: dict[str, dict[int, QuantWeight]] = {}
+        for hf_name, weight in weights:
+            target = _map_name(hf_name, self.config)
+            if target is None or not target[0].endswith(".weight"):
+                continue
+            shards.setdefault(target[0], {})[target[1]] = weight
+        count = 0
+        for name, parts in shards.items():
+            if len(parts) != _num_shards(name):
+                continue
+            fused = cat_rows([parts[i] for i in range(len(parts))])
+            if name == "embed_tokens.weight":
+                if self.lm_head is None and fused is not None and fused.shape == tuple(self.embed_tokens.weight.shape):
+                    self._tied_quant = fused
+                    count += 1
+                continue
+            module = self.get_submodule(name.removesuffix(".weight"))
+            if fused is None or not isinstance(module, Linear) or fused.shape != (module.out_features, module.in_features):
+                continue
+            module.quant = fused
+            count += 1
+        return count
+
+    def drop_quantized(self) -> None:
+        """Frees the block-quantized copies (when the kernel that reads them is unavailable)."""
+        self._tied_quant = None
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quant = None
+                module.quant_ops = None
 
     def pack_onednn(self) -> None:
         """Prepack every projection and the lm_head for oneDNN (CPU, float32; after ``load_weights``).

@@ -273,17 +273,22 @@ def test_default_gguf_matches_transformers(default_gguf: tuple[Path, CausalLM]) 
                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     expected = _hf_logits(hf, ids)
-    del hf
     kv = PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=16, backend=_backend(ours))
     logits = _run(ours, kv, [("q", ids)])
     torch.testing.assert_close(logits, expected, atol=GGUF_TOL, rtol=0)
     assert int(logits[-1].argmax()) == int(expected[-1].argmax())
+    if ours.uses_cpu_ops:  # decode steps below run on the file's Q4_1 / Q8_0 blocks (quant_linear)
+        assert ours.quantized_linears == 4 * cfg.num_layers + 1
     answer: list[int] = []
+    decode_logits = []
     while len(answer) < 12 and (not answer or answer[-1] not in cfg.eos_token_ids):
         answer.append(int(logits[-1].argmax()))
         logits = _run(ours, kv, [("q", answer[-1:])])
+        decode_logits.append(logits[-1])
     assert tokenizer.decode(answer, skip_special_tokens=True) == "The capital of France is Paris."
     assert answer[-1] == 2  # stopped on <|im_end|>
+    expected = _hf_logits(hf, ids + answer)[len(ids):]
+    torch.testing.assert_close(torch.stack(decode_logits), expected, atol=GGUF_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 32, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1])
