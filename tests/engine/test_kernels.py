@@ -58,6 +58,16 @@ def test_silu_and_mul(ops: Any, rows: int) -> None:
     torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
+def test_silu_and_mul_at_extreme_gates(ops: Any) -> None:
+    # exp is clamped to [-87, 88] inside: silu must still be ~0 for very negative gates and ~gate for
+    # very positive ones, never inf or nan.
+    gate = torch.tensor([[-1e4, -200.0, -88.5, -87.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 87.0, 88.5, 200.0, 1e4]])
+    up = torch.linspace(-2, 2, gate.shape[1]).unsqueeze(0)
+    out = ops.silu_and_mul(torch.cat([gate, up], dim=1))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
 def test_rotary_in_place_on_a_slice_of_the_fused_projection(ops: Any) -> None:
     tokens, hq, hkv, d = 11, 4, 2, 16
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=_gen(6))
