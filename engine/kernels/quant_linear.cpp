@@ -186,6 +186,32 @@ void tile_products(const float* x, int64_t ldx, int64_t m_rows, const float* w, 
   if (rows == kTile && k % 8 == 0) {
     const float *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k;
     int64_t m = 0;
+    for (; m + 3 <= m_rows; m += 3) {  // 3 rows of x x 4 weight rows: 12 accumulators, x from memory operands
+      const float* xa = x + m * ldx;
+      const float* xb = xa + ldx;
+      const float* xc = xb + ldx;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+      for (int64_t i = 0; i < k; i += 8) {
+        const __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
+        const __m256 v2 = _mm256_loadu_ps(w2 + i), v3 = _mm256_loadu_ps(w3 + i);
+        __m256 xv = _mm256_loadu_ps(xa + i);
+        a0 = _mm256_fmadd_ps(xv, v0, a0); a1 = _mm256_fmadd_ps(xv, v1, a1);
+        a2 = _mm256_fmadd_ps(xv, v2, a2); a3 = _mm256_fmadd_ps(xv, v3, a3);
+        xv = _mm256_loadu_ps(xb + i);
+        b0 = _mm256_fmadd_ps(xv, v0, b0); b1 = _mm256_fmadd_ps(xv, v1, b1);
+        b2 = _mm256_fmadd_ps(xv, v2, b2); b3 = _mm256_fmadd_ps(xv, v3, b3);
+        xv = _mm256_loadu_ps(xc + i);
+        c0 = _mm256_fmadd_ps(xv, v0, c0); c1 = _mm256_fmadd_ps(xv, v1, c1);
+        c2 = _mm256_fmadd_ps(xv, v2, c2); c3 = _mm256_fmadd_ps(xv, v3, c3);
+      }
+      float* oa = out + m * ldo;
+      float* ob = oa + ldo;
+      float* oc = ob + ldo;
+      oa[0] = hsum(a0); oa[1] = hsum(a1); oa[2] = hsum(a2); oa[3] = hsum(a3);
+      ob[0] = hsum(b0); ob[1] = hsum(b1); ob[2] = hsum(b2); ob[3] = hsum(b3);
+      oc[0] = hsum(c0); oc[1] = hsum(c1); oc[2] = hsum(c2); oc[3] = hsum(c3);
+    }
     for (; m + 2 <= m_rows; m += 2) {  // 2 rows of x x 4 weight rows: 8 accumulators
       const float* xa = x + m * ldx;
       const float* xb = xa + ldx;

@@ -58,10 +58,11 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 # Up to this many rows, a linear with block-quantized weights (``Linear.quant``) runs the ``quant_linear``
-# kernel on them; above, oneDNN on the dequantized float32 copy. Measured in a decode step of the default
-# model on 2 AVX2 cores (benchmarks/decode_step.py, BENCHMARKS.md): reading 5-bit weights wins while the
-# step is bound by memory, float32 GEMM once it is bound by arithmetic.
-QUANT_MAX_ROWS = 24
+# kernel on them; above, oneDNN on the dequantized float32 copy. Measured as the median decode step of the
+# default model on 2 AVX2 cores (benchmarks/step_overhead.py, BENCHMARKS.md), quantized vs oneDNN: 18 vs
+# 39 ms at 1 sequence, 80 vs 100 at 24, 105 vs 120 at 32, 160 vs 164 at 48, even at 64. A float32 step
+# streams 540 MB of weights, the blocks 100 MB; past ~48 rows the arithmetic dominates and oneDNN's GEMM wins.
+QUANT_MAX_ROWS = 48
 
 
 def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
