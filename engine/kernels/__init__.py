@@ -72,21 +72,36 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     return changed
 
 
+def _build(name: str, cflags: list[str]) -> Any:
+    from torch.utils.cpp_extension import load
+
+    sources = [str(_SOURCES / "cpu_ops.cpp"), str(_SOURCES / "quant_linear.cpp")]
+    return load(name=name, sources=sources, extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
+
+
 @functools.cache
 def cpu_ops() -> Any | None:
-    """The compiled ``cpu_ops.cpp`` extension (``paged_decode_attention``, ``rms_norm``, ``add_rms_norm``,
-    ``silu_and_mul``, ``rotary_``), or None when CPU kernels are turned off or it cannot be built."""
+    """The compiled ``cpu_ops.cpp`` + ``quant_linear.cpp`` extension (``paged_decode_attention``, ``rms_norm``,
+    ``add_rms_norm``, ``silu_and_mul``, ``rotary_``, ``quant_linear``), or None when CPU kernels are turned
+    off or it cannot be built."""
     if not cpu_kernels_enabled():
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        sources = [str(_SOURCES / "cpu_ops.cpp"), str(_SOURCES / "quant_linear.cpp")]
-        return load(name=f"sluice_cpu_ops_{_cpu_digest()}", sources=sources,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        return _build(f"sluice_cpu_ops_{_cpu_digest()}", ["-O3", "-march=native", "-fopenmp"])
     except Exception as e:  # compiler, ninja or headers missing: the PyTorch path still works
         logger.warning("CPU kernels unavailable, using the PyTorch path: %s", e)
         return None
+
+
+@functools.cache
+def portable_cpu_ops() -> Any:
+    """The same kernels built for the baseline instruction set (no AVX2/FMA code paths): the loops a CPU
+    without AVX2 runs, which ``-march=native`` on this machine would never compile. For tests; raises
+    when it cannot be built."""
+    flags = ["-O3", "-fopenmp"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags += ["-march=x86-64", "-mno-avx2", "-mno-fma"]
+    return _build("sluice_cpu_ops_portable", flags)
 
 
 def cpu_paged_decode_attention() -> PagedDecodeAttention | None:

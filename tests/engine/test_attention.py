@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from engine.attention import TorchAttentionBackend, kv_cache_shape, write_kv_cache
-from engine.kernels import cpu_paged_decode_attention
+from engine.kernels import cpu_paged_decode_attention, portable_cpu_ops
 from tests.engine.paged_factory import PagedKV
 
 
-@pytest.fixture(params=["torch", "kernel"])
+@pytest.fixture(params=["torch", "kernel", "portable-kernel"])
 def backend(request: pytest.FixtureRequest) -> TorchAttentionBackend:
     if request.param == "torch":
         return TorchAttentionBackend()
+    if request.param == "portable-kernel":  # the loops CPUs without AVX2 run
+        return TorchAttentionBackend(decode_kernel=portable_cpu_ops().paged_decode_attention)
     kernel = cpu_paged_decode_attention()
     assert kernel is not None, "the CPU paged-attention kernel did not build (see the warning logged)"
     return TorchAttentionBackend(decode_kernel=kernel)
