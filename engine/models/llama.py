@@ -7,6 +7,7 @@ layer attends over the full context, which is exact while sequences are shorter 
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,7 +63,24 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # default model on 2 AVX2 cores (benchmarks/step_overhead.py, BENCHMARKS.md), quantized vs oneDNN: 18 vs
 # 39 ms at 1 sequence, 80 vs 100 at 24, 105 vs 120 at 32, 160 vs 164 at 48, even at 64. A float32 step
 # streams 540 MB of weights, the blocks 100 MB; past ~48 rows the arithmetic dominates and oneDNN's GEMM wins.
-QUANT_MAX_ROWS = 48
+# ``SLUICE_QUANT_MAX_ROWS`` overrides it (0: never use the blocks).
+ENV_QUANT_MAX_ROWS = "SLUICE_QUANT_MAX_ROWS"
+
+
+def quant_max_rows_from_env(default: int = 48) -> int:
+    text = os.environ.get(ENV_QUANT_MAX_ROWS, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{ENV_QUANT_MAX_ROWS} must be a non-negative integer, got {text!r}")
+    return value
+
+
+QUANT_MAX_ROWS = quant_max_rows_from_env()
 
 
 def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

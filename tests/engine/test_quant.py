@@ -210,3 +210,16 @@ def test_linear_uses_blocks_only_up_to_the_threshold(ops: Any) -> None:
     assert not torch.allclose(layer(x), F.linear(x, reference, layer.bias), atol=1e-3)
     x = torch.randn(llama.QUANT_MAX_ROWS + 1, 64)
     torch.testing.assert_close(layer(x), F.linear(x, reference, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_quant_max_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(llama.ENV_QUANT_MAX_ROWS, raising=False)
+    assert llama.quant_max_rows_from_env() == 48
+    monkeypatch.setenv(llama.ENV_QUANT_MAX_ROWS, "0")
+    assert llama.quant_max_rows_from_env() == 0
+    monkeypatch.setenv(llama.ENV_QUANT_MAX_ROWS, " 16 ")
+    assert llama.quant_max_rows_from_env() == 16
+    for bad in ("-1", "many", "1.5"):
+        monkeypatch.setenv(llama.ENV_QUANT_MAX_ROWS, bad)
+        with pytest.raises(ValueError, match="SLUICE_QUANT_MAX_ROWS must be a non-negative integer"):
+            llama.quant_max_rows_from_env()
