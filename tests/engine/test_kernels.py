@@ -11,18 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_ops, portable_cpu_ops
 from engine.models.llama import RMSNorm
 from engine.models.rope import _rotate
-
-
-@pytest.fixture(scope="module", params=["native", "portable"])
-def ops(request: pytest.FixtureRequest) -> Any:
-    if request.param == "portable":  # built without AVX2/FMA: the loops other CPUs run
-        return portable_cpu_ops()
-    module = cpu_ops()
-    assert module is not None, "engine/kernels/cpu_ops.cpp did not build (see the warning logged)"
-    return module
 
 
 def _gen(seed: int) -> torch.Generator:

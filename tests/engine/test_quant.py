@@ -17,7 +17,6 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine.device.base import CpuDevice
-from engine.kernels import cpu_ops, portable_cpu_ops
 from engine.models import llama
 from engine.models.config import ModelConfig
 from engine.models.llama import Linear, build_model
@@ -26,15 +25,6 @@ from tests.engine.paged_factory import PagedKV
 from tests.engine.test_models import _backend, _run
 
 FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
-
-
-@pytest.fixture(scope="module", params=["native", "portable"])
-def ops(request: pytest.FixtureRequest) -> Any:
-    if request.param == "portable":  # built without AVX2/FMA: the loops other CPUs run
-        return portable_cpu_ops()
-    module = cpu_ops()
-    assert module is not None, "engine/kernels/cpu_ops.cpp did not build (see the warning logged)"
-    return module
 
 
 def _blocks(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) -> tuple[QuantWeight, torch.Tensor]:
