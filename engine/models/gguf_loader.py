@@ -124,17 +124,25 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     )
 
 
+def _permuted_heads(name: str, config: ModelConfig) -> int | None:
+    """The head count to un-permute a tensor's rows by (llama.cpp's Llama q/k weights), or None."""
+    if config.architecture != "llama":
+        return None
+    if name.endswith("q_proj.weight"):
+        return config.num_heads
+    if name.endswith("k_proj.weight"):
+        return config.num_kv_heads
+    return None
+
+
 def _iter_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    permute = config.architecture == "llama"
     for tensor in tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", file=sys.stderr, leave=False):
         name = hf_name(tensor.name)
         if name is None:
             continue
         array = tensor_to_numpy(tensor)
-        if permute and name.endswith("q_proj.weight"):
-            array = unpermute_qk(array, config.num_heads)
-        elif permute and name.endswith("k_proj.weight"):
-            array = unpermute_qk(array, config.num_kv_heads)
+        if (heads := _permuted_heads(name, config)) is not None:
+            array = unpermute_qk(array, heads)
         if not array.flags.writeable:  # F32 tensors are views of the read-only memory map
             array = array.copy()
         yield name, torch.from_numpy(array)
@@ -142,16 +150,13 @@ def _iter_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str
 
 def _iter_quantized(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, quant.QuantWeight]]:
     """The Q4_0 / Q4_1 / Q8_0 matrices as blocks (engine.models.quant), rows in Hugging Face order."""
-    permute = config.architecture == "llama"
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None or len(tensor.shape) != 2 or not quant.supported(tensor.tensor_type):
             continue
         weight = quant.from_gguf_blocks(tensor.data, tensor.tensor_type)
-        if permute and name.endswith("q_proj.weight"):
-            weight = quant.permute_rows(weight, lambda a: unpermute_qk(a, config.num_heads))
-        elif permute and name.endswith("k_proj.weight"):
-            weight = quant.permute_rows(weight, lambda a: unpermute_qk(a, config.num_kv_heads))
+        if (heads := _permuted_heads(name, config)) is not None:
+            weight = quant.permute_rows(weight, lambda a, h=heads: unpermute_qk(a, h))
         yield name, weight
 
 
