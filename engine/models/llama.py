@@ -60,10 +60,10 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 # Up to this many rows, a linear with block-quantized weights (``Linear.quant``) runs the ``quant_linear``
 # kernel on them; above, oneDNN on the dequantized float32 copy. Measured as the median decode step of the
-# default model on 2 AVX2 cores (benchmarks/step_overhead.py, BENCHMARKS.md), quantized vs oneDNN: 18 vs
-# 39 ms at 1 sequence, 80 vs 100 at 24, 105 vs 120 at 32, 160 vs 164 at 48, even at 64. A float32 step
+# default model on 2 AVX2 cores (benchmarks/step_overhead.py, BENCHMARKS.md), quantized vs oneDNN: 15.6 vs
+# 44.4 ms at 1 sequence, 36.6 vs 62.7 at 8, 109.6 vs 122.2 at 32, 169.1 vs 169.7 at 48. A float32 step
 # streams 540 MB of weights, the blocks 100 MB; past ~48 rows the arithmetic dominates and oneDNN's GEMM wins.
-# ``SLUICE_QUANT_MAX_ROWS`` overrides it (0: never use the blocks).
+# ``SLUICE_QUANT_MAX_ROWS`` overrides it (0: never use the blocks), read when this module is imported.
 ENV_QUANT_MAX_ROWS = "SLUICE_QUANT_MAX_ROWS"
 
 
