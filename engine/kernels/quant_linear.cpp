@@ -33,7 +33,6 @@
 namespace {
 
 constexpr int64_t kBlock = 32;  // weights per scale, as in ggml's Q4_0 / Q4_1 / Q8_0
-constexpr int64_t kTile = 4;    // weight rows expanded together, then used for every row of x
 constexpr int64_t kSmallRows = 8;  // up to this many rows of x: the fused kernel
 
 inline float half_to_float(uint16_t bits) {
@@ -178,88 +177,121 @@ void small_dispatch(int64_t m_rows, const float* x, int64_t ldx, const float* bl
   }
 }
 
-// out[m, r] = dot(x[m], w[r]) for `rows` (<= kTile) expanded weight rows w (kTile rows of k floats)
-// and every row m of x; out rows are `ldo` apart.
-void tile_products(const float* x, int64_t ldx, int64_t m_rows, const float* w, int64_t rows, int64_t k,
-                   float* out, int64_t ldo) {
+// More rows of x: a GEMM over weights expanded to float32 one panel at a time, laid out as BLIS does for
+// AVX2 (a 6 x 16 register block: 12 accumulators, two weight vectors and a broadcast per k).
+//   x is packed once per call into blocks of kRows rows, k-major: xp[block][k][kRows] (rows past M zero);
+//   each panel of kPanel weight rows is expanded k-major: wp[k][kPanel] (rows past N zero).
+constexpr int64_t kRows = 6;
+constexpr int64_t kPanel = 16;
+
+// Expands weight rows [row0, row0 + kPanel) of the layer into wp [k][kPanel]; `rows` (row-major
+// kPanel x k) is scratch.
+void expand_panel(bool u4, const uint8_t* codes, int64_t code_row, const uint16_t* scales, const uint16_t* mins,
+                  int64_t n, int64_t k, int64_t row0, float* rows, float* wp) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t r = 0; r < kPanel; ++r) {
+    const int64_t row = row0 + r;
+    float* dst = rows + r * k;
+    if (row >= n) {
+      std::fill(dst, dst + k, 0.f);
+    } else if (u4) {
+      expand_u4(codes + row * code_row, scales + row * blocks, mins + row * blocks, k, dst);
+    } else {
+      expand_s8(reinterpret_cast<const int8_t*>(codes) + row * code_row, scales + row * blocks, k, dst);
+    }
+  }
 #ifdef SLUICE_QUANT_AVX2
-  if (rows == kTile && k % 8 == 0) {
-    const float *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k;
-    int64_t m = 0;
-    for (; m + 3 <= m_rows; m += 3) {  // 3 rows of x x 4 weight rows: 12 accumulators, x from memory operands
-      const float* xa = x + m * ldx;
-      const float* xb = xa + ldx;
-      const float* xc = xb + ldx;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-      __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
-      for (int64_t i = 0; i < k; i += 8) {
-        const __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
-        const __m256 v2 = _mm256_loadu_ps(w2 + i), v3 = _mm256_loadu_ps(w3 + i);
-        __m256 xv = _mm256_loadu_ps(xa + i);
-        a0 = _mm256_fmadd_ps(xv, v0, a0); a1 = _mm256_fmadd_ps(xv, v1, a1);
-        a2 = _mm256_fmadd_ps(xv, v2, a2); a3 = _mm256_fmadd_ps(xv, v3, a3);
-        xv = _mm256_loadu_ps(xb + i);
-        b0 = _mm256_fmadd_ps(xv, v0, b0); b1 = _mm256_fmadd_ps(xv, v1, b1);
-        b2 = _mm256_fmadd_ps(xv, v2, b2); b3 = _mm256_fmadd_ps(xv, v3, b3);
-        xv = _mm256_loadu_ps(xc + i);
-        c0 = _mm256_fmadd_ps(xv, v0, c0); c1 = _mm256_fmadd_ps(xv, v1, c1);
-        c2 = _mm256_fmadd_ps(xv, v2, c2); c3 = _mm256_fmadd_ps(xv, v3, c3);
-      }
-      float* oa = out + m * ldo;
-      float* ob = oa + ldo;
-      float* oc = ob + ldo;
-      oa[0] = hsum(a0); oa[1] = hsum(a1); oa[2] = hsum(a2); oa[3] = hsum(a3);
-      ob[0] = hsum(b0); ob[1] = hsum(b1); ob[2] = hsum(b2); ob[3] = hsum(b3);
-      oc[0] = hsum(c0); oc[1] = hsum(c1); oc[2] = hsum(c2); oc[3] = hsum(c3);
+  for (int64_t half = 0; half < kPanel; half += 8) {  // 8 x 8 transposes
+    for (int64_t i = 0; i < k; i += 8) {
+      const float* s = rows + half * k + i;
+      __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + k), r2 = _mm256_loadu_ps(s + 2 * k);
+      __m256 r3 = _mm256_loadu_ps(s + 3 * k), r4 = _mm256_loadu_ps(s + 4 * k), r5 = _mm256_loadu_ps(s + 5 * k);
+      __m256 r6 = _mm256_loadu_ps(s + 6 * k), r7 = _mm256_loadu_ps(s + 7 * k);
+      const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+      const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+      const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+      const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4v = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* d = wp + i * kPanel + half;
+      _mm256_storeu_ps(d + 0 * kPanel, _mm256_permute2f128_ps(u0, u4v, 0x20));
+      _mm256_storeu_ps(d + 1 * kPanel, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(d + 2 * kPanel, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(d + 3 * kPanel, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(d + 4 * kPanel, _mm256_permute2f128_ps(u0, u4v, 0x31));
+      _mm256_storeu_ps(d + 5 * kPanel, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(d + 6 * kPanel, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(d + 7 * kPanel, _mm256_permute2f128_ps(u3, u7, 0x31));
     }
-    for (; m + 2 <= m_rows; m += 2) {  // 2 rows of x x 4 weight rows: 8 accumulators
-      const float* xa = x + m * ldx;
-      const float* xb = xa + ldx;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-      for (int64_t i = 0; i < k; i += 8) {
-        const __m256 va = _mm256_loadu_ps(xa + i), vb = _mm256_loadu_ps(xb + i);
-        const __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
-        const __m256 v2 = _mm256_loadu_ps(w2 + i), v3 = _mm256_loadu_ps(w3 + i);
-        a0 = _mm256_fmadd_ps(va, v0, a0); b0 = _mm256_fmadd_ps(vb, v0, b0);
-        a1 = _mm256_fmadd_ps(va, v1, a1); b1 = _mm256_fmadd_ps(vb, v1, b1);
-        a2 = _mm256_fmadd_ps(va, v2, a2); b2 = _mm256_fmadd_ps(vb, v2, b2);
-        a3 = _mm256_fmadd_ps(va, v3, a3); b3 = _mm256_fmadd_ps(vb, v3, b3);
-      }
-      float* oa = out + m * ldo;
-      float* ob = oa + ldo;
-      oa[0] = hsum(a0); oa[1] = hsum(a1); oa[2] = hsum(a2); oa[3] = hsum(a3);
-      ob[0] = hsum(b0); ob[1] = hsum(b1); ob[2] = hsum(b2); ob[3] = hsum(b3);
-    }
-    for (; m < m_rows; ++m) {
-      const float* xa = x + m * ldx;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t i = 0; i < k; i += 8) {
-        const __m256 va = _mm256_loadu_ps(xa + i);
-        a0 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w0 + i), a0);
-        a1 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w1 + i), a1);
-        a2 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w2 + i), a2);
-        a3 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w3 + i), a3);
-      }
-      float* oa = out + m * ldo;
-      oa[0] = hsum(a0); oa[1] = hsum(a1); oa[2] = hsum(a2); oa[3] = hsum(a3);
-    }
-    return;
+  }
+#else
+  for (int64_t r = 0; r < kPanel; ++r) {
+    for (int64_t i = 0; i < k; ++i) wp[i * kPanel + r] = rows[r * k + i];
   }
 #endif
-  for (int64_t m = 0; m < m_rows; ++m) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xm = x + m * ldx;
-      const float* wr = w + r * k;
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      int64_t i = 0;
-      for (; i + 8 <= k; i += 8) {
-        for (int64_t j = 0; j < 8; ++j) acc[j] += xm[i + j] * wr[i + j];
-      }
-      float s = 0.f;
-      for (; i < k; ++i) s += xm[i] * wr[i];
-      for (int64_t j = 0; j < 8; ++j) s += acc[j];
-      out[m * ldo + r] = s;
+}
+
+// out[r, 0..cols) = xp_block[:, r] . wp for the first R rows of one packed block of x; out rows `ldo` apart.
+#ifdef SLUICE_QUANT_AVX2
+inline void store_row(float* out, __m256 lo, __m256 hi, int64_t cols) {
+  if (cols == kPanel) {
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+    return;
+  }
+  alignas(32) float tail[kPanel];
+  _mm256_store_ps(tail, lo);
+  _mm256_store_ps(tail + 8, hi);
+  std::copy(tail, tail + cols, out);
+}
+#endif
+
+// out[r, 0..cols) = xp_block[:, r] . wp for the first R rows of one packed block of x; out rows `ldo` apart.
+// The accumulators are named variables, not an array: g++ kept an array's copy on the stack, stored
+// every iteration.
+template <int R>
+void panel_product(const float* xb, const float* wp, int64_t k, float* out, int64_t ldo, int64_t cols) {
+#ifdef SLUICE_QUANT_AVX2
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t i = 0; i < k; ++i, xb += kRows, wp += kPanel) {
+    const __m256 b0 = _mm256_loadu_ps(wp), b1 = _mm256_loadu_ps(wp + 8);
+#define SLUICE_ROW(r)                                  \
+  if constexpr (R > r) {                               \
+    const __m256 a = _mm256_broadcast_ss(xb + r);      \
+    c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);         \
+    c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);         \
+  }
+    SLUICE_ROW(0) SLUICE_ROW(1) SLUICE_ROW(2) SLUICE_ROW(3) SLUICE_ROW(4) SLUICE_ROW(5)
+#undef SLUICE_ROW
+  }
+  store_row(out, c00, c01, cols);
+  if constexpr (R > 1) store_row(out + ldo, c10, c11, cols);
+  if constexpr (R > 2) store_row(out + 2 * ldo, c20, c21, cols);
+  if constexpr (R > 3) store_row(out + 3 * ldo, c30, c31, cols);
+  if constexpr (R > 4) store_row(out + 4 * ldo, c40, c41, cols);
+  if constexpr (R > 5) store_row(out + 5 * ldo, c50, c51, cols);
+#else
+  float acc[R][kPanel] = {};
+  for (int64_t i = 0; i < k; ++i, xb += kRows, wp += kPanel) {
+    for (int r = 0; r < R; ++r) {
+      for (int64_t j = 0; j < kPanel; ++j) acc[r][j] += xb[r] * wp[j];
     }
+  }
+  for (int r = 0; r < R; ++r) std::copy(acc[r], acc[r] + cols, out + r * ldo);
+#endif
+}
+
+void panel_rows(int64_t rows, const float* xb, const float* wp, int64_t k, float* out, int64_t ldo, int64_t cols) {
+  switch (rows) {
+    case 1: panel_product<1>(xb, wp, k, out, ldo, cols); break;
+    case 2: panel_product<2>(xb, wp, k, out, ldo, cols); break;
+    case 3: panel_product<3>(xb, wp, k, out, ldo, cols); break;
+    case 4: panel_product<4>(xb, wp, k, out, ldo, cols); break;
+    case 5: panel_product<5>(xb, wp, k, out, ldo, cols); break;
+    default: panel_product<6>(xb, wp, k, out, ldo, cols); break;
   }
 }
 
@@ -314,21 +346,29 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes, c
     return out;
   }
 
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> expanded(kTile * k);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t row0 = t * kTile, rows = std::min(kTile, n - row0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t row = row0 + r;
-        if (u4) {
-          expand_u4(cp + row * code_row, sp + row * blocks, mp + row * blocks, k, expanded.data() + r * k);
-        } else {
-          expand_s8(reinterpret_cast<const int8_t*>(cp) + row * code_row, sp + row * blocks, k,
-                    expanded.data() + r * k);
-        }
+  // Pack x k-major in blocks of kRows rows, then expand one weight panel at a time and multiply every
+  // block of x by it.
+  const int64_t row_blocks = (m_rows + kRows - 1) / kRows;
+  std::vector<float> packed(row_blocks * k * kRows, 0.f);
+  at::parallel_for(0, row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      float* dst = packed.data() + b * k * kRows;
+      for (int64_t r = 0; r < kRows && b * kRows + r < m_rows; ++r) {
+        const float* src = xp + (b * kRows + r) * ldx;
+        for (int64_t i = 0; i < k; ++i) dst[i * kRows + r] = src[i];
       }
-      tile_products(xp, ldx, m_rows, expanded.data(), rows, k, op + row0, n);
+    }
+  });
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kPanel * k), wp(k * kPanel);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t row0 = p * kPanel, cols = std::min(kPanel, n - row0);
+      expand_panel(u4, cp, code_row, sp, mp, n, k, row0, scratch.data(), wp.data());
+      for (int64_t b = 0; b < row_blocks; ++b) {
+        panel_rows(std::min(kRows, m_rows - b * kRows), packed.data() + b * k * kRows, wp.data(), k,
+                   op + b * kRows * n + row0, n, cols);
+      }
     }
   });
   return out;
