@@ -60,15 +60,16 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     if dtype != torch.float32 or not cpu_kernels_enabled():
         return False
     changed = False
+    if ops is not None and hasattr(model, "use_cpu_ops"):  # first: layers that will only read blocks free
+        model.use_cpu_ops(ops)                              # their float32 weights instead of packing them
+        changed = True
+        if getattr(model, "quantized_linears", 0):
+            limit = "every step" if QUANT_MAX_ROWS is None else f"steps of <= {QUANT_MAX_ROWS} rows"
+            logger.info("%d projections run from the checkpoint's quantized blocks (%s)",
+                        model.quantized_linears, limit)
     if torch.backends.mkldnn.is_available() and hasattr(model, "pack_onednn"):
         model.pack_onednn()
         changed = True
-    if ops is not None and hasattr(model, "use_cpu_ops"):
-        model.use_cpu_ops(ops)
-        changed = True
-        if getattr(model, "quantized_linears", 0):
-            logger.info("%d projections run from the checkpoint's quantized blocks at <= %d rows",
-                        model.quantized_linears, QUANT_MAX_ROWS)
     return changed
 
 

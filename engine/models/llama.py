@@ -58,19 +58,20 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# Up to this many rows, a linear with block-quantized weights (``Linear.quant``) runs the ``quant_linear``
-# kernel on them; above, oneDNN on the dequantized float32 copy. Measured as the median decode step of the
-# default model on 2 AVX2 cores (benchmarks/step_overhead.py, BENCHMARKS.md), quantized vs oneDNN: 15.6 vs
-# 44.4 ms at 1 sequence, 36.6 vs 62.7 at 8, 109.6 vs 122.2 at 32, 169.1 vs 169.7 at 48. A float32 step
-# streams 540 MB of weights, the blocks 100 MB; past ~48 rows the arithmetic dominates and oneDNN's GEMM wins.
-# ``SLUICE_QUANT_MAX_ROWS`` overrides it (0: never use the blocks), read when this module is imported.
+# A linear with block-quantized weights (``Linear.quant``) runs the ``quant_linear`` kernel on them for steps
+# of any size by default: up to 8 rows a fused kernel bound by reading the 5-bit codes, above a GEMM over
+# weight panels expanded to float32 in cache, faster than oneDNN's float32 GEMM on the dequantized weights at
+# every size measured (BENCHMARKS.md, "quantized linears"). The float32 copies of those weights are then
+# freed. ``SLUICE_QUANT_MAX_ROWS=N`` keeps the float32 weights and runs steps of more than N rows on oneDNN
+# instead (0: never use the blocks); read when this module is imported.
 ENV_QUANT_MAX_ROWS = "SLUICE_QUANT_MAX_ROWS"
 
 
-def quant_max_rows_from_env(default: int = 48) -> int:
+def quant_max_rows_from_env() -> int | None:
+    """``SLUICE_QUANT_MAX_ROWS`` as a row limit, None (no limit) when unset or empty."""
     text = os.environ.get(ENV_QUANT_MAX_ROWS, "").strip()
     if not text:
-        return default
+        return None
     try:
         value = int(text)
     except ValueError:
@@ -83,6 +84,11 @@ def quant_max_rows_from_env(default: int = 48) -> int:
 QUANT_MAX_ROWS = quant_max_rows_from_env()
 
 
+def uses_blocks(rows: int) -> bool:
+    """Whether a step of ``rows`` rows runs on the block-quantized weights (where a layer has them)."""
+    return QUANT_MAX_ROWS is None or rows <= QUANT_MAX_ROWS
+
+
 def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     out = ops.quant_linear(x, weight.codes, weight.scales, weight.mins, weight.format)
     return out if bias is None else out.add_(bias)
@@ -90,9 +96,9 @@ def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Ten
 
 class Linear(nn.Linear):
     """nn.Linear with three CPU paths: the small-batch one of ``linear``, oneDNN on a prepacked
-    weight once ``pack_onednn`` ran (what vLLM's CPU backend and inductor's freezing use too), and,
-    for a few rows, the ``quant_linear`` kernel on the checkpoint's block-quantized weight when it
-    had one (``quant``, used once ``quant_ops`` is set)."""
+    weight once ``pack_onednn`` ran (what vLLM's CPU backend and inductor's freezing use too), and
+    the ``quant_linear`` kernel on the checkpoint's block-quantized weight when it had one (``quant``,
+    used once ``quant_ops`` is set, for the steps ``uses_blocks`` allows)."""
 
     packed: torch.Tensor | None = None
     quant: QuantWeight | None = None
@@ -103,13 +109,27 @@ class Linear(nn.Linear):
         self.packed = onednn_pack(self.weight)
         self.weight = None  # type: ignore[assignment]
 
+    @property
+    def blocks_only(self) -> bool:
+        """True when every step runs on the blocks, so the float32 weight is never read."""
+        return self.quant_ops is not None and QUANT_MAX_ROWS is None
+
+    def free_dense(self) -> None:
+        """Drops the float32 weight (plain or packed) of a ``blocks_only`` layer."""
+        assert self.blocks_only, "free_dense: this layer still reads its float32 weight"
+        self.packed = None
+        self.weight = None  # type: ignore[assignment]
+
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] weight, unpacked when it is held by oneDNN."""
         return self.weight if self.packed is None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_ops is not None and x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS:
-            return quant_linear(self.quant_ops, x, self.quant, self.bias)  # type: ignore[arg-type]
+        if self.quant_ops is not None:
+            rows = x.reshape(-1, x.shape[-1])
+            if uses_blocks(rows.shape[0]):
+                out = quant_linear(self.quant_ops, rows, self.quant, self.bias)  # type: ignore[arg-type]
+                return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
         if self.packed is not None:
             return onednn_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
@@ -239,7 +259,7 @@ class CausalLM(nn.Module):
         """[N, hidden] -> float32 [N, vocab]."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self._tied_quant is not None and self._ops is not None and hidden.shape[0] <= QUANT_MAX_ROWS:
+        if self._tied_quant is not None and self._ops is not None and uses_blocks(hidden.shape[0]):
             return quant_linear(self._ops, hidden, self._tied_quant)
         if self._tied_packed is not None:
             return onednn_linear(hidden, self._tied_packed)
@@ -255,7 +275,10 @@ class CausalLM(nn.Module):
 
     def use_cpu_ops(self, ops: Any) -> None:
         """Run RMSNorm (fused with the residual adds), SiLU-and-mul and rotary through ``ops``
-        (engine.kernels.cpu_ops: float32 CPU kernels), each one pass over memory instead of several."""
+        (engine.kernels.cpu_ops: float32 CPU kernels), each one pass over memory instead of several.
+
+        Projections with block-quantized weights run ``quant_linear`` from then on; where every step does
+        (``SLUICE_QUANT_MAX_ROWS`` unset), their float32 weights are freed."""
         self._require_float32_cpu("use_cpu_ops")
         self._ops = ops
         for module in self.modules():
@@ -263,6 +286,10 @@ class CausalLM(nn.Module):
                 module.ops = ops
             elif isinstance(module, Linear) and module.quant is not None:
                 module.quant_ops = ops
+                if module.blocks_only:
+                    module.free_dense()
+        if self._tied_quant is not None and QUANT_MAX_ROWS is None:
+            self._tied_packed = None  # the embedding table itself stays: token lookup reads it
 
     @property
     def quantized_linears(self) -> int:
@@ -315,9 +342,10 @@ class CausalLM(nn.Module):
         """
         self._require_float32_cpu("pack_onednn")
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.weight is not None:  # None: freed, runs on its blocks
                 module.pack_onednn()
-        if self.lm_head is None:
+        if self.lm_head is None and not (self._tied_quant is not None and self._ops is not None
+                                         and QUANT_MAX_ROWS is None):
             self._tied_packed = onednn_pack(self.embed_tokens.weight)
         self.onednn_packed = True
 

@@ -2,7 +2,8 @@
 
 gguf-py (llama.cpp's own Python package) makes the blocks and dequantizes them: the reference for what
 each format means. The kernel must compute ``x @ dequantize(W).T`` to float32 precision on both of its
-paths (fused, up to 8 rows of x; expanded tiles above), for any N (tail tiles) and strided rows of x.
+paths (fused, up to 8 rows of x; a GEMM over expanded weight panels above, in blocks of 6 rows with
+remainders of 1-5), for any N (a tail panel) and strided rows of x.
 The default model through this path is checked against transformers in test_models.py.
 """
 from __future__ import annotations
@@ -48,9 +49,9 @@ def test_blocks_dequantize_as_gguf_does(qtype: GGMLQuantizationType) -> None:
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 17, 40, 100])
 def test_kernel_matches_the_dequantized_matmul(ops: Any, qtype: GGMLQuantizationType, rows: int) -> None:
-    weight, reference = _blocks(130, 576, qtype, seed=rows)  # 130 = 32 tiles of 4 and a tail of 2
+    weight, reference = _blocks(130, 576, qtype, seed=rows)  # 130 = 8 panels of 16 and a tail of 2
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     out = _linear(ops, x, weight)
     assert out.shape == (rows, 130) and out.dtype == torch.float32
@@ -132,17 +133,8 @@ def _quantized_tiny_model(qtype: GGMLQuantizationType, v_type: GGMLQuantizationT
     return model
 
 
-def test_model_runs_quantized_rows_and_matches_float32(monkeypatch: pytest.MonkeyPatch) -> None:
-    reference = _quantized_tiny_model(GGMLQuantizationType.Q4_1)
-    reference.drop_quantized()
-    model = _quantized_tiny_model(GGMLQuantizationType.Q4_1)
-    assert model.quantized_linears == 2 * 4 + 1  # qkv, o, gate_up, down per layer + the tied lm_head
-    CpuDevice().prepare_model(model, torch.float32)
-    CpuDevice().prepare_model(reference, torch.float32)
-    assert model.uses_cpu_ops and model.quantized_linears == 9 and reference.quantized_linears == 0
-    layer = model.layers[0].mlp.gate_up_proj
-    assert layer.quant_ops is not None
-
+def _counting_quant_linear(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records the row count of every ``quant_linear`` call the model makes."""
     calls: list[int] = []
     real = llama.quant_linear
 
@@ -151,18 +143,74 @@ def test_model_runs_quantized_rows_and_matches_float32(monkeypatch: pytest.Monke
         return real(ops, x, weight, bias)
 
     monkeypatch.setattr(llama, "quant_linear", counting)
+    return calls
+
+
+def _float32_reference() -> llama.CausalLM:
+    reference = _quantized_tiny_model(GGMLQuantizationType.Q4_1)
+    reference.drop_quantized()
+    CpuDevice().prepare_model(reference, torch.float32)
+    assert reference.quantized_linears == 0 and reference.onednn_packed
+    return reference
+
+
+def _compare(model: llama.CausalLM, reference: llama.CausalLM, prompt: list[int], decode: list[int]) -> None:
     cfg = model.config
-    prompt = list(range(3, 3 + llama.QUANT_MAX_ROWS + 5))  # prefill above the threshold: float32 path
     kv_q = PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=4, backend=_backend(model))
     kv_r = PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=4,
                    backend=_backend(reference))
     torch.testing.assert_close(_run(model, kv_q, [("a", prompt)]), _run(reference, kv_r, [("a", prompt)]),
                                rtol=1e-4, atol=1e-4)
-    assert calls == []
-    for token in (5, 9, 11):  # decode: one row, quantized blocks
+    for token in decode:
         torch.testing.assert_close(_run(model, kv_q, [("a", [token])]), _run(reference, kv_r, [("a", [token])]),
                                    rtol=1e-4, atol=1e-4)
-    assert calls and set(calls) == {1} and len(calls) == 3 * 9
+
+
+def test_model_runs_every_step_on_blocks_and_frees_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", None)  # the default: no row limit
+    reference = _float32_reference()
+    model = _quantized_tiny_model(GGMLQuantizationType.Q4_1)
+    assert model.quantized_linears == 2 * 4 + 1  # qkv, o, gate_up, down per layer + the tied lm_head
+    CpuDevice().prepare_model(model, torch.float32)
+    assert model.uses_cpu_ops and model.quantized_linears == 9
+    for layer in (model.layers[0].mlp.gate_up_proj, model.layers[1].self_attn.qkv_proj):
+        assert layer.quant_ops is not None and layer.blocks_only
+        assert layer.weight is None and layer.packed is None  # the float32 copy is gone, not packed
+    assert model._tied_packed is None and model.embed_tokens.weight is not None  # lookup keeps the table
+
+    calls = _counting_quant_linear(monkeypatch)
+    prompt = list(range(3, 3 + 21))  # 21 rows: the GEMM path, 3 blocks of 6 and a remainder of 3
+    _compare(model, reference, prompt, decode=[5, 9, 11])
+    # Per forward: 4 projections x 2 layers and the lm_head (_run takes logits for every token).
+    assert calls == [21] * 9 + [1] * 9 * 3
+
+
+def test_row_limit_keeps_float32_for_larger_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", 8)  # SLUICE_QUANT_MAX_ROWS=8
+    reference = _float32_reference()
+    model = _quantized_tiny_model(GGMLQuantizationType.Q4_1)
+    CpuDevice().prepare_model(model, torch.float32)
+    layer = model.layers[0].mlp.gate_up_proj
+    assert layer.quant_ops is not None and not layer.blocks_only and layer.packed is not None
+    assert model._tied_packed is not None
+    with pytest.raises(AssertionError, match="still reads its float32 weight"):
+        layer.free_dense()
+
+    calls = _counting_quant_linear(monkeypatch)
+    _compare(model, reference, list(range(3, 3 + 13)), decode=[5, 9, 11])  # prefill above the limit: float32
+    assert calls == [1] * 9 * 3
+
+
+def test_blocks_only_layer_takes_any_leading_shape(ops: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", None)
+    weight, reference = _blocks(24, 64, GGMLQuantizationType.Q8_0, seed=9)
+    layer = Linear(64, 24, bias=False)
+    layer.quant, layer.quant_ops = weight, ops
+    layer.free_dense()
+    x = torch.randn(2, 7, 64)
+    out = layer(x)
+    assert out.shape == (2, 7, 24)
+    torch.testing.assert_close(out, x @ reference.T, rtol=1e-5, atol=1e-5)
 
 
 def test_mixed_formats_leave_a_projection_in_float32() -> None:
@@ -183,7 +231,8 @@ def test_kernels_off_drop_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(proj(x), F.linear(x, proj.weight))
 
 
-def test_linear_uses_blocks_only_up_to_the_threshold(ops: Any) -> None:
+def test_linear_uses_blocks_only_up_to_the_threshold(ops: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", 48)
     weight, reference = _blocks(40, 64, GGMLQuantizationType.Q4_0, seed=5)
     layer = Linear(64, 40, bias=True)
     with torch.no_grad():
@@ -204,7 +253,9 @@ def test_linear_uses_blocks_only_up_to_the_threshold(ops: Any) -> None:
 
 def test_quant_max_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(llama.ENV_QUANT_MAX_ROWS, raising=False)
-    assert llama.quant_max_rows_from_env() == 48
+    assert llama.quant_max_rows_from_env() is None  # no limit
+    monkeypatch.setenv(llama.ENV_QUANT_MAX_ROWS, " ")
+    assert llama.quant_max_rows_from_env() is None
     monkeypatch.setenv(llama.ENV_QUANT_MAX_ROWS, "0")
     assert llama.quant_max_rows_from_env() == 0
     monkeypatch.setenv(llama.ENV_QUANT_MAX_ROWS, " 16 ")
