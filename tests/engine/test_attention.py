@@ -103,6 +103,22 @@ def test_decodes_of_different_lengths(backend: TorchAttentionBackend, d: int, bl
     _check(backend, seqs, 5, 6, 2, d, block_size=block_size)
 
 
+@pytest.mark.parametrize("d", [36, 64])
+@pytest.mark.parametrize("num_decodes, threads", [(3, 2), (12, 1), (12, 2)])
+def test_many_decodes_split_by_sequence_or_by_head(backend: TorchAttentionBackend, d: int, num_decodes: int,
+                                                   threads: int) -> None:
+    # The kernel gives each thread whole sequences once there are >= 4 per thread, else (sequence, kv head)
+    # pairs; both ways must agree with the reference, across block boundaries and in GQA groups of 3.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = random.Random(num_decodes * 10 + threads)
+        seqs = _make_seqs(rng, 0, [(rng.randint(1, 40), 1) for _ in range(num_decodes)], 9, 3, d)
+        _check(backend, seqs, num_decodes, 9, 3, d, block_size=16)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_prefill_chunk_after_context_and_fresh_prefill(backend: TorchAttentionBackend) -> None:
     seqs = _make_seqs(random.Random(2), 0, [(0, 7), (9, 6), (3, 1)], 6, 3, 8)
     _check(backend, seqs, 0, 6, 3, 8, block_size=4)
