@@ -184,6 +184,79 @@ void small_dispatch(int64_t m_rows, const float* x, int64_t ldx, const float* bl
 constexpr int64_t kRows = 6;
 constexpr int64_t kPanel = 16;
 
+#ifdef SLUICE_QUANT_AVX2
+// The 8 x 16 byte matrix r[0..7] transposed: out[i] holds byte 2i of every row in its low 8 bytes (row 0
+// first) and byte 2i + 1 in its high 8 bytes.
+inline void transpose_8x16_bytes(const __m128i r[8], __m128i out[8]) {
+  const __m128i a0 = _mm_unpacklo_epi8(r[0], r[1]), a1 = _mm_unpackhi_epi8(r[0], r[1]);
+  const __m128i a2 = _mm_unpacklo_epi8(r[2], r[3]), a3 = _mm_unpackhi_epi8(r[2], r[3]);
+  const __m128i a4 = _mm_unpacklo_epi8(r[4], r[5]), a5 = _mm_unpackhi_epi8(r[4], r[5]);
+  const __m128i a6 = _mm_unpacklo_epi8(r[6], r[7]), a7 = _mm_unpackhi_epi8(r[6], r[7]);
+  const __m128i b0 = _mm_unpacklo_epi16(a0, a2), b1 = _mm_unpackhi_epi16(a0, a2);
+  const __m128i b2 = _mm_unpacklo_epi16(a1, a3), b3 = _mm_unpackhi_epi16(a1, a3);
+  const __m128i b4 = _mm_unpacklo_epi16(a4, a6), b5 = _mm_unpackhi_epi16(a4, a6);
+  const __m128i b6 = _mm_unpacklo_epi16(a5, a7), b7 = _mm_unpackhi_epi16(a5, a7);
+  out[0] = _mm_unpacklo_epi32(b0, b4); out[1] = _mm_unpackhi_epi32(b0, b4);
+  out[2] = _mm_unpacklo_epi32(b1, b5); out[3] = _mm_unpackhi_epi32(b1, b5);
+  out[4] = _mm_unpacklo_epi32(b2, b6); out[5] = _mm_unpackhi_epi32(b2, b6);
+  out[6] = _mm_unpacklo_epi32(b3, b7); out[7] = _mm_unpackhi_epi32(b3, b7);
+}
+
+// The float16 values at p[0], p[stride], ..., p[7 stride] as 8 floats.
+inline __m256 gather_halves(const uint16_t* p, int64_t stride) {
+  return _mm256_cvtph_ps(_mm_setr_epi16(p[0], p[stride], p[2 * stride], p[3 * stride], p[4 * stride],
+                                        p[5 * stride], p[6 * stride], p[7 * stride]));
+}
+
+// expand_panel for a full panel, straight from the codes to k-major floats: each block's codes of 8 rows
+// are transposed as bytes (a 16th of the floats' shuffles) and converted there, with the rows' scales
+// (and offsets) as vectors.
+void expand_panel_direct(bool u4, const uint8_t* codes, int64_t code_row, const uint16_t* scales,
+                         const uint16_t* mins, int64_t k, int64_t row0, float* wp) {
+  const int64_t blocks = k / kBlock;
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t half = 0; half < kPanel; half += 8) {
+    const int64_t row = row0 + half;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m256 d = gather_halves(scales + row * blocks + b, blocks);
+      float* dst = wp + b * kBlock * kPanel + half;
+      const auto put = [&](int64_t kk, __m128i bytes, __m256 value_min, bool is_signed) {
+        const __m256i ints = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+        const __m256 f = _mm256_cvtepi32_ps(ints);
+        _mm256_storeu_ps(dst + kk * kPanel, u4 ? _mm256_fmadd_ps(f, d, value_min) : _mm256_mul_ps(f, d));
+      };
+      __m128i r[8], t[8];
+      if (u4) {
+        const __m256 m = gather_halves(mins + row * blocks + b, blocks);
+        for (int i = 0; i < 8; ++i) {
+          r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (row + i) * code_row + b * kBlock / 2));
+        }
+        transpose_8x16_bytes(r, t);
+        for (int i = 0; i < 8; ++i) {  // byte j: element j in the low nibble, j + 16 in the high one
+          const __m128i lo = _mm_and_si128(t[i], mask);
+          const __m128i hi = _mm_and_si128(_mm_srli_epi16(t[i], 4), mask);
+          put(2 * i, lo, m, false);
+          put(2 * i + 1, _mm_unpackhi_epi64(lo, lo), m, false);
+          put(2 * i + 16, hi, m, false);
+          put(2 * i + 17, _mm_unpackhi_epi64(hi, hi), m, false);
+        }
+      } else {
+        for (int64_t part = 0; part < kBlock; part += 16) {
+          for (int i = 0; i < 8; ++i) {
+            r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (row + i) * code_row + b * kBlock + part));
+          }
+          transpose_8x16_bytes(r, t);
+          for (int i = 0; i < 8; ++i) {
+            put(part + 2 * i, t[i], d, true);
+            put(part + 2 * i + 1, _mm_unpackhi_epi64(t[i], t[i]), d, true);
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
 // Expands weight rows [row0, row0 + kPanel) of the layer into wp [k][kPanel]; `rows` (row-major
 // kPanel x k) is scratch.
 void expand_panel(bool u4, const uint8_t* codes, int64_t code_row, const uint16_t* scales, const uint16_t* mins,
@@ -364,7 +437,15 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes, c
     std::vector<float> scratch(kPanel * k), wp(k * kPanel);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t row0 = p * kPanel, cols = std::min(kPanel, n - row0);
+#ifdef SLUICE_QUANT_AVX2
+      if (cols == kPanel) {
+        expand_panel_direct(u4, cp, code_row, sp, mp, k, row0, wp.data());
+      } else {
+        expand_panel(u4, cp, code_row, sp, mp, n, k, row0, scratch.data(), wp.data());
+      }
+#else
       expand_panel(u4, cp, code_row, sp, mp, n, k, row0, scratch.data(), wp.data());
+#endif
       for (int64_t b = 0; b < row_blocks; ++b) {
         panel_rows(std::min(kRows, m_rows - b * kRows), packed.data() + b * k * kRows, wp.data(), k,
                    op + b * kRows * n + row0, n, cols);
