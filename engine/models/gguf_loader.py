@@ -162,7 +162,7 @@ def _iter_quantized(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[s
 
 def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> CausalLM:
     """Weights dequantized to ``dtype``; for float32 on the CPU the model also keeps the quantized blocks
-    (``CausalLM.load_quantized``) for the small-batch ``quant_linear`` kernel (the CPU device drops them
+    (``CausalLM.load_quantized``) for the ``quant_linear`` kernel (the CPU device drops them
     when the kernels are off or cannot be built)."""
     reader = GGUFReader(str(path))
     config = config_from_gguf(reader)

@@ -299,7 +299,7 @@ class CausalLM(nn.Module):
 
     def load_quantized(self, weights: Iterable[tuple[str, QuantWeight]]) -> int:
         """Keeps block-quantized copies of projection weights (named as in ``load_weights``, which must
-        have loaded the same values dequantized) for the small-batch ``quant_linear`` path. A fused
+        have loaded the same values dequantized) for the ``quant_linear`` path. A fused
         projection gets one only when all its shards come quantized in one format. Returns how many
         projections got one."""
         shards: dict[str, dict[int, QuantWeight]] = {}

@@ -1,10 +1,11 @@
 """Weights kept in llama.cpp's block-quantized form (Q4_0, Q4_1, Q8_0) for the CPU ``quant_linear`` kernel.
 
-A GGUF file's quantized tensors are dequantized to float32 for the model (that is what transformers does
-with the same file, and what prefill runs on); small-batch decode steps read the blocks instead: a Q4_1
-weight is 5 bits in the file and 32 once dequantized, and decode at a few sequences is bound by reading
-weights. The kernel expands each row into float32 in cache and accumulates in float32, so it computes the
-dequantized matmul (same values, summed in another order).
+A GGUF file's quantized tensors are dequantized to float32 at load (that is what transformers does with
+the same file); on the CPU with the kernels built, the projections then run on the blocks (a Q4_1 weight is
+5 bits in the file and 32 once dequantized) and the float32 copies are freed, unless
+``SLUICE_QUANT_MAX_ROWS`` caps the rows (engine/models/llama.py). The kernel expands the codes into float32
+in cache and accumulates in float32, so it computes the dequantized matmul (same values, summed in another
+order).
 
 Each block of 32 weights along the input dimension has one scale (and, for Q4_1, one offset); they are
 stored here as float16 [out, in/32] (as in the file) next to the codes, which keep ggml's byte order.
