@@ -60,9 +60,9 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 # A linear with block-quantized weights (``Linear.quant``) runs the ``quant_linear`` kernel on them for steps
 # of any size by default: up to 8 rows a fused kernel bound by reading the 5-bit codes, above a GEMM over
-# weight panels expanded to float32 in cache, faster than oneDNN's float32 GEMM on the dequantized weights at
-# every size measured (BENCHMARKS.md, "quantized linears"). The float32 copies of those weights are then
-# freed. ``SLUICE_QUANT_MAX_ROWS=N`` keeps the float32 weights and runs steps of more than N rows on oneDNN
+# weight panels expanded to float32 in cache: from even with oneDNN's float32 GEMM on the dequantized weights
+# to 1.7x faster with weights hot in cache, 1.2-2.5x faster per model step (BENCHMARKS.md, "Quantized linears
+# on every step"). The float32 copies of those weights are then freed. ``SLUICE_QUANT_MAX_ROWS=N`` keeps the float32 weights and runs steps of more than N rows on oneDNN
 # instead (0: never use the blocks); read when this module is imported.
 ENV_QUANT_MAX_ROWS = "SLUICE_QUANT_MAX_ROWS"
 
@@ -116,7 +116,8 @@ class Linear(nn.Linear):
 
     def free_dense(self) -> None:
         """Drops the float32 weight (plain or packed) of a ``blocks_only`` layer."""
-        assert self.blocks_only, "free_dense: this layer still reads its float32 weight"
+        if not self.blocks_only:
+            raise RuntimeError("free_dense: this layer still reads its float32 weight")
         self.packed = None
         self.weight = None  # type: ignore[assignment]
 
@@ -327,6 +328,8 @@ class CausalLM(nn.Module):
 
     def drop_quantized(self) -> None:
         """Frees the block-quantized copies (when the kernel that reads them is unavailable)."""
+        if any(isinstance(m, Linear) and m.weight is None and m.packed is None for m in self.modules()):
+            raise RuntimeError("drop_quantized: some layers have only their blocks left (float32 freed)")
         self._tied_quant = None
         for module in self.modules():
             if isinstance(module, Linear):

@@ -177,6 +177,8 @@ def test_model_runs_every_step_on_blocks_and_frees_float32(monkeypatch: pytest.M
         assert layer.quant_ops is not None and layer.blocks_only
         assert layer.weight is None and layer.packed is None  # the float32 copy is gone, not packed
     assert model._tied_packed is None and model.embed_tokens.weight is not None  # lookup keeps the table
+    with pytest.raises(RuntimeError, match="only their blocks left"):
+        model.drop_quantized()
 
     calls = _counting_quant_linear(monkeypatch)
     prompt = list(range(3, 3 + 21))  # 21 rows: the GEMM path, 3 blocks of 6 and a remainder of 3
@@ -193,7 +195,7 @@ def test_row_limit_keeps_float32_for_larger_steps(monkeypatch: pytest.MonkeyPatc
     layer = model.layers[0].mlp.gate_up_proj
     assert layer.quant_ops is not None and not layer.blocks_only and layer.packed is not None
     assert model._tied_packed is not None
-    with pytest.raises(AssertionError, match="still reads its float32 weight"):
+    with pytest.raises(RuntimeError, match="still reads its float32 weight"):
         layer.free_dense()
 
     calls = _counting_quant_linear(monkeypatch)
