@@ -325,11 +325,36 @@ inline void store_row(float* out, __m256 lo, __m256 hi, int64_t cols) {
 // out[r, 0..cols) = xp_block[:, r] . wp for the first R rows of one packed block of x; out rows `ldo` apart.
 // The accumulators are named variables, not an array: g++ kept an array's copy on the stack, stored
 // every iteration.
+//
+// With 4 or more rows there are 8 or more independent accumulators, enough to hide the FMA latency (5
+// cycles, 2 per cycle). With 1 to 3 rows (the last block of x when M % 6 is 1 to 3: 32 and 128 rows
+// leave 2) each accumulator would wait on its previous FMA, and a block of 2 rows cost 80 % of a block of
+// 6; so even and odd k go to two sets of accumulators, summed at the end (K is a multiple of 32).
 template <int R>
 void panel_product(const float* xb, const float* wp, int64_t k, float* out, int64_t ldo, int64_t cols) {
 #ifdef SLUICE_QUANT_AVX2
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  if constexpr (R <= 3) {
+    __m256 d00 = c00, d01 = c00, d10 = c00, d11 = c00, d20 = c00, d21 = c00;
+    for (int64_t i = 0; i < k; i += 2, xb += 2 * kRows, wp += 2 * kPanel) {
+      __m256 b0 = _mm256_loadu_ps(wp), b1 = _mm256_loadu_ps(wp + 8);
+#define SLUICE_ROW2(r, acc, off)                             \
+  if constexpr (R > r) {                                     \
+    const __m256 a = _mm256_broadcast_ss(xb + (off) + r);    \
+    acc##r##0 = _mm256_fmadd_ps(a, b0, acc##r##0);           \
+    acc##r##1 = _mm256_fmadd_ps(a, b1, acc##r##1);           \
+  }
+      SLUICE_ROW2(0, c, 0) SLUICE_ROW2(1, c, 0) SLUICE_ROW2(2, c, 0)
+      b0 = _mm256_loadu_ps(wp + kPanel), b1 = _mm256_loadu_ps(wp + kPanel + 8);
+      SLUICE_ROW2(0, d, kRows) SLUICE_ROW2(1, d, kRows) SLUICE_ROW2(2, d, kRows)
+#undef SLUICE_ROW2
+    }
+    store_row(out, _mm256_add_ps(c00, d00), _mm256_add_ps(c01, d01), cols);
+    if constexpr (R > 1) store_row(out + ldo, _mm256_add_ps(c10, d10), _mm256_add_ps(c11, d11), cols);
+    if constexpr (R > 2) store_row(out + 2 * ldo, _mm256_add_ps(c20, d20), _mm256_add_ps(c21, d21), cols);
+    return;
+  }
   for (int64_t i = 0; i < k; ++i, xb += kRows, wp += kPanel) {
     const __m256 b0 = _mm256_loadu_ps(wp), b1 = _mm256_loadu_ps(wp + 8);
 #define SLUICE_ROW(r)                                  \

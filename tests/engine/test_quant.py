@@ -49,7 +49,8 @@ def test_blocks_dequantize_as_gguf_does(qtype: GGMLQuantizationType) -> None:
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 17, 40, 100])
+# 13, 14 and 32 rows end in a block of x of 1, 2 and 2 rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 13, 14, 17, 32, 40, 100])
 def test_kernel_matches_the_dequantized_matmul(ops: Any, qtype: GGMLQuantizationType, rows: int) -> None:
     weight, reference = _blocks(130, 576, qtype, seed=rows)  # 130 = 8 panels of 16 and a tail of 2
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
