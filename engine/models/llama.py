@@ -62,8 +62,9 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # of any size by default: up to 8 rows a fused kernel bound by reading the 5-bit codes, above a GEMM over
 # weight panels expanded to float32 in cache: from even with oneDNN's float32 GEMM on the dequantized weights
 # to 1.7x faster with weights hot in cache, 1.2-2.5x faster per model step (BENCHMARKS.md, "Quantized linears
-# on every step"). The float32 copies of those weights are then freed. ``SLUICE_QUANT_MAX_ROWS=N`` keeps the float32 weights and runs steps of more than N rows on oneDNN
-# instead (0: never use the blocks); read when this module is imported.
+# on every step"). The float32 copies of those weights are then freed. ``SLUICE_QUANT_MAX_ROWS=N`` keeps the
+# float32 weights and runs steps of more than N rows on oneDNN instead (0: never use the blocks); read when
+# this module is imported.
 ENV_QUANT_MAX_ROWS = "SLUICE_QUANT_MAX_ROWS"
 
 
