@@ -25,10 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), float16, ...")
     p.add_argument("--out", default=None, help="write the JSON result here")
     ns = p.parse_args(argv)
     core = EngineCore(EngineConfig(dtype=ns.dtype, max_num_seqs=ns.num_seqs, kv_cache_memory=2**30,
-                                   max_num_batched_tokens=max(2048, ns.num_seqs), num_threads=ns.num_threads))
+                                   max_num_batched_tokens=max(2048, ns.num_seqs), num_threads=ns.num_threads,
+                                   kv_cache_dtype=ns.kv_cache_dtype))
     sp = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     for i in range(ns.num_seqs):
         core.add_request(str(i), [100 + (i * 7 + j) % 30000 for j in range(ns.input_len)], sp)

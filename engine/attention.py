@@ -83,7 +83,7 @@ class TorchAttentionBackend:
     right when there is no earlier context).
 
     ``decode_kernel`` (the CPU device passes ``engine.kernels.cpu_paged_decode_attention``) replaces the
-    gather + SDPA of float32 decodes with one pass over the blocks in place.
+    gather + SDPA of float32 decodes (over a float32 or float16 cache) with one pass over the blocks in place.
     """
 
     def __init__(self, decode_kernel: PagedDecodeAttention | None = None) -> None:
@@ -107,14 +107,15 @@ class TorchAttentionBackend:
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         num_decodes = meta.num_decodes
-        if (self.decode_kernel is not None and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
-                and kv_cache.is_contiguous()):
+        if (self.decode_kernel is not None and query.dtype == torch.float32
+                and kv_cache.dtype in (torch.float32, torch.float16) and kv_cache.is_contiguous()):
             return self.decode_kernel(query.contiguous(), kv_cache, meta.block_tables[:num_decodes].contiguous(),
                                       meta.seq_lens[:num_decodes].contiguous(), scale)
         block_size = meta.block_size
         max_len = max(meta.seq_lens_host[:num_decodes])
         num_blocks = -(-max_len // block_size)
         keys, values = gather_kv(kv_cache, meta.block_tables[:num_decodes], num_blocks)
+        keys, values = keys.to(query.dtype), values.to(query.dtype)  # a KV cache dtype of its own
         # Slots past a sequence's length hold stale or foreign data: mask them out.
         positions = torch.arange(num_blocks * block_size, device=query.device)
         mask = positions[None, :] < meta.seq_lens[:num_decodes, None]
@@ -137,15 +138,19 @@ class TorchAttentionBackend:
         # 1.7x slower at 128 tokens and 4.5x at 2048 here.
         q = query.transpose(0, 1)  # [Hq, Q, D]
         if context_len == 0:
-            # Nothing cached before this chunk: attend over the new keys directly, no gather.
+            # Nothing cached before this chunk: attend over the new keys directly, no gather. With a KV cache
+            # dtype of its own (float16), as rounded there: a prompt then gets the same attention inputs
+            # whether it is prefilled in one chunk or several (later chunks read the cache).
+            if kv_cache.dtype != key.dtype:
+                key, value = key.to(kv_cache.dtype).to(key.dtype), value.to(kv_cache.dtype).to(value.dtype)
             out = F.scaled_dot_product_attention(
                 q[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], is_causal=True, scale=scale,
                 enable_gqa=True)
             return out[0].transpose(0, 1)
         num_blocks = -(-seq_len // meta.block_size)
         keys, values = gather_kv(kv_cache, meta.block_tables[seq_index:seq_index + 1], num_blocks)
-        keys = keys[0, :seq_len].transpose(0, 1)  # [Hkv, S, D]
-        values = values[0, :seq_len].transpose(0, 1)
+        keys = keys[0, :seq_len].transpose(0, 1).to(query.dtype)  # [Hkv, S, D]
+        values = values[0, :seq_len].transpose(0, 1).to(query.dtype)
         # Query i sits at position context_len + i and sees keys 0..context_len + i.
         q_pos = torch.arange(context_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)

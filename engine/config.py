@@ -41,6 +41,11 @@ def default_model_path() -> str:
     return str(path)
 
 
+# --kv-cache-dtype values: "auto" stores keys and values in the model's dtype (vLLM's meaning). float16 halves
+# the cache's bytes and the memory traffic of decode attention; the float32 CPU kernel converts on load.
+KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine process is configured with; built once, validated, passed in."""
@@ -49,6 +54,7 @@ class EngineConfig:
     tokenizer: str | None = None             # defaults to the model's own
     served_model_name: str | None = None
     dtype: str = "auto"                      # auto | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"             # auto (= dtype) | float32 | bfloat16 | float16
     device: str = "cpu"                      # cpu | cuda | npu
     max_model_len: int | None = None         # None = the model's context length, capped at 8192
     max_num_seqs: int = 128
@@ -78,6 +84,9 @@ class EngineConfig:
 
         check(self.dtype in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float"),
               "dtype", f"unknown dtype {self.dtype!r}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+              f"unknown KV cache dtype {self.kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}"
+              + (" (fp8 KV caches are not supported)" if self.kv_cache_dtype.startswith("fp8") else ""))
         check(self.device in ("cpu", "cuda", "npu"), "device", f"unknown device {self.device!r}")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")

@@ -55,6 +55,8 @@ class EngineCore:
         self.device = get_device(config.device, num_threads=config.num_threads)
         self.device.set_seed(config.seed)
         self.dtype = resolve_dtype(config.dtype, config.device)
+        self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
+                               else resolve_dtype(config.kv_cache_dtype, config.device))
         self.model = load_model(config.model_path, self.dtype, self.device.torch_device)
         self.device.prepare_model(self.model, self.dtype)
         mc = self.model.config
@@ -66,14 +68,15 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.runner = ModelRunner(self.model, self.device, self.sampler, num_blocks=num_blocks,
                                   block_size=config.block_size,
-                                  max_num_batched_tokens=config.max_num_batched_tokens, dtype=self.dtype)
+                                  max_num_batched_tokens=config.max_num_batched_tokens, dtype=self.kv_cache_dtype)
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
                                    max_model_len=self.max_model_len)
         self._pending: list[EngineCoreOutput] = []
         self.last_step: StepStats | None = None
         self.total_steps = 0
-        logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d",
-                    config.model_name, self.dtype, num_blocks, config.block_size, self.max_model_len)
+        logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%s), max_model_len %d",
+                    config.model_name, self.dtype, num_blocks, config.block_size, self.kv_cache_dtype,
+                    self.max_model_len)
 
     # -- sizing -------------------------------------------------------------------------------------------
     def _resolve_max_model_len(self, model_max: int) -> int:
@@ -90,7 +93,7 @@ class EngineCore:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         mc = self.model.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * elem
         if self.device.name == "cpu":
             budget = cfg.kv_cache_memory or _DEFAULT_CPU_KV_BYTES

@@ -8,7 +8,7 @@
 // block, which is what the pure-PyTorch path (index_select + SDPA) pays three times for.
 //
 // query        [N, Hq, D]            float32, contiguous
-// kv_cache     [2, NB, BS, Hkv, D]   float32, contiguous; index 0 keys, 1 values
+// kv_cache     [2, NB, BS, Hkv, D]   float32 or float16, contiguous; index 0 keys, 1 values
 // block_tables [N, MB]               int64: block ids of each sequence, in order
 // seq_lens     [N]                   int64: tokens in the cache for each sequence (this step's included)
 // returns      [N, Hq, D]            float32
@@ -23,20 +23,26 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kLanes = 8;  // one AVX2 register of floats; the compiler vectorises the lane loops
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// A key or value element as float: the KV cache holds float32, or float16 (--kv-cache-dtype float16).
+inline float to_float(float x) { return x; }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[i + j] * to_float(b[i + j]);
   }
   float s = 0.f;
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * to_float(b[i]);
   for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
   return s;
 }
@@ -81,20 +87,26 @@ inline __m256 exp_clamped8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // Dot products of one query with 8 keys `stride` floats apart (8 consecutive tokens of a block), as one
 // vector of 8 scores: one horizontal reduction per 8 tokens instead of one per token. n % 8 == 0.
-inline __m256 dot_8_keys(const float* q, const float* k, int64_t stride, int64_t n) {
+template <typename T>
+inline __m256 dot_8_keys(const float* q, const T* k, int64_t stride, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   for (int64_t d = 0; d < n; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + stride + d), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * stride + d), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * stride + d), a3);
-    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * stride + d), a4);
-    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * stride + d), a5);
-    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * stride + d), a6);
-    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * stride + d), a7);
+    a0 = _mm256_fmadd_ps(qv, load8(k + d), a0);
+    a1 = _mm256_fmadd_ps(qv, load8(k + stride + d), a1);
+    a2 = _mm256_fmadd_ps(qv, load8(k + 2 * stride + d), a2);
+    a3 = _mm256_fmadd_ps(qv, load8(k + 3 * stride + d), a3);
+    a4 = _mm256_fmadd_ps(qv, load8(k + 4 * stride + d), a4);
+    a5 = _mm256_fmadd_ps(qv, load8(k + 5 * stride + d), a5);
+    a6 = _mm256_fmadd_ps(qv, load8(k + 6 * stride + d), a6);
+    a7 = _mm256_fmadd_ps(qv, load8(k + 7 * stride + d), a7);
   }
   // hadd pairs within 128-bit lanes, then add the two lanes: [sum a0, ..., sum a7].
   const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -104,14 +116,17 @@ inline __m256 dot_8_keys(const float* q, const float* k, int64_t stride, int64_t
 #endif
 
 // Prefetches `rows` rows of `n` floats, `stride` floats apart, into L1.
-inline void prefetch_rows(const float* p, int64_t rows, int64_t stride, int64_t n) {
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
   for (int64_t r = 0; r < rows; ++r, p += stride) {
-    for (int64_t d = 0; d < n; d += 16) __builtin_prefetch(p + d, 0, 3);
+    for (int64_t d = 0; d < n; d += kLine) __builtin_prefetch(p + d, 0, 3);
   }
 }
 
-inline void axpy(float* y, float a, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+template <typename T>
+inline void axpy(float* y, float a, const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
 }
 
 // row[t] = exp(row[t] - shift); returns the sum of the results.
@@ -157,8 +172,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                                      double scale) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat &&
+                  (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf),
+              "paged_decode_attention: float32 query, float32 or float16 KV cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_decode_attention: int64 block_tables and seq_lens");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 && block_tables.dim() == 2 &&
@@ -175,8 +191,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const int64_t group = n_heads / n_kv_heads;
 
   const float* q = query.data_ptr<float>();
-  const float* keys = kv_cache.data_ptr<float>();
-  const float* values = keys + n_blocks * block_size * n_kv_heads * head_dim;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t n = 0; n < n_seqs; ++n) {  // validate before any thread reads through them
@@ -192,119 +206,129 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const int64_t block_stride = block_size * token_stride;
   const float fscale = static_cast<float>(scale);
 
-  // One work item per sequence, or per (sequence, kv head) when there are too few sequences to keep every
-  // thread busy. An item walks its blocks in order and, in each block, does the work of all its kv heads
-  // (whose `group` query heads share every key and value read): a block's token rows are contiguous, so
-  // an item with all heads reads whole blocks front to back, which the hardware prefetchers follow (one
-  // head's slice of each row they did not: this kernel ran at 13 GB/s of keys and values, now ~20).
-  // Two passes: every score first (then the softmax per query head), then the values.
-  const int64_t head_items = n_seqs >= 4 * at::get_num_threads() ? 1 : n_kv_heads;
-  at::parallel_for(0, n_seqs * head_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc;
-    std::vector<float> sums;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / head_items;
-      const int64_t h0 = head_items == 1 ? 0 : item % head_items, h1 = head_items == 1 ? n_kv_heads : h0 + 1;
-      const int64_t heads = (h1 - h0) * group;  // query heads of this item, from h0 * group on
-      const int64_t len = lens[n];
-      const int64_t* table = tables + n * max_blocks;
-      const float* qn = q + (n * n_heads + h0 * group) * head_dim;
-      scores.resize(heads * len);
-      acc.assign(heads * head_dim, 0.f);
-      sums.resize(heads);
-      float* sc = scores.data();
-      float* a = acc.data();
+  // Keys and values are read as float32 or converted from float16 as they are loaded (F16C): the same loops.
+  const auto run = [&](const auto* keys) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>;
+    const T* values = keys + n_blocks * block_size * n_kv_heads * head_dim;
+    // One work item per sequence, or per (sequence, kv head) when there are too few sequences to keep every
+    // thread busy. An item walks its blocks in order and, in each block, does the work of all its kv heads
+    // (whose `group` query heads share every key and value read): a block's token rows are contiguous, so
+    // an item with all heads reads whole blocks front to back, which the hardware prefetchers follow (one
+    // head's slice of each row they did not: this kernel ran at 13 GB/s of keys and values, now ~20).
+    // Two passes: every score first (then the softmax per query head), then the values.
+    const int64_t head_items = n_seqs >= 4 * at::get_num_threads() ? 1 : n_kv_heads;
+    at::parallel_for(0, n_seqs * head_items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      std::vector<float> acc;
+      std::vector<float> sums;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t n = item / head_items;
+        const int64_t h0 = head_items == 1 ? 0 : item % head_items, h1 = head_items == 1 ? n_kv_heads : h0 + 1;
+        const int64_t heads = (h1 - h0) * group;  // query heads of this item, from h0 * group on
+        const int64_t len = lens[n];
+        const int64_t* table = tables + n * max_blocks;
+        const float* qn = q + (n * n_heads + h0 * group) * head_dim;
+        scores.resize(heads * len);
+        acc.assign(heads * head_dim, 0.f);
+        sums.resize(heads);
+        float* sc = scores.data();
+        float* a = acc.data();
 
-      for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
-        const int64_t stop = std::min(block_size, len - start);
-        if (start + block_size < len) {  // the next block's keys, while this one's are multiplied
-          prefetch_rows(keys + table[b + 1] * block_stride + h0 * head_dim,
-                        std::min(block_size, len - start - block_size), token_stride, (h1 - h0) * head_dim);
-        }
-        for (int64_t h = h0; h < h1; ++h) {
-          const float* kb = keys + table[b] * block_stride + h * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t qi = (h - h0) * group + g;
-            const float* qh = qn + qi * head_dim;
-            float* row = sc + qi * len + start;
-            const float* k = kb;
-            int64_t i = 0;
-#ifdef SLUICE_AVX2
-            if (head_dim % 8 == 0) {
-              const __m256 vscale = _mm256_set1_ps(fscale);
-              for (; i + 8 <= stop; i += 8, k += 8 * token_stride) {
-                _mm256_storeu_ps(row + i, _mm256_mul_ps(dot_8_keys(qh, k, token_stride, head_dim), vscale));
-              }
-            }
-#endif
-            for (; i < stop; ++i, k += token_stride) row[i] = dot(qh, k, head_dim) * fscale;
+        for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+          const int64_t stop = std::min(block_size, len - start);
+          if (start + block_size < len) {  // the next block's keys, while this one's are multiplied
+            prefetch_rows(keys + table[b + 1] * block_stride + h0 * head_dim,
+                          std::min(block_size, len - start - block_size), token_stride, (h1 - h0) * head_dim);
           }
-        }
-      }
-      for (int64_t qi = 0; qi < heads; ++qi) {
-        float* row = sc + qi * len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, row[t]);
-        sums[qi] = exp_shifted_sum(row, len, m);
-      }
-
-      for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
-        const int64_t stop = std::min(block_size, len - start);
-        if (start + block_size < len) {
-          prefetch_rows(values + table[b + 1] * block_stride + h0 * head_dim,
-                        std::min(block_size, len - start - block_size), token_stride, (h1 - h0) * head_dim);
-        }
-        for (int64_t h = h0; h < h1; ++h) {
-          const float* vb = values + table[b] * block_stride + h * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t qi = (h - h0) * group + g;
-            const float* p = sc + qi * len + start;
-            float* ah = a + qi * head_dim;
-            int64_t dc = 0;
-#ifdef SLUICE_AVX2
-            // 64-wide slices of the output: 8 accumulators in registers over the block's tokens.
-            for (; dc + 64 <= head_dim; dc += 64) {
-              __m256 c0 = _mm256_loadu_ps(ah + dc), c1 = _mm256_loadu_ps(ah + dc + 8);
-              __m256 c2 = _mm256_loadu_ps(ah + dc + 16), c3 = _mm256_loadu_ps(ah + dc + 24);
-              __m256 c4 = _mm256_loadu_ps(ah + dc + 32), c5 = _mm256_loadu_ps(ah + dc + 40);
-              __m256 c6 = _mm256_loadu_ps(ah + dc + 48), c7 = _mm256_loadu_ps(ah + dc + 56);
-              const float* v = vb + dc;
-              for (int64_t i = 0; i < stop; ++i, v += token_stride) {
-                const __m256 w = _mm256_set1_ps(p[i]);
-                c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), c0);
-                c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), c1);
-                c2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), c2);
-                c3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), c3);
-                c4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), c4);
-                c5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), c5);
-                c6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), c6);
-                c7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), c7);
+          for (int64_t h = h0; h < h1; ++h) {
+            const T* kb = keys + table[b] * block_stride + h * head_dim;
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t qi = (h - h0) * group + g;
+              const float* qh = qn + qi * head_dim;
+              float* row = sc + qi * len + start;
+              const T* k = kb;
+              int64_t i = 0;
+  #ifdef SLUICE_AVX2
+              if (head_dim % 8 == 0) {
+                const __m256 vscale = _mm256_set1_ps(fscale);
+                for (; i + 8 <= stop; i += 8, k += 8 * token_stride) {
+                  _mm256_storeu_ps(row + i, _mm256_mul_ps(dot_8_keys(qh, k, token_stride, head_dim), vscale));
+                }
               }
-              _mm256_storeu_ps(ah + dc, c0);
-              _mm256_storeu_ps(ah + dc + 8, c1);
-              _mm256_storeu_ps(ah + dc + 16, c2);
-              _mm256_storeu_ps(ah + dc + 24, c3);
-              _mm256_storeu_ps(ah + dc + 32, c4);
-              _mm256_storeu_ps(ah + dc + 40, c5);
-              _mm256_storeu_ps(ah + dc + 48, c6);
-              _mm256_storeu_ps(ah + dc + 56, c7);
-            }
-#endif
-            if (dc < head_dim) {
-              const float* v = vb + dc;
-              for (int64_t i = 0; i < stop; ++i, v += token_stride) axpy(ah + dc, p[i], v, head_dim - dc);
+  #endif
+              for (; i < stop; ++i, k += token_stride) row[i] = dot(qh, k, head_dim) * fscale;
             }
           }
         }
+        for (int64_t qi = 0; qi < heads; ++qi) {
+          float* row = sc + qi * len;
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < len; ++t) m = std::max(m, row[t]);
+          sums[qi] = exp_shifted_sum(row, len, m);
+        }
+
+        for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+          const int64_t stop = std::min(block_size, len - start);
+          if (start + block_size < len) {
+            prefetch_rows(values + table[b + 1] * block_stride + h0 * head_dim,
+                          std::min(block_size, len - start - block_size), token_stride, (h1 - h0) * head_dim);
+          }
+          for (int64_t h = h0; h < h1; ++h) {
+            const T* vb = values + table[b] * block_stride + h * head_dim;
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t qi = (h - h0) * group + g;
+              const float* p = sc + qi * len + start;
+              float* ah = a + qi * head_dim;
+              int64_t dc = 0;
+  #ifdef SLUICE_AVX2
+              // 64-wide slices of the output: 8 accumulators in registers over the block's tokens.
+              for (; dc + 64 <= head_dim; dc += 64) {
+                __m256 c0 = _mm256_loadu_ps(ah + dc), c1 = _mm256_loadu_ps(ah + dc + 8);
+                __m256 c2 = _mm256_loadu_ps(ah + dc + 16), c3 = _mm256_loadu_ps(ah + dc + 24);
+                __m256 c4 = _mm256_loadu_ps(ah + dc + 32), c5 = _mm256_loadu_ps(ah + dc + 40);
+                __m256 c6 = _mm256_loadu_ps(ah + dc + 48), c7 = _mm256_loadu_ps(ah + dc + 56);
+                const T* v = vb + dc;
+                for (int64_t i = 0; i < stop; ++i, v += token_stride) {
+                  const __m256 w = _mm256_set1_ps(p[i]);
+                  c0 = _mm256_fmadd_ps(w, load8(v), c0);
+                  c1 = _mm256_fmadd_ps(w, load8(v + 8), c1);
+                  c2 = _mm256_fmadd_ps(w, load8(v + 16), c2);
+                  c3 = _mm256_fmadd_ps(w, load8(v + 24), c3);
+                  c4 = _mm256_fmadd_ps(w, load8(v + 32), c4);
+                  c5 = _mm256_fmadd_ps(w, load8(v + 40), c5);
+                  c6 = _mm256_fmadd_ps(w, load8(v + 48), c6);
+                  c7 = _mm256_fmadd_ps(w, load8(v + 56), c7);
+                }
+                _mm256_storeu_ps(ah + dc, c0);
+                _mm256_storeu_ps(ah + dc + 8, c1);
+                _mm256_storeu_ps(ah + dc + 16, c2);
+                _mm256_storeu_ps(ah + dc + 24, c3);
+                _mm256_storeu_ps(ah + dc + 32, c4);
+                _mm256_storeu_ps(ah + dc + 40, c5);
+                _mm256_storeu_ps(ah + dc + 48, c6);
+                _mm256_storeu_ps(ah + dc + 56, c7);
+              }
+  #endif
+              if (dc < head_dim) {
+                const T* v = vb + dc;
+                for (int64_t i = 0; i < stop; ++i, v += token_stride) axpy(ah + dc, p[i], v, head_dim - dc);
+              }
+            }
+          }
+        }
+        for (int64_t qi = 0; qi < heads; ++qi) {
+          float* dst = o + (n * n_heads + h0 * group + qi) * head_dim;
+          const float inv = 1.f / sums[qi];
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = a[qi * head_dim + d] * inv;
+        }
       }
-      for (int64_t qi = 0; qi < heads; ++qi) {
-        float* dst = o + (n * n_heads + h0 * group + qi) * head_dim;
-        const float inv = 1.f / sums[qi];
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = a[qi * head_dim + d] * inv;
-      }
-    }
-  });
+    });
+  };
+  if (kv_cache.scalar_type() == at::kHalf) {
+    run(kv_cache.data_ptr<at::Half>());
+  } else {
+    run(kv_cache.data_ptr<float>());
+  }
   return out;
 }
 

@@ -58,8 +58,9 @@ def _make_seqs(rng: random.Random, num_decodes: int, prefills: list[tuple[int, i
 
 
 def _check(backend: TorchAttentionBackend, seqs: list[Seq], num_decodes: int, hq: int, hkv: int, d: int,
-           block_size: int) -> None:
-    kv = PagedKV(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=96, block_size=block_size, seed=len(seqs))
+           block_size: int, kv_dtype: torch.dtype = torch.float32) -> None:
+    kv = PagedKV(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=96, block_size=block_size,
+                 seed=len(seqs), dtype=kv_dtype)
     cache = kv.kv_caches[0]
     with_context = [s for s in seqs if s.context]
     if with_context:  # put the earlier context into the cache through its own slot mapping
@@ -75,8 +76,8 @@ def _check(backend: TorchAttentionBackend, seqs: list[Seq], num_decodes: int, hq
     assert out.shape == (sum(s.new for s in seqs), hq, d)
     # the step's keys and values landed in their slots
     flat = cache.view(2, -1, hkv, d)
-    assert torch.equal(flat[0][step.meta.slot_mapping], new_k)
-    assert torch.equal(flat[1][step.meta.slot_mapping], new_v)
+    assert torch.equal(flat[0][step.meta.slot_mapping].float(), new_k)
+    assert torch.equal(flat[1][step.meta.slot_mapping].float(), new_v)
     torch.testing.assert_close(out, torch.cat([_reference(s, scale) for s in seqs]), atol=1e-5, rtol=1e-5)
 
 
@@ -119,6 +120,32 @@ def test_many_decodes_split_by_sequence_or_by_head(backend: TorchAttentionBacken
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("d", [36, 64])
+@pytest.mark.parametrize("num_decodes", [3, 12])
+def test_float16_kv_cache(backend: TorchAttentionBackend, d: int, num_decodes: int) -> None:
+    # --kv-cache-dtype float16: the kernel converts keys and values as it loads them, the PyTorch paths cast
+    # what they gather. Keys and values here are float16 values already, so the float64 reference is exact.
+    rng = random.Random(d + num_decodes)
+    seqs = _make_seqs(rng, 0, [(rng.randint(1, 40), 1) for _ in range(num_decodes)] + [(0, 5), (17, 4)], 9, 3, d)
+    for s in seqs:
+        s.k, s.v = s.k.half().float(), s.v.half().float()
+    _check(backend, seqs, num_decodes, 9, 3, d, block_size=16, kv_dtype=torch.float16)
+
+
+def test_float16_cache_prefill_is_the_same_in_one_chunk_or_two(backend: TorchAttentionBackend) -> None:
+    # A fresh chunk attends over its keys and values as the float16 cache holds them, so a prompt's last
+    # tokens come out the same whether its start was prefilled in the same chunk or read back from the cache.
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(9, 9, 64, generator=gen)
+    k, v = torch.randn(9, 3, 64, generator=gen), torch.randn(9, 3, 64, generator=gen)
+    one = PagedKV(num_layers=1, num_kv_heads=3, head_dim=64, num_blocks=8, block_size=4, seed=1, dtype=torch.float16)
+    whole = backend.forward(q, k, v, one.kv_caches[0], one.step([("s", [0] * 9)], num_decodes=0).meta, 0.125)
+    two = PagedKV(num_layers=1, num_kv_heads=3, head_dim=64, num_blocks=8, block_size=4, seed=1, dtype=torch.float16)
+    backend.forward(q[:5], k[:5], v[:5], two.kv_caches[0], two.step([("s", [0] * 5)], num_decodes=0).meta, 0.125)
+    rest = backend.forward(q[5:], k[5:], v[5:], two.kv_caches[0], two.step([("s", [0] * 4)], num_decodes=0).meta, 0.125)
+    torch.testing.assert_close(rest, whole[5:], rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_chunk_after_context_and_fresh_prefill(backend: TorchAttentionBackend) -> None:
     seqs = _make_seqs(random.Random(2), 0, [(0, 7), (9, 6), (3, 1)], 6, 3, 8)
     _check(backend, seqs, 0, 6, 3, 8, block_size=4)
@@ -147,3 +174,18 @@ def test_decode_kernel_rejects_bad_tables_with_an_error() -> None:
         kernel(query, cache, torch.tensor([[0, 1]]), torch.tensor([5]), 1.0)
     with pytest.raises(RuntimeError, match="float32"):
         kernel(query.double(), cache.double(), torch.tensor([[0, 1]]), torch.tensor([2]), 1.0)
+    with pytest.raises(RuntimeError, match="float16 KV cache"):
+        kernel(query, cache.double(), torch.tensor([[3, 1]]), torch.tensor([4]), 1.0)
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_decode_kernel_reads_a_float16_cache_as_its_float32_copy(build: str) -> None:
+    kernel = cpu_paged_decode_attention() if build == "native" else portable_cpu_ops().paged_decode_attention
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(kv_cache_shape(24, 16, 3, 64), generator=gen).half()
+    query = torch.randn(5, 9, 64, generator=gen)
+    tables = torch.randperm(24, generator=gen)[:20].view(5, 4)
+    lens = torch.tensor([1, 17, 40, 63, 64])
+    expected = kernel(query, cache.float(), tables, lens, 0.125)
+    torch.testing.assert_close(kernel(query, cache, tables, lens, 0.125), expected, rtol=1e-6, atol=1e-6)
