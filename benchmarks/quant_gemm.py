@@ -22,7 +22,7 @@ import json
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,14 +68,20 @@ def build_at_revision(rev: str) -> Any:
                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
-def _compare(ns: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
-    old = build_at_revision(ns.against)
-    gen = torch.Generator().manual_seed(0)
-    results = []
+def _random_layers(gen: torch.Generator) -> Iterator[tuple[str, int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each projection shape as random Q4_1 blocks: (name, k, n, codes, scales, mins)."""
     for name, k, n in SHAPES:
         codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
         scales = (torch.rand(n, k // 32, generator=gen) * 0.01).half()
         mins = (-torch.rand(n, k // 32, generator=gen) * 0.05).half()
+        yield name, k, n, codes, scales, mins
+
+
+def _compare(ns: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
+    old = build_at_revision(ns.against)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for name, k, n, codes, scales, mins in _random_layers(gen):
         for rows in (int(r) for r in ns.rows.split(",")):
             x = torch.randn(rows, k, generator=gen)
             diff = (ops.quant_linear(x, codes, scales, mins, "u4") - old.quant_linear(x, codes, scales, mins, "u4"))
@@ -112,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     gen = torch.Generator().manual_seed(0)
     results = []
-    for name, k, n in SHAPES:
-        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-        scales = (torch.rand(n, k // 32, generator=gen) * 0.01).half()
-        mins = (-torch.rand(n, k // 32, generator=gen) * 0.05).half()
+    for name, k, n, codes, scales, mins in _random_layers(gen):
         packed = onednn_pack(QuantWeight("u4", codes, scales, mins).dequantize())
         for rows in (int(r) for r in ns.rows.split(",")):
             x = torch.randn(rows, k, generator=gen)
