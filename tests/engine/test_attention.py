@@ -120,16 +120,19 @@ def test_many_decodes_split_by_sequence_or_by_head(backend: TorchAttentionBacken
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [36, 64])
 @pytest.mark.parametrize("num_decodes", [3, 12])
-def test_float16_kv_cache(backend: TorchAttentionBackend, d: int, num_decodes: int) -> None:
-    # --kv-cache-dtype float16: the kernel converts keys and values as it loads them, the PyTorch paths cast
-    # what they gather. Keys and values here are float16 values already, so the float64 reference is exact.
+def test_reduced_precision_kv_cache(backend: TorchAttentionBackend, d: int, num_decodes: int,
+                                    kv_dtype: torch.dtype) -> None:
+    # --kv-cache-dtype float16: the kernel converts keys and values as it loads them; bfloat16 (and float16
+    # without the kernel) go through the PyTorch paths, which cast what they gather. Keys and values here are
+    # values of that dtype already, so the float64 reference is exact.
     rng = random.Random(d + num_decodes)
     seqs = _make_seqs(rng, 0, [(rng.randint(1, 40), 1) for _ in range(num_decodes)] + [(0, 5), (17, 4)], 9, 3, d)
     for s in seqs:
-        s.k, s.v = s.k.half().float(), s.v.half().float()
-    _check(backend, seqs, num_decodes, 9, 3, d, block_size=16, kv_dtype=torch.float16)
+        s.k, s.v = s.k.to(kv_dtype).float(), s.v.to(kv_dtype).float()
+    _check(backend, seqs, num_decodes, 9, 3, d, block_size=16, kv_dtype=kv_dtype)
 
 
 def test_float16_cache_prefill_is_the_same_in_one_chunk_or_two(backend: TorchAttentionBackend) -> None:
