@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import EngineConfig, parse_size
+from engine.config import KV_CACHE_DTYPES, EngineConfig, parse_size
 
 
 def _bool(value: str) -> bool:
@@ -22,7 +22,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"],
+                   choices=KV_CACHE_DTYPES,
                    help="dtype of the KV cache; auto = the model's (--dtype). float16 halves its memory")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
     g.add_argument("--max-model-len", type=int, default=None)

@@ -233,13 +233,17 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
         sums.resize(heads);
         float* sc = scores.data();
         float* a = acc.data();
+        // This item's rows of block b + 1 of `base` (keys or values), when the sequence goes on past block b.
+        const auto prefetch_next = [&](const T* base, int64_t b, int64_t start) {
+          if (start + block_size < len) {
+            prefetch_rows(base + table[b + 1] * block_stride + h0 * head_dim,
+                          std::min(block_size, len - start - block_size), token_stride, (h1 - h0) * head_dim);
+          }
+        };
 
         for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
           const int64_t stop = std::min(block_size, len - start);
-          if (start + block_size < len) {  // the next block's keys, while this one's are multiplied
-            prefetch_rows(keys + table[b + 1] * block_stride + h0 * head_dim,
-                          std::min(block_size, len - start - block_size), token_stride, (h1 - h0) * head_dim);
-          }
+          prefetch_next(keys, b, start);  // the next block's keys, while this one's are multiplied
           for (int64_t h = h0; h < h1; ++h) {
             const T* kb = keys + table[b] * block_stride + h * head_dim;
             for (int64_t g = 0; g < group; ++g) {
@@ -248,14 +252,14 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
               float* row = sc + qi * len + start;
               const T* k = kb;
               int64_t i = 0;
-  #ifdef SLUICE_AVX2
+#ifdef SLUICE_AVX2
               if (head_dim % 8 == 0) {
                 const __m256 vscale = _mm256_set1_ps(fscale);
                 for (; i + 8 <= stop; i += 8, k += 8 * token_stride) {
                   _mm256_storeu_ps(row + i, _mm256_mul_ps(dot_8_keys(qh, k, token_stride, head_dim), vscale));
                 }
               }
-  #endif
+#endif
               for (; i < stop; ++i, k += token_stride) row[i] = dot(qh, k, head_dim) * fscale;
             }
           }
@@ -269,10 +273,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 
         for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
           const int64_t stop = std::min(block_size, len - start);
-          if (start + block_size < len) {
-            prefetch_rows(values + table[b + 1] * block_stride + h0 * head_dim,
-                          std::min(block_size, len - start - block_size), token_stride, (h1 - h0) * head_dim);
-          }
+          prefetch_next(values, b, start);
           for (int64_t h = h0; h < h1; ++h) {
             const T* vb = values + table[b] * block_stride + h * head_dim;
             for (int64_t g = 0; g < group; ++g) {
@@ -280,7 +281,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
               const float* p = sc + qi * len + start;
               float* ah = a + qi * head_dim;
               int64_t dc = 0;
-  #ifdef SLUICE_AVX2
+#ifdef SLUICE_AVX2
               // 64-wide slices of the output: 8 accumulators in registers over the block's tokens.
               for (; dc + 64 <= head_dim; dc += 64) {
                 __m256 c0 = _mm256_loadu_ps(ah + dc), c1 = _mm256_loadu_ps(ah + dc + 8);
@@ -308,7 +309,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
                 _mm256_storeu_ps(ah + dc + 48, c6);
                 _mm256_storeu_ps(ah + dc + 56, c7);
               }
-  #endif
+#endif
               if (dc < head_dim) {
                 const T* v = vb + dc;
                 for (int64_t i = 0; i < stop; ++i, v += token_stride) axpy(ah + dc, p[i], v, head_dim - dc);
