@@ -59,6 +59,19 @@ def test_kernel_matches_the_dequantized_matmul(ops: Any, qtype: GGMLQuantization
     torch.testing.assert_close(out, x @ reference.T, rtol=1e-5, atol=1e-5)
 
 
+# Packed x over 2 MB goes in chunks of rows that fit L2: K = 1536 makes that 343+ rows in chunks of 60.
+# N = 130: every thread keeps its few expanded panels for the next chunk; N = 5600: they do not fit its
+# 8 MB, so each chunk expands them again. Neither may change a result, not even in the last bit.
+@pytest.mark.parametrize(("rows", "n"), [(400, 130), (350, 5600)])
+def test_kernel_rows_in_chunks(ops: Any, rows: int, n: int) -> None:
+    weight, reference = _blocks(n, 1536, GGMLQuantizationType.Q4_1, seed=n)
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+    out = _linear(ops, x, weight)
+    torch.testing.assert_close(out, x @ reference.T, rtol=1e-4, atol=1e-4)
+    for start in (0, 120, rows - rows % 6 - 60):  # 60 rows: one piece, no chunks; full blocks of 6 either way
+        assert torch.equal(out[start:start + 60], _linear(ops, x[start:start + 60], weight))
+
+
 @pytest.mark.parametrize("rows", [1, 4, 12])
 @pytest.mark.parametrize("n", [1, 3, 64])
 def test_kernel_small_shapes_and_strided_rows(ops: Any, rows: int, n: int) -> None:
