@@ -62,10 +62,16 @@ def test_cuda_streams_and_events() -> None:
 
 
 def test_importing_engine_makes_openmp_workers_sleep_unless_the_user_chose() -> None:
-    code = "import os, engine, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert out.stdout.strip() == "PASSIVE"
-    env["OMP_WAIT_POLICY"] = "ACTIVE"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert out.stdout.strip() == "ACTIVE"
+    code = ("import os, engine, torch; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT', '-'))")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+    def run(**extra: str) -> str:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**env, **extra})
+        return out.stdout.strip()
+
+    assert run() == "PASSIVE 30000"  # a short spin, then sleep
+    assert run(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE -"
+    assert run(OMP_WAIT_POLICY="PASSIVE") == "PASSIVE -"  # sleep at once, as chosen
+    assert run(GOMP_SPINCOUNT="0") == "PASSIVE 0"
