@@ -19,6 +19,7 @@ _COMMANDS = {
     "gateway": "gateway.__main__",
     "bench": "benchmarks.bench",
 }
+_BENCH_EXTRA = ("httpx", "matplotlib")  # pyproject's `bench` extra
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,7 +27,13 @@ def main(argv: list[str] | None = None) -> None:
     if not args or args[0] in ("-h", "--help") or args[0] not in _COMMANDS:
         print(__doc__.strip())
         raise SystemExit(0 if args and args[0] in ("-h", "--help") else 2)
-    module = importlib.import_module(_COMMANDS[args[0]])
+    try:
+        module = importlib.import_module(_COMMANDS[args[0]])
+    except ModuleNotFoundError as e:
+        if args[0] != "bench" or e.name not in _BENCH_EXTRA:
+            raise
+        print(f"sluice bench needs {e.name}: pip install 'sluice[bench]'", file=sys.stderr)
+        raise SystemExit(1) from None
     raise SystemExit(module.main(args[1:]))
 
 

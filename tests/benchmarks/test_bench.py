@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -99,3 +100,15 @@ def test_unreachable_server_fails_cleanly(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     assert main(["--base-url", f"http://127.0.0.1:{port}", "--disable-tqdm", "--num-prompts", "1"]) == 1
+
+
+def test_sluice_bench_without_its_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from services import cli
+
+    monkeypatch.delitem(sys.modules, "benchmarks.bench", raising=False)
+    monkeypatch.setitem(sys.modules, "httpx", None)  # what an install without the `bench` extra looks like
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 1
+    assert "pip install 'sluice[bench]'" in capsys.readouterr().err
