@@ -399,7 +399,8 @@ void panel_rows(int64_t rows, const float* xb, const float* wp, int64_t k, float
 
 // Buffers that live as long as their thread (the caller's, and at::parallel_for's fixed pool of
 // workers), so a call does not allocate, fault in and zero its scratch again: packed x for 32 rows of
-// the down projection is 221 KB, over malloc's mmap threshold.
+// the down projection is 221 KB, over malloc's mmap threshold. They keep their largest size: packed x of
+// the largest step (12.6 MB for 2048 rows of the down projection) and up to kPanelCacheBytes of panels.
 thread_local std::vector<float> tl_packed, tl_rows, tl_panels;
 
 float* grow(std::vector<float>& buffer, int64_t size) {
