@@ -17,7 +17,8 @@
 // Up to 8 rows of x, each block's codes are unpacked into registers and multiplied there, with the
 // scale applied per block and the offset as min * (sum of x over the block). More rows: x is packed
 // k-major in blocks of 6 rows, each panel of 16 weight rows is expanded to float32 k-major in cache,
-// and a 6 x 16 register block (BLIS's shape for AVX2: 12 accumulators) multiplies them.
+// and a 6 x 16 register block (BLIS's shape for AVX2: 12 accumulators) multiplies them; past 2 MB of
+// packed x (prefill), in chunks of rows that fit L2, each thread reusing its expanded panels.
 #include <torch/extension.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
