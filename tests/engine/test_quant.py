@@ -60,16 +60,23 @@ def test_kernel_matches_the_dequantized_matmul(ops: Any, qtype: GGMLQuantization
 
 
 # Packed x over 2 MB goes in chunks of rows that fit L2: K = 1536 makes that 343+ rows in chunks of 60.
-# N = 130: every thread keeps its few expanded panels for the next chunk; N = 5600: they do not fit its
-# 8 MB, so each chunk expands them again. Neither may change a result, not even in the last bit.
+# N = 130: every thread keeps its few expanded panels for the next chunk; N = 5600 on 1 or 2 threads: a
+# thread's panels (8.6 or 17 MB) do not fit its 8 MB, so each chunk expands them again. Neither may change
+# a result, not even in the last bit.
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("rows", "n"), [(400, 130), (350, 5600)])
-def test_kernel_rows_in_chunks(ops: Any, rows: int, n: int) -> None:
+def test_kernel_rows_in_chunks(ops: Any, rows: int, n: int, threads: int) -> None:
     weight, reference = _blocks(n, 1536, GGMLQuantizationType.Q4_1, seed=n)
     x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
-    out = _linear(ops, x, weight)
-    torch.testing.assert_close(out, x @ reference.T, rtol=1e-4, atol=1e-4)
-    for start in (0, 120, rows - rows % 6 - 60):  # 60 rows: one piece, no chunks; full blocks of 6 either way
-        assert torch.equal(out[start:start + 60], _linear(ops, x[start:start + 60], weight))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = _linear(ops, x, weight)
+        torch.testing.assert_close(out, x @ reference.T, rtol=1e-4, atol=1e-4)
+        for start in (0, 120, rows - rows % 6 - 60):  # 60 rows: one piece, no chunks; full blocks of 6 either way
+            assert torch.equal(out[start:start + 60], _linear(ops, x[start:start + 60], weight))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 12])
