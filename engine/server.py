@@ -178,10 +178,14 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
     await server.start()
     logger.info("engine gRPC listening on %s:%d (loading model)", host, bound)
     stop = stop_event()
-    loop = asyncio.get_running_loop()
-    core = await loop.run_in_executor(None, EngineCore, config)
-    await loop.run_in_executor(None, warm_up, core)
-    engine = AsyncEngine(core, log_stats_interval=None if config.disable_log_stats else DEFAULT_INTERVAL_S)
+
+    def build() -> EngineCore:
+        core = EngineCore(config)
+        warm_up(core)
+        return core
+
+    # Loaded, warmed up and stepped on the engine's own thread: one OpenMP pool (see AsyncEngine).
+    engine = await AsyncEngine.launch(build, log_stats_interval=None if config.disable_log_stats else DEFAULT_INTERVAL_S)
     servicer.attach(engine)
     await health_service.set_serving(True)
     logger.info("engine ready: %s on %s:%d", config.model_name, host, bound)

@@ -1,17 +1,25 @@
-"""AsyncEngine: the core's thread survives callers that give up, and every request ends once."""
+"""AsyncEngine: the core's thread survives callers that give up, every request ends once, and the core is
+built on the thread that steps it."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+import threading
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
 from engine.async_engine import AsyncEngine, _Add, _Call
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.errors import EngineDeadError
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from tests.procs import ROOT, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -61,3 +69,105 @@ def test_stream_ends_with_one_terminal_output_and_early_exit_aborts(engine: Asyn
     reasons, free_minus_total = asyncio.run(run())
     assert reasons[-1] is FinishReason.LENGTH and all(r is None for r in reasons[:-1])
     assert free_minus_total == 0
+
+
+def test_launch_builds_the_core_on_the_thread_that_steps_it() -> None:
+    # Loading (and warm-up) on the stepping thread keeps one OpenMP pool per process (see AsyncEngine).
+    built_on: list[int] = []
+
+    def build() -> EngineCore:
+        built_on.append(threading.get_ident())
+        return EngineCore(EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1))
+
+    async def run() -> tuple[AsyncEngine, int, list[FinishReason | None]]:
+        eng = await AsyncEngine.launch(build)
+        reasons = [out.finish_reason async for out in
+                   eng.generate("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))]
+        return eng, await eng.call(lambda core: threading.get_ident()), reasons
+
+    eng, stepping_thread, reasons = asyncio.run(run())
+    try:
+        assert eng.started.done() and eng.is_alive
+        assert built_on == [stepping_thread] and stepping_thread != threading.get_ident()
+        assert reasons[-1] is FinishReason.LENGTH
+    finally:
+        eng.shutdown()
+
+
+def test_launch_raises_what_the_build_raised_and_refuses_requests() -> None:
+    def build() -> EngineCore:
+        raise FileNotFoundError("no model at /nowhere")
+
+    async def run() -> tuple[AsyncEngine, BaseException | None]:
+        eng = AsyncEngine(build)
+        # Queued before the build failed, or sent after: either way it fails, it never hangs.
+        queued = asyncio.ensure_future(eng.call(lambda core: core.info()))
+        with pytest.raises(FileNotFoundError, match="/nowhere"):
+            await asyncio.wrap_future(eng.started)
+        with pytest.raises(EngineDeadError):
+            async for _ in eng.generate("x", [1, 2], SamplingParams(max_tokens=2)):
+                pass
+        later = asyncio.ensure_future(eng.call(lambda core: core.info()))
+        results = await asyncio.wait_for(asyncio.gather(queued, later, return_exceptions=True), 10)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        with pytest.raises(FileNotFoundError):
+            await AsyncEngine.launch(build)
+        return eng, None
+
+    eng, _ = asyncio.run(run())
+    assert not eng.is_alive
+    eng.shutdown(timeout=5)
+    assert not eng._thread.is_alive()  # noqa: SLF001
+
+
+_SERVE_THREADS = """
+import asyncio, json, os, signal, sys, threading
+import grpc
+import engine.core as core_mod
+import engine.server as server
+from engine.config import EngineConfig
+from proto.sluice.v1 import engine_pb2, engine_pb2_grpc
+
+seen = {"init": [], "step": set()}
+init, step = core_mod.EngineCore.__init__, core_mod.EngineCore.step
+def traced_init(self, *a, **k):
+    seen["init"].append(threading.get_ident())
+    init(self, *a, **k)
+def traced_step(self):
+    seen["step"].add(threading.get_ident())
+    return step(self)
+core_mod.EngineCore.__init__, core_mod.EngineCore.step = traced_init, traced_step
+port = int(sys.argv[1])
+
+async def main():
+    ready = asyncio.Event()
+    config = EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1)
+    serving = asyncio.ensure_future(server.serve(config, "127.0.0.1", port, ready=ready))
+    await ready.wait()
+    steps_at_ready = set(seen["step"])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        request = engine_pb2.EngineGenerateRequest(request_id="r")
+        request.prompt_token_ids.ids.extend([5, 6, 7])
+        request.stopping.max_tokens = 3
+        request.stopping.ignore_eos = True
+        tokens = [i async for m in engine_pb2_grpc.EngineStub(ch).Generate(request) for i in m.token_ids]
+    os.kill(os.getpid(), signal.SIGTERM)
+    await serving
+    print(json.dumps({"init": seen["init"], "step": sorted(seen["step"]), "warm_up": sorted(steps_at_ready),
+                      "loop": threading.get_ident(), "tokens": len(tokens)}))
+
+asyncio.run(main())
+"""
+
+
+def test_engine_process_loads_warms_up_and_steps_on_one_thread(tmp_path: Path) -> None:
+    # The served engine: model load, warm-up and every request's steps on one thread, not the event loop's.
+    script = tmp_path / "serve_threads.py"
+    script.write_text(_SERVE_THREADS, encoding="utf-8")
+    out = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["tokens"] == 3
+    assert len(seen["init"]) == 1 and seen["warm_up"] == seen["init"]  # warm-up stepped before ready
+    assert seen["step"] == seen["init"] and seen["init"][0] != seen["loop"]
