@@ -18,7 +18,8 @@
 // scale applied per block and the offset as min * (sum of x over the block). More rows: x is packed
 // k-major in blocks of 6 rows, each panel of 16 weight rows is expanded to float32 k-major in cache,
 // and a 6 x 16 register block (BLIS's shape for AVX2: 12 accumulators) multiplies them; past 2 MB of
-// packed x (prefill), in chunks of rows that fit L2, each thread reusing its expanded panels.
+// packed x (prefill), in chunks of rows that fit L2, each thread reusing its expanded panels. Below that,
+// threads take the output columns in pieces from a shared counter (dynamic_for).
 #include <torch/extension.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -28,6 +29,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -43,6 +45,33 @@ inline float half_to_float(uint16_t bits) {
 #else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 #endif
+}
+
+// f(begin, end) over [0, n) in pieces of `grain`, which torch's threads take from a shared counter as they
+// finish the last, instead of each running an equal share fixed in advance. These cores are shared with the
+// engine's event loop, the tokenizer service and the gateway: a thread the OS preempts for them now leaves its
+// pieces to the other threads, where a fixed share made the whole parallel region wait for it.
+template <typename F>
+void dynamic_for(int64_t n, int64_t grain, const F& f) {
+  const int64_t pieces = (n + grain - 1) / grain;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), pieces);
+  if (threads <= 1) {
+    f(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t p = next.fetch_add(1, std::memory_order_relaxed); p < pieces;
+         p = next.fetch_add(1, std::memory_order_relaxed)) {
+      f(p * grain, std::min(n, (p + 1) * grain));
+    }
+  });
+}
+
+// A grain giving each thread about 16 pieces of [0, n), a multiple of `unit`.
+inline int64_t grain_for(int64_t n, int64_t unit) {
+  const int64_t per = (n + 16 * at::get_num_threads() - 1) / (16 * at::get_num_threads());
+  return std::max<int64_t>(1, (per + unit - 1) / unit) * unit;
 }
 
 // Expands one row of K weights into `out` (float32, K values).
@@ -458,7 +487,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes, c
       for (int64_t j = 0; j < kBlock; ++j) s += xb[j];
       block_sums[i] = s;
     }
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    dynamic_for(n, grain_for(n, 16), [&](int64_t begin, int64_t end) {
       if (u4) {
         small_dispatch<true>(m_rows, xp, ldx, block_sums.data(), cp, code_row, sp, mp, k, begin, end, op, n);
       } else {
@@ -482,8 +511,8 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes, c
   const int64_t panels = (n + kPanel - 1) / kPanel, panel_floats = k * kPanel;
   const int64_t block_bytes = k * kRows * static_cast<int64_t>(sizeof(float));
   const int64_t chunk_blocks = row_blocks * block_bytes > kChunkAbove ? std::max<int64_t>(1, kChunkBytes / block_bytes) : row_blocks;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    const bool chunked = chunk_blocks < row_blocks;
+  const bool chunked = chunk_blocks < row_blocks;
+  auto panel_range = [&](int64_t begin, int64_t end) {
     const bool cache = chunked && (end - begin) * panel_floats * static_cast<int64_t>(sizeof(float)) <= kPanelCacheBytes;
     float* rows = grow(tl_rows, kPanel * k);
     float* wps = grow(tl_panels, (cache ? end - begin : 1) * panel_floats);
@@ -509,6 +538,13 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes, c
         }
       }
     }
-  });
+  };
+  if (chunked) {
+    // Fixed shares: a thread's panels stay expanded across the chunks of x (each piece taken from a counter
+    // would read all of x again).
+    at::parallel_for(0, panels, 1, panel_range);
+  } else {
+    dynamic_for(panels, grain_for(panels, 1), panel_range);
+  }
   return out;
 }

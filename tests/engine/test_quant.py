@@ -79,6 +79,28 @@ def test_kernel_rows_in_chunks(ops: Any, rows: int, n: int, threads: int) -> Non
         torch.set_num_threads(before)
 
 
+# Below the chunking size the threads take pieces of the output columns from a shared counter (so one the OS
+# preempts leaves its pieces to the others): with 3 threads, N = 1000 splits into 32 pieces whose last is
+# short (8 columns in the fused path, one panel of 8 rows in the GEMM). Every column once, and each computed
+# exactly as on one thread.
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("rows", [4, 32])
+def test_kernel_columns_taken_in_pieces(ops: Any, rows: int, threads: int) -> None:
+    weight, reference = _blocks(1000, 576, GGMLQuantizationType.Q4_1, seed=rows)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = _linear(ops, x, weight)
+        torch.set_num_threads(threads)
+        for _ in range(3):
+            out = _linear(ops, x, weight)
+            torch.testing.assert_close(out, x @ reference.T, rtol=1e-5, atol=1e-5)
+            assert torch.equal(out, alone)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 12])
 @pytest.mark.parametrize("n", [1, 3, 64])
 def test_kernel_small_shapes_and_strided_rows(ops: Any, rows: int, n: int) -> None:
