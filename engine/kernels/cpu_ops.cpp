@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -216,12 +217,17 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
     // an item with all heads reads whole blocks front to back, which the hardware prefetchers follow (one
     // head's slice of each row they did not: this kernel ran at 13 GB/s of keys and values, now ~20).
     // Two passes: every score first (then the softmax per query head), then the values.
+    // Threads take items from a shared counter rather than fixed shares: sequences differ in length, and a
+    // thread the OS preempts for another process on these cores leaves its items to the others.
     const int64_t head_items = n_seqs >= 4 * at::get_num_threads() ? 1 : n_kv_heads;
-    at::parallel_for(0, n_seqs * head_items, 1, [&](int64_t begin, int64_t end) {
+    const int64_t items = n_seqs * head_items;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
       std::vector<float> scores;
       std::vector<float> acc;
       std::vector<float> sums;
-      for (int64_t item = begin; item < end; ++item) {
+      for (int64_t item = next.fetch_add(1, std::memory_order_relaxed); item < items;
+           item = next.fetch_add(1, std::memory_order_relaxed)) {
         const int64_t n = item / head_items;
         const int64_t h0 = head_items == 1 ? 0 : item % head_items, h1 = head_items == 1 ? n_kv_heads : h0 + 1;
         const int64_t heads = (h1 - h0) * group;  // query heads of this item, from h0 * group on

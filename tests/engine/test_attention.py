@@ -105,11 +105,12 @@ def test_decodes_of_different_lengths(backend: TorchAttentionBackend, d: int, bl
 
 
 @pytest.mark.parametrize("d", [36, 64])
-@pytest.mark.parametrize("num_decodes, threads", [(3, 2), (12, 1), (12, 2)])
+@pytest.mark.parametrize("num_decodes, threads", [(3, 2), (12, 1), (12, 2), (13, 3)])
 def test_many_decodes_split_by_sequence_or_by_head(backend: TorchAttentionBackend, d: int, num_decodes: int,
                                                    threads: int) -> None:
     # The kernel gives each thread whole sequences once there are >= 4 per thread, else (sequence, kv head)
-    # pairs; both ways must agree with the reference, across block boundaries and in GQA groups of 3.
+    # pairs, which threads take from a shared counter; both ways must agree with the reference, across block
+    # boundaries and in GQA groups of 3.
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
