@@ -1,0 +1,50 @@
+"""benchmarks/overhead.py's arithmetic: ratios per served side, which side the target is judged on."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.overhead import RunResult, markdown, summarize
+
+
+def _run(side: str, round_: int, tok_s: float) -> RunResult:
+    return RunResult(side, round_, 0, wall_s=1000 / tok_s, prompt_tokens=4064, output_tokens=1000)
+
+
+def test_summary_judges_the_full_stack_when_it_ran() -> None:
+    results = [_run("rest", 0, 90), _run("grpc", 0, 95), _run("in-process", 0, 100),
+               _run("in-process", 1, 120), _run("rest", 1, 110), _run("grpc", 1, 118),
+               _run("grpc", 2, 97), _run("in-process", 2, 100), _run("rest", 2, 96)]
+    s = summarize(results)
+    # medians: rest 96, grpc 97, in-process 100; best: 110, 118, 120
+    assert s["judged"] == "rest"
+    assert s["ratio"] == pytest.approx(0.96) and s["sides"]["grpc"]["ratio"] == pytest.approx(0.97)
+    assert s["ratio_best"] == pytest.approx(110 / 120)
+    assert s["ratio_per_round"] == pytest.approx([0.9, 110 / 120, 0.96])
+    assert s["met"] is True and s["in_process_tok_s_median"] == pytest.approx(100)
+    table = markdown(results, s)
+    assert "full stack (REST) / in-process, medians: **0.960**" in table
+    assert "gRPC (no gateway) / in-process, medians: **0.970**" in table
+    assert "(medians, full stack (REST)): met" in table
+
+
+def test_summary_without_the_gateway_judges_grpc_and_can_fail() -> None:
+    s = summarize([_run("grpc", 0, 90), _run("in-process", 0, 100)])
+    assert s["judged"] == "grpc" and s["ratio"] == pytest.approx(0.9) and s["met"] is False
+    assert "NOT met" in markdown([_run("grpc", 0, 90), _run("in-process", 0, 100)], s)
+    with pytest.raises(ValueError, match="in-process"):
+        summarize([_run("grpc", 0, 90), _run("rest", 0, 100)])
+
+
+def test_final_usage_reads_the_last_data_event() -> None:
+    from benchmarks.overhead import _final_usage
+
+    tail = (b'data: {"choices":[{"text":"x"}]}\n\n'
+            b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":64,"total_tokens":71}}\n\n'
+            b"data: [DONE]\n\n")
+    assert _final_usage(tail) == {"prompt_tokens": 7, "completion_tokens": 64}
+    assert _final_usage(tail.replace(b"\n", b"\r\n")) == {"prompt_tokens": 7, "completion_tokens": 64}
+    with pytest.raises(RuntimeError, match="usage"):
+        _final_usage(b'data: {"error":{"message":"boom"}}\n\ndata: [DONE]\n\n')
+    with pytest.raises(RuntimeError, match="no data event"):
+        _final_usage(b": keep-alive\n\n")
