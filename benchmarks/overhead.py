@@ -6,8 +6,9 @@
 The same workload, the same engine settings, in the same run, on up to three sides (``--sides``):
 
 * ``rest``: the full stack, ``sluice serve`` (gateway → tokenizer service → engine, shared-memory
-  handoff on, as deployed), driven over HTTP by ``sluice bench``'s streaming client
-  (``/v1/completions``, ``stream: true``) keeping ``--concurrency`` requests in flight;
+  handoff on, as deployed), driven over HTTP by an httpx client (``sluice bench``'s request body and
+  connection settings) keeping ``--concurrency`` streamed ``/v1/completions`` requests in flight and
+  draining each stream without parsing it, token counts from its final ``usage`` chunk;
 * ``grpc``: an engine process and a tokenizer-service process on 127.0.0.1, driven through the public
   ``sluice.v1.Generation`` API by a grpc.aio client (no gateway);
 * ``in-process``: with those processes stopped, ``engine.LLM(...)`` in this process given every prompt
@@ -321,7 +322,7 @@ def run_in_process(llm: Any, prompts: list[str], workload: Workload, round_: int
 def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repeat: int, log_dir: Path,
                  on_result: Callable[[list[RunResult]], object] = lambda results: None,
                  crashes: list[str] | None = None, max_attempts: int = 3,
-                 sides: tuple[str, ...] = ("grpc", "in-process")) -> list[RunResult]:
+                 sides: tuple[str, ...] = SIDES) -> list[RunResult]:
     """All runs; ``on_result`` sees the list after each one (so a crash later keeps what was measured).
     Engine crashes (see BENCHMARKS.md) are appended to ``crashes`` and the round's gRPC side is redone."""
     crashes = crashes if crashes is not None else []
@@ -440,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--sides: in-process and at least one of rest, grpc, each once (got {ns.sides!r})")
     workload = Workload(ns.prompts, ns.input_tokens, ns.output_tokens, ns.concurrency)
     if workload.concurrency < workload.prompts:
-        print("note: LLM.generate takes every prompt at once; the gRPC side keeps only --concurrency in flight",
+        print("note: LLM.generate takes every prompt at once; the served sides keep only --concurrency in flight",
               file=sys.stderr)
     settings = EngineSettings(dtype=ns.dtype, max_num_seqs=ns.max_num_seqs,
                               max_num_batched_tokens=ns.max_num_batched_tokens, kv_cache_memory=ns.kv_cache_memory,
