@@ -48,3 +48,23 @@ def test_final_usage_reads_the_last_data_event() -> None:
         _final_usage(b'data: {"error":{"message":"boom"}}\n\ndata: [DONE]\n\n')
     with pytest.raises(RuntimeError, match="no data event"):
         _final_usage(b": keep-alive\n\n")
+
+
+def test_rest_side_drives_a_streaming_server_and_counts_from_usage() -> None:
+    import asyncio
+
+    from benchmarks.overhead import _rest_workload
+    from tests.benchmarks.fake_server import FakeBehaviour, FakeServer
+
+    behaviour = FakeBehaviour(first_token_delay_s=0.01, token_delay_s=0.0)
+    with FakeServer(behaviour) as server:
+        totals = asyncio.run(_rest_workload(server.base_url, "fake-model", [f"p{i}" for i in range(5)], 6, 2, 30))
+        assert totals == (5 * 7, 5 * 6)  # the fake server reports 7 prompt tokens a request
+        assert len(behaviour.bodies) == 5
+        assert all(b["stream"] and b["ignore_eos"] and b["max_tokens"] == 6 and b["model"] == "fake-model"
+                   and b["stream_options"] == {"include_usage": True} for b in behaviour.bodies)
+        with pytest.raises(RuntimeError, match="HTTP 500"):
+            asyncio.run(_rest_workload(server.base_url, "fake-model", ["FAIL me"], 6, 1, 30))
+        behaviour.send_usage = False
+        with pytest.raises(RuntimeError, match="usage"):
+            asyncio.run(_rest_workload(server.base_url, "fake-model", ["p"], 6, 1, 30))
