@@ -169,7 +169,7 @@ class AsyncEngine:
             try:
                 self.core = self._build()
             except BaseException as e:
-                logger.exception("building the engine core failed")
+                logger.error("building the engine core failed: %s", e)  # the traceback goes with `started`
                 self._dead = e
                 self.started.set_exception(e)
                 self._refuse_queued(EngineDeadError(f"the engine core could not be built: {e}"))
