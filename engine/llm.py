@@ -8,6 +8,8 @@ and turned into an abort of the engine request.
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -19,6 +21,8 @@ from engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.text import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list[int], dict[str, Any]]
 Message = dict[str, Any]
@@ -56,6 +60,8 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
         self._ids = itertools.count()
+        self._built_on = threading.current_thread()
+        self._warned_thread = False
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -115,6 +121,20 @@ class LLM:
                 raise InvalidRequestError("prompt", f"unsupported prompt type {type(p).__name__}")
         return items
 
+    def _check_thread(self) -> None:
+        """Warn once when steps run on another thread than the one that loaded the model while that one lives:
+        on CPU, libgomp then keeps two worker pools, stops spinning at barriers, and steps slow down."""
+        here = threading.current_thread()
+        if self._warned_thread or here is self._built_on or not self._built_on.is_alive():
+            return
+        if self.engine.device.name != "cpu":
+            return
+        self._warned_thread = True
+        logger.warning("LLM.generate runs on thread %r but the model was loaded on %r, which is still alive: "
+                       "OpenMP keeps a thread pool for each, and its workers stop spinning between parallel "
+                       "regions, which slows every step. Build the LLM on the thread that calls generate.",
+                       here.name, self._built_on.name)
+
     @staticmethod
     def _broadcast_params(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if sp is None:
@@ -128,6 +148,7 @@ class LLM:
     def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
              priority: Sequence[int] | None) -> list[RequestOutput]:
         engine = self.engine
+        self._check_thread()
         rids: list[str] = []
         try:
             for i, ((_, ids), sp) in enumerate(zip(items, params)):

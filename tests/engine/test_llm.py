@@ -186,3 +186,25 @@ def test_request_token_buffer_grows_past_its_first_capacity() -> None:
     assert req.all_token_ids.tolist() == [5, 6, 7, *range(100)]
     assert req.prompt_token_ids.tolist() == [5, 6, 7] and req.num_tokens == 103
     assert req.output_token_ids == list(range(100))
+
+
+def test_generate_on_another_thread_than_the_loading_one_warns_once(llm: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    # The fixture loaded the model on this (main) thread, which stays alive: a worker thread's steps would get a
+    # second OpenMP pool. The user is told once, and the results are the same.
+    import threading
+
+    expected = llm.generate("Hello there", GREEDY)[0].outputs[0].token_ids
+    assert not [r for r in caplog.records if "OpenMP" in r.getMessage()]  # same thread: quiet
+    got: list[list[int]] = []
+
+    def work() -> None:
+        for _ in range(2):
+            got.append(llm.generate("Hello there", GREEDY)[0].outputs[0].token_ids)
+
+    with caplog.at_level("WARNING", logger="engine.llm"):
+        t = threading.Thread(target=work, name="worker-x")
+        t.start()
+        t.join()
+    warnings = [r.getMessage() for r in caplog.records if "OpenMP" in r.getMessage()]
+    assert len(warnings) == 1 and "'worker-x'" in warnings[0] and "'MainThread'" in warnings[0]
+    assert got == [expected, expected]
