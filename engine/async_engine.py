@@ -107,7 +107,8 @@ class AsyncEngine:
     @classmethod
     async def launch(cls, build: Callable[[], EngineCore], *,
                      log_stats_interval: float | None = None) -> AsyncEngine:
-        """An engine whose core ``build()`` made on the engine thread, once it is ready; raises what it raised."""
+        """Start an engine whose core ``build()`` makes on the engine thread; returns once it is built, and
+        raises what ``build`` raised."""
         engine = cls(build, log_stats_interval=log_stats_interval)
         await asyncio.wrap_future(engine.started)
         return engine

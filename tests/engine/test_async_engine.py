@@ -98,7 +98,7 @@ def test_launch_raises_what_the_build_raised_and_refuses_requests() -> None:
     def build() -> EngineCore:
         raise FileNotFoundError("no model at /nowhere")
 
-    async def run() -> tuple[AsyncEngine, BaseException | None]:
+    async def run() -> AsyncEngine:
         eng = AsyncEngine(build)
         # Queued before the build failed, or sent after: either way it fails, it never hangs.
         queued = asyncio.ensure_future(eng.call(lambda core: core.info()))
@@ -112,9 +112,9 @@ def test_launch_raises_what_the_build_raised_and_refuses_requests() -> None:
         assert all(isinstance(r, EngineDeadError) for r in results), results
         with pytest.raises(FileNotFoundError):
             await AsyncEngine.launch(build)
-        return eng, None
+        return eng
 
-    eng, _ = asyncio.run(run())
+    eng = asyncio.run(run())
     assert not eng.is_alive
     eng.shutdown(timeout=5)
     assert not eng._thread.is_alive()  # noqa: SLF001
