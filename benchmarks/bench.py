@@ -9,7 +9,6 @@ result that carries the command, machine and per-request latencies.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import shlex
@@ -19,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from benchmarks.client import Target, make_client
 from benchmarks.metrics import DEFAULT_PERCENTILES, RequestResult, RunSummary, Slo, parse_slo, summarize
 from benchmarks.report import format_summary, machine_info, request_rows, utc_timestamp
-from benchmarks.runner import run_closed_loop, run_open_loop
+from benchmarks.runner import run_async, run_closed_loop, run_open_loop
 from benchmarks.workload import (
     RequestSpec, TokenCounter, approx_token_count, load_dataset, parse_range, poisson_arrivals,
     synthetic_requests, tokenizer_counter)
@@ -56,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     s.add_argument("--api-key", default=None)
     s.add_argument("--label", default=None, help="name of this server in tables and plots")
-    s.add_argument("--timeout", type=float, default=1800.0, help="seconds a request may wait between bytes")
+    s.add_argument("--timeout", type=float, default=1800.0, help="seconds a whole request may take")
     load = p.add_argument_group("load")
     load.add_argument("--concurrency", default=None,
                       help="closed loop: comma list swept in order (default 1); with --request-rate: cap in flight")
@@ -111,14 +110,22 @@ def make_specs(args: argparse.Namespace, count: TokenCounter, step: int) -> list
                               shared_prefix_len=args.shared_prefix_len)
 
 
-async def resolve_model(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> str:
+async def resolve_model(client: aiohttp.ClientSession, base_url: str, api_key: str | None) -> str:
+    """The first model of GET {base_url}/models; ValueError when the server gives none."""
+    url = f"{base_url}/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    resp = await client.get(f"{base_url}/models", headers=headers)
-    resp.raise_for_status()
-    return str(resp.json()["data"][0]["id"])
+    async with client.get(url, headers=headers) as resp:
+        if resp.status != 200:
+            body = (await resp.read()).decode("utf-8", errors="replace")
+            raise ValueError(f"GET {url}: HTTP {resp.status}: {body[:200]}")
+        doc = await resp.json(content_type=None)  # whatever the content-type header says
+    models = doc.get("data") if isinstance(doc, dict) else None
+    if not models:
+        raise ValueError(f"GET {url}: no models listed; pass --model")
+    return str(models[0]["id"])
 
 
-async def run_point(client: httpx.AsyncClient, target: Target, point: LoadPoint, specs: list[RequestSpec],
+async def run_point(client: aiohttp.ClientSession, target: Target, point: LoadPoint, specs: list[RequestSpec],
                     warmup: int, seed: int, show_progress: bool) -> tuple[list[RequestResult], float]:
     from tqdm import tqdm
 
@@ -199,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
-        doc = asyncio.run(run_benchmark(args, argv))
-    except (ValueError, OSError, httpx.HTTPError) as e:
+        doc = run_async(run_benchmark(args, argv))
+    except (ValueError, OSError, aiohttp.ClientError) as e:
         print(f"benchmark failed: {e}", file=sys.stderr)
         return 1
     if args.result_file:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
+import aiohttp
 
 from benchmarks.metrics import RequestResult
 from benchmarks.workload import RequestSpec
@@ -52,6 +53,37 @@ class Target:
             body["logit_bias"] = {str(i): -100 for i in self.logit_bias_eos_ids}
         body.update(self.extra_body)
         return body
+
+
+class LineSplitter:
+    """Cuts a byte stream into lines at b"\\n" (dropping a b"\\r" before it) and decodes each line once it is
+    complete, so an event or a UTF-8 character split across network reads comes out whole. No length limit:
+    aiohttp's own line reading raises LineTooLong past a cap (128 KiB in 3.8, 512 KiB in 3.14)."""
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """The lines that ``chunk`` completes, without their line endings."""
+        self._pending += chunk
+        if b"\n" not in chunk:  # look at the new bytes only: a long line arriving in pieces stays linear
+            return []
+        end = self._pending.rfind(b"\n")
+        lines = [_decode_line(line) for line in self._pending[:end].split(b"\n")]
+        del self._pending[:end + 1]
+        return lines
+
+    def flush(self) -> str | None:
+        """The last line when the stream ends without a line ending."""
+        if not self._pending:
+            return None
+        line, self._pending = _decode_line(self._pending), bytearray()
+        return line
+
+
+def _decode_line(line: bytearray) -> str:
+    # errors="replace": a stray byte costs one event its text, not the whole request.
+    return (line[:-1] if line.endswith(b"\r") else line).decode("utf-8", errors="replace")
 
 
 class SseDecoder:
@@ -135,28 +167,20 @@ class _StreamState:
             self.completion_tokens = chunk.completion_tokens
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestSpec,
+async def send_request(client: aiohttp.ClientSession, target: Target, spec: RequestSpec,
                        clock: Clock = time.perf_counter) -> RequestResult:
     """Send one streamed request and time its content chunks; failures become an error, never raise."""
     state = _StreamState()
     start = clock()
     try:
-        async with client.stream("POST", target.url, json=target.body(spec), headers=target.headers()) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", errors="replace")
-                state.error = f"HTTP {resp.status_code}: {body[:200]}"
+        async with client.post(target.url, json=target.body(spec), headers=target.headers()) as resp:
+            if resp.status != 200:
+                body = (await resp.read()).decode("utf-8", errors="replace")
+                state.error = f"HTTP {resp.status}: {body[:200]}"
             else:
-                decoder = SseDecoder()
-                async for line in resp.aiter_lines():
-                    now = clock()  # before parsing: parse time is the client's, not the server's
-                    data = decoder.feed(line)
-                    if data is not None:
-                        state.on_event(data, now)
-                tail = decoder.flush()
-                if tail is not None:
-                    state.on_event(tail, clock())
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
-        state.error = f"{type(e).__name__}: {e}"[:200]
+                await _read_events(resp, state, clock)
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, OSError) as e:
+        state.error = (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:200]
     # e2e ends at [DONE] when the server sends it, else when the stream closes.
     end = state.done_at if state.done_at is not None else clock()
     if state.error is None and not state.chunk_times:
@@ -168,8 +192,25 @@ async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestS
         error=state.error)
 
 
-def make_client(timeout_s: float | None) -> httpx.AsyncClient:
-    """No connection cap (httpx defaults to 100, which would throttle concurrency 128) and no proxies
-    from the environment (a benchmark must reach the server directly)."""
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), trust_env=False,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+async def _read_events(resp: aiohttp.ClientResponse, state: _StreamState, clock: Clock) -> None:
+    lines, events = LineSplitter(), SseDecoder()
+    async for chunk in resp.content.iter_any():
+        now = clock()  # once per network read, before parsing: parse time is the client's, not the server's
+        for line in lines.feed(chunk):
+            data = events.feed(line)
+            if data is not None:
+                state.on_event(data, now)
+    last = lines.flush()
+    if last is not None:
+        events.feed(last)  # not empty, so it cannot end an event: the flush below does
+    tail = events.flush()
+    if tail is not None:
+        state.on_event(tail, clock())
+
+
+def make_client(timeout_s: float | None) -> aiohttp.ClientSession:
+    """No connection cap (aiohttp defaults to 100, which would throttle concurrency 128), no proxies from
+    the environment (a benchmark must reach the server directly), ``timeout_s`` for a whole request
+    (None: no limit). Create it inside the event loop that uses it."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False,
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s, connect=30.0))

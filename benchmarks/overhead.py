@@ -6,11 +6,11 @@
 The same workload, the same engine settings, in the same run, on up to three sides (``--sides``):
 
 * ``rest``: the full stack, ``sluice serve`` (gateway → tokenizer service → engine, shared-memory
-  handoff on, as deployed), driven over HTTP by an httpx client (``sluice bench``'s request body and
-  connection settings) keeping ``--concurrency`` streamed ``/v1/completions`` requests in flight and
-  draining each stream without parsing it, token counts from its final ``usage`` chunk;
+  handoff on, as deployed), driven over HTTP by an aiohttp client on uvloop (``sluice bench``'s request
+  body and connection settings) keeping ``--concurrency`` streamed ``/v1/completions`` requests in
+  flight and draining each stream without parsing it, token counts from its final ``usage`` chunk;
 * ``grpc``: an engine process and a tokenizer-service process on 127.0.0.1, driven through the public
-  ``sluice.v1.Generation`` API by a grpc.aio client (no gateway);
+  ``sluice.v1.Generation`` API by a grpc.aio client, also on uvloop (no gateway);
 * ``in-process``: with those processes stopped, ``engine.LLM(...)`` in this process given every prompt
   at once.
 
@@ -198,10 +198,10 @@ async def _rest_workload(base_url: str, model: str, prompts: list[str], output_t
             while queue:
                 body = target.body(RequestSpec(0, queue.pop(), 0, output_tokens))
                 tail = b""
-                async with client.stream("POST", target.url, json=body) as resp:
-                    if resp.status_code != 200:
-                        raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-                    async for chunk in resp.aiter_raw():
+                async with client.post(target.url, json=body) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
+                    async for chunk in resp.content.iter_any():
                         tail = (tail + chunk)[-16384:]
                 usage = _final_usage(tail)
                 if usage["completion_tokens"] != output_tokens:
@@ -228,8 +228,10 @@ def _final_usage(tail: bytes) -> dict[str, int]:
 
 def run_rest(base_url: str, model: str, prompts: list[str], workload: Workload, round_: int, repeat: int,
              timeout: float = 900) -> RunResult:
+    from benchmarks.runner import run_async
+
     t0 = time.perf_counter()
-    prompt_tokens, output_tokens = asyncio.run(
+    prompt_tokens, output_tokens = run_async(
         _rest_workload(base_url, model, prompts, workload.output_tokens, workload.concurrency, timeout))
     return RunResult("rest", round_, repeat, time.perf_counter() - t0, prompt_tokens, output_tokens)
 
@@ -298,8 +300,10 @@ class EngineDied(RuntimeError):
 
 def run_grpc(addr: str, prompts: list[str], workload: Workload, round_: int, repeat: int,
              timeout: float = 900) -> RunResult:
+    from benchmarks.runner import run_async
+
     t0 = time.perf_counter()
-    prompt_tokens, output_tokens = asyncio.run(
+    prompt_tokens, output_tokens = run_async(
         _grpc_workload(addr, prompts, workload.output_tokens, workload.concurrency, timeout))
     return RunResult("grpc", round_, repeat, time.perf_counter() - t0, prompt_tokens, output_tokens)
 

@@ -5,22 +5,34 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 
 from benchmarks.client import Clock, Target, send_request
 from benchmarks.metrics import RequestResult
 from benchmarks.workload import RequestSpec
 
 OnDone = Callable[[RequestResult], None]
+T = TypeVar("T")
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run``, on uvloop when it is installed (a dependency of Sluice): the client shares the cores
+    with the server it measures, and uvloop's loop costs it less CPU than asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _noop(_: RequestResult) -> None:
     return None
 
 
-async def run_closed_loop(client: httpx.AsyncClient, target: Target, specs: Sequence[RequestSpec],
+async def run_closed_loop(client: aiohttp.ClientSession, target: Target, specs: Sequence[RequestSpec],
                           concurrency: int, *, on_done: OnDone = _noop,
                           clock: Clock = time.perf_counter) -> tuple[list[RequestResult], float]:
     """Results in the order of ``specs`` and the wall time from the first send to the last answer."""
@@ -42,7 +54,7 @@ async def run_closed_loop(client: httpx.AsyncClient, target: Target, specs: Sequ
     return [r for r in results if r is not None], clock() - start
 
 
-async def run_open_loop(client: httpx.AsyncClient, target: Target, specs: Sequence[RequestSpec],
+async def run_open_loop(client: aiohttp.ClientSession, target: Target, specs: Sequence[RequestSpec],
                         arrivals: Sequence[float], *, max_concurrency: int | None = None,
                         on_done: OnDone = _noop,
                         clock: Clock = time.perf_counter) -> tuple[list[RequestResult], float]:

@@ -53,13 +53,15 @@ def test_final_usage_reads_the_last_data_event() -> None:
 def test_rest_side_drives_a_streaming_server_and_counts_from_usage() -> None:
     import asyncio
 
-    from benchmarks.overhead import _rest_workload
+    from benchmarks.overhead import Workload, _rest_workload, run_rest
     from tests.benchmarks.fake_server import FakeBehaviour, FakeServer
 
     behaviour = FakeBehaviour(first_token_delay_s=0.01, token_delay_s=0.0)
     with FakeServer(behaviour) as server:
-        totals = asyncio.run(_rest_workload(server.base_url, "fake-model", [f"p{i}" for i in range(5)], 6, 2, 30))
-        assert totals == (5 * 7, 5 * 6)  # the fake server reports 7 prompt tokens a request
+        workload = Workload(prompts=5, output_tokens=6, concurrency=2)
+        run = run_rest(server.base_url, "fake-model", [f"p{i}" for i in range(5)], workload, 1, 0, timeout=30)
+        # the fake server reports 7 prompt tokens a request
+        assert (run.side, run.round, run.repeat, run.prompt_tokens, run.output_tokens) == ("rest", 1, 0, 5 * 7, 5 * 6)
         assert len(behaviour.bodies) == 5
         assert all(b["stream"] and b["ignore_eos"] and b["max_tokens"] == 6 and b["model"] == "fake-model"
                    and b["stream_options"] == {"include_usage": True} for b in behaviour.bodies)
