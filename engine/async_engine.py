@@ -1,8 +1,11 @@
 """EngineCore on its own thread, fed and drained through queues, for asyncio servers.
 
 The core's busy loop runs on a dedicated thread (torch releases the GIL in its
-kernels); the event loop talks to it only through a command queue, and each
-step's outputs are handed back per request with ``call_soon_threadsafe``.
+kernels); the event loop talks to it only through a command queue. Each request
+is added with an :class:`OutputGroup`; a step's outputs are handed back grouped,
+with one ``call_soon_threadsafe`` per event loop per step (not one per output:
+each wakes the loop through a pipe, and at 32 running sequences that was 32 wake-ups
+a step on the cores the model runs on).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,13 +31,42 @@ from engine.stats_logger import StatsLogger
 logger = logging.getLogger(__name__)
 
 
+class OutputGroup(Protocol):
+    """Where the outputs of a set of requests go: ``deliver`` runs on ``loop`` with all of one step's
+    outputs of the group's requests, in step order."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def deliver(self, outputs: list[EngineCoreOutput]) -> None: ...
+
+
+class _RequestQueue:
+    """The group of one :meth:`AsyncEngine.generate` call: its outputs into an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+
+    def deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            self.queue.put_nowait(out)
+
+
+def _deliver_all(batches: list[tuple[OutputGroup, list[EngineCoreOutput]]]) -> None:
+    for group, outputs in batches:
+        try:
+            group.deliver(outputs)
+        except Exception:  # one broken consumer never keeps the step's other outputs from theirs
+            logger.exception("delivering engine outputs failed")
+
+
 @dataclass
 class _Add:
     request_id: str
     prompt_token_ids: Sequence[int] | np.ndarray
     params: SamplingParams
     priority: int
-    sink: Callable[[EngineCoreOutput], None]
+    group: OutputGroup
     done: Future[None]
 
 
@@ -53,7 +85,7 @@ class _Stop:
     pass
 
 
-class _Terminals:
+class Terminals:
     """Counts terminal outputs of one request: 1, or n once an ``n > 1`` request has forked."""
 
     def __init__(self, n: int) -> None:
@@ -98,7 +130,7 @@ class AsyncEngine:
         self._log_stats_interval = log_stats_interval
         self._stats: StatsLogger | None = None
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[Callable[[EngineCoreOutput], None], _Terminals]] = {}
+        self._sinks: dict[str, tuple[OutputGroup, Terminals]] = {}
         self._dead: BaseException | None = None
         self.started: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
@@ -125,23 +157,16 @@ class AsyncEngine:
         Raises InvalidRequestError / QueueFullError before yielding anything if it is refused.
         Leaving the iteration early (cancellation, a client that went away) aborts the request.
         """
-        if not self.is_alive:
-            raise EngineDeadError("the engine loop has stopped")
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
-
-        def sink(out: EngineCoreOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-
-        done: Future[None] = Future()
-        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, sink, done))
+        group = _RequestQueue(asyncio.get_running_loop())
+        outputs = group.queue
+        done = self.submit(request_id, prompt_token_ids, params, group, priority=priority)
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
             # Cancelled while queued: if the engine thread had already taken the request, abort it.
             self.abort([request_id])
             raise
-        tracker = _Terminals(params.n)
+        tracker = Terminals(params.n)
         try:
             while not tracker.done:
                 out = await outputs.get()
@@ -150,6 +175,17 @@ class AsyncEngine:
         finally:
             if not tracker.done:
                 self.abort([request_id])
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
+               group: OutputGroup, *, priority: int = 0) -> Future[None]:
+        """Queue a request whose outputs go to ``group``; the future fails with InvalidRequestError /
+        QueueFullError if the core refuses it (then nothing reaches ``group`` for it). Many requests may
+        share a group: each step then reaches it as one ``deliver`` call (what the gRPC ``Stream`` uses)."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop has stopped")
+        done: Future[None] = Future()
+        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, group, done))
+        return done
 
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(_Abort(list(request_ids)))
@@ -210,16 +246,29 @@ class AsyncEngine:
                 continue
             if self._stats is not None and core.last_step is not None:
                 self._stats.record_step(core.last_step.duration_s)
-            for out in outputs:
-                parent = out.request_id.partition("#")[0]
-                entry = self._sinks.get(parent)
-                if entry is None:
-                    continue
-                sink, tracker = entry
-                sink(out)
-                tracker.see(out, parent)
-                if tracker.done:
-                    del self._sinks[parent]
+            self._hand_back(outputs)
+
+    def _hand_back(self, outputs: list[EngineCoreOutput]) -> None:
+        """One step's outputs to their groups: one ``call_soon_threadsafe`` per event loop."""
+        groups: dict[int, tuple[OutputGroup, list[EngineCoreOutput]]] = {}
+        for out in outputs:
+            parent = out.request_id.partition("#")[0]
+            entry = self._sinks.get(parent)
+            if entry is None:
+                continue
+            group, tracker = entry
+            groups.setdefault(id(group), (group, []))[1].append(out)
+            tracker.see(out, parent)
+            if tracker.done:
+                del self._sinks[parent]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputGroup, list[EngineCoreOutput]]]] = {}
+        for group, outs in groups.values():
+            by_loop.setdefault(group.loop, []).append((group, outs))
+        for loop, batches in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, batches)
+            except RuntimeError:  # that loop is closed: nobody is left to read these outputs
+                pass
 
     def _handle(self, cmd: _Add | _Abort | _Call) -> None:
         # A caller that gave up (cancelled, deadline) before we got here has a cancelled future: skip it.
@@ -231,7 +280,7 @@ class AsyncEngine:
             except BaseException as e:
                 cmd.done.set_exception(e)
             else:
-                self._sinks[cmd.request_id] = (cmd.sink, _Terminals(cmd.params.n))
+                self._sinks[cmd.request_id] = (cmd.group, Terminals(cmd.params.n))
                 cmd.done.set_result(None)
         elif isinstance(cmd, _Abort):
             self.core.abort_requests(cmd.request_ids)
@@ -252,6 +301,4 @@ class AsyncEngine:
         ids = list(self._sinks)
         self.core.abort_requests(ids)
         self.core.step()  # drains the abort outputs; they are replaced by ERROR below
-        for rid in ids:
-            sink, _ = self._sinks.pop(rid)
-            sink(EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR))
+        self._hand_back([EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR) for rid in ids])

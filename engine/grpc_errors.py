@@ -57,6 +57,19 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
+        if handler.stream_stream is not None:
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for item in inner_ss(requests, context):
+                        yield item
+                except Exception as e:  # noqa: BLE001
+                    await _abort_with(e, context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
         return handler
 
 

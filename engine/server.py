@@ -9,16 +9,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
 import numpy as np
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, Terminals
 from engine.stats_logger import DEFAULT_INTERVAL_S
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.grpc_errors import status_for
 from engine.grpc_server import bind, new_server, stop_event
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason
@@ -77,7 +79,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     def __init__(self, engine: AsyncEngine | None = None) -> None:
         self._engine = engine
-        self.counters = {"shm_handoffs": 0, "inline_handoffs": 0, "finished_requests": 0}
+        self.counters = {"shm_handoffs": 0, "inline_handoffs": 0, "finished_requests": 0, "stream_calls": 0}
         self._shm: Any = None  # ShmReader, created on first registration
 
     @property
@@ -89,9 +91,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
 
-    async def Generate(self, request: engine_pb2.EngineGenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
-        engine = self.engine
+    def _prompt(self, request: engine_pb2.EngineGenerateRequest) -> tuple[np.ndarray, int | None]:
+        """The prompt ids of a request, and the shared-memory slot to acknowledge when they came that way."""
         if not request.request_id:
             raise InvalidRequestError("request_id", "is required")
         released_slot: int | None = None
@@ -115,6 +116,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self.counters["inline_handoffs"] += 1
         else:
             raise InvalidRequestError("prompt", "one of prompt_token_ids or prompt_shm is required")
+        return prompt, released_slot
+
+    async def Generate(self, request: engine_pb2.EngineGenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        engine = self.engine
+        prompt, released_slot = self._prompt(request)
         params = sampling_params_from_pb(request)
         first = True
         async for out in engine.generate(request.request_id, prompt, params, priority=request.priority):
@@ -125,6 +132,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if out.finished:
                 self.counters["finished_requests"] += 1
             yield msg
+
+    async def Stream(self, request_iterator: AsyncIterator[engine_pb2.EngineStreamRequest],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineStreamResponse]:
+        call = _StreamCall(self, self.engine)
+        self.counters["stream_calls"] += 1
+        reader = asyncio.ensure_future(call.read(request_iterator))
+        try:
+            while (msg := await call.next_message()) is not None:
+                yield msg
+        finally:
+            reader.cancel()
+            call.abort_unfinished()
+        await reader  # re-raises what ended the reading (nothing, when the caller closed its side)
 
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> engine_pb2.AbortResponse:
@@ -142,7 +162,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             num_waiting=info["num_waiting"], device=info["device"], dtype=info["dtype"],
             counters=engine_pb2.EngineCounters(
                 shm_handoffs=self.counters["shm_handoffs"], inline_handoffs=self.counters["inline_handoffs"],
-                finished_requests=self.counters["finished_requests"],
+                finished_requests=self.counters["finished_requests"], stream_calls=self.counters["stream_calls"],
                 prefix_cache_query_tokens=stats["prefix_cache_queries"],
                 prefix_cache_hit_tokens=stats["prefix_cache_hits"], preemptions=stats["num_preemptions"]))
 
@@ -158,6 +178,101 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             # The caller falls back to inline ids (another host, no shared /dev/shm).
             return engine_pb2.RegisterSharedMemoryResponse(ok=False, error=f"cannot open segment: {e}")
         return engine_pb2.RegisterSharedMemoryResponse(ok=True)
+
+
+class _StreamCall:
+    """The requests of one ``Stream`` call: added as they are read, their outputs gathered into one
+    message per engine step (the call's :class:`~engine.async_engine.OutputGroup`), and aborted when
+    the call ends unfinished."""
+
+    def __init__(self, servicer: EngineServicer, engine: AsyncEngine) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._servicer = servicer
+        self._engine = engine
+        # Live requests: id -> (terminal counter, shm slot to acknowledge with the first output).
+        self._live: dict[str, tuple[Terminals, int | None]] = {}
+        self._messages: asyncio.Queue[engine_pb2.EngineStreamResponse | None] = asyncio.Queue()
+        self._reading = True
+
+    async def read(self, requests: AsyncIterator[engine_pb2.EngineStreamRequest]) -> None:
+        try:
+            async for msg in requests:
+                if msg.HasField("generate"):
+                    self._add(msg.generate)
+                elif msg.HasField("abort"):
+                    ids = [rid for rid in msg.abort.request_ids if rid in self._live]
+                    if ids:
+                        self._engine.abort(ids)
+        finally:
+            self._reading = False
+            self._maybe_end()
+
+    def _add(self, request: engine_pb2.EngineGenerateRequest) -> None:
+        rid = request.request_id
+        try:
+            if rid in self._live:
+                raise InvalidRequestError("request_id", f"request {rid!r} is already running")
+            prompt, released_slot = self._servicer._prompt(request)  # noqa: SLF001 — same servicer's helper
+            params = sampling_params_from_pb(request)
+            done = self._engine.submit(rid, prompt, params, self, priority=request.priority)
+        except Exception as e:  # noqa: BLE001 — refused: the error entry is its terminal event
+            self._refuse(rid, e)
+            return
+        self._live[rid] = (Terminals(params.n), released_slot)
+        done.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._added, rid, f))
+
+    def _added(self, rid: str, done: Future[None]) -> None:
+        if (error := done.exception()) is not None:
+            self._live.pop(rid, None)
+            self._refuse(rid, error)
+            self._maybe_end()
+
+    def _refuse(self, rid: str, error: BaseException) -> None:
+        code, message = status_for(error)
+        if code is grpc.StatusCode.INTERNAL:
+            logger.error("request %s refused: %r", rid, error)
+        msg = engine_pb2.EngineStreamResponse()
+        msg.errors.add(request_id=rid, code=code.value[0], message=message)
+        self._messages.put_nowait(msg)
+
+    def deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        """One step's outputs of this call's requests (OutputGroup; runs on the event loop)."""
+        msg = engine_pb2.EngineStreamResponse()
+        counters = self._servicer.counters
+        for out in outputs:
+            rid = out.request_id.partition("#")[0]
+            entry = self._live.get(rid)
+            if entry is None:
+                continue
+            tracker, slot = entry
+            pb = output_to_pb(out)
+            pb.request_id = rid
+            if slot is not None:
+                pb.released_shm_slot = slot
+                self._live[rid] = (tracker, None)
+            tracker.see(out, rid)
+            if out.finished:
+                counters["finished_requests"] += 1
+            if tracker.done:
+                pb.request_done = True
+                del self._live[rid]
+            msg.outputs.append(pb)
+        if msg.outputs:
+            self._messages.put_nowait(msg)
+        self._maybe_end()
+
+    def _maybe_end(self) -> None:
+        """The caller closed its side and every request ended: the call ends after what is queued."""
+        if not self._reading and not self._live:
+            self._messages.put_nowait(None)
+
+    async def next_message(self) -> engine_pb2.EngineStreamResponse | None:
+        return await self._messages.get()
+
+    def abort_unfinished(self) -> None:
+        if self._live:
+            self._engine.abort(list(self._live))
+            self._live.clear()
 
 
 def warm_up(core: EngineCore) -> None:

@@ -19,7 +19,7 @@ _COMMANDS = {
     "gateway": "gateway.__main__",
     "bench": "benchmarks.bench",
 }
-_BENCH_EXTRA = ("httpx", "matplotlib")  # pyproject's `bench` extra
+_BENCH_EXTRA = ("aiohttp", "httpx", "matplotlib")  # pyproject's `bench` extra
 
 
 def main(argv: list[str] | None = None) -> None:

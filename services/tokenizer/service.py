@@ -21,6 +21,7 @@ import numpy as np
 from engine.errors import InvalidRequestError
 from engine.text import IncrementalDetokenizer, Tokenizer
 from proto.shm import ShmRing
+from services.tokenizer.engine_stream import EngineStream
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                  model_path: str, shm_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.engine = engine_pb2_grpc.EngineStub(engine_channel)
+        self.engine_stream = EngineStream(self.engine)
         self.served_model_name = served_model_name
         self.model_path = model_path
         self._info: EngineInfo | None = None
@@ -124,8 +126,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """A new engine process knows neither our ring nor its info: hand both over again."""
         self._shm_registered = False
         self._info = None
+        self.engine_stream.reset()
 
     def close(self) -> None:
+        self.engine_stream.close()
         if self._ring is not None:
             self._ring.close()
 
@@ -159,7 +163,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         time_limit = request.stopping.time_limit_ms / 1000 if request.stopping.HasField("time_limit_ms") else None
         deadline = time.monotonic() + time_limit if time_limit else None
         timeout = context.time_remaining()
-        call = self.engine.Generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
+        call = self.engine_stream.generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
         try:
             async for msg in _with_deadline(call, deadline):
                 if msg is None:  # the time limit elapsed
@@ -188,8 +192,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             handoff.release()
-            if not all(s.finished for s in seqs.values()):
-                call.cancel()
+            await call.aclose()  # unfinished: aborts the engine request
 
     def _delta(self, request_id: str, seq: _Seq, msg: engine_pb2.EngineGenerateResponse, usage: _Usage,
                options: generation_pb2.ResponseOptions) -> generation_pb2.GenerateResponse | None:

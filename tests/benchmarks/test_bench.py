@@ -130,9 +130,6 @@ def test_resolve_model_reads_the_first_model_and_fails_clearly() -> None:
     assert auth == ["Bearer k", None, None]
 
 
-# services/cli.py lists the extra's modules in _BENCH_EXTRA; until it names aiohttp, a missing aiohttp
-# escapes as a traceback. Strict: this fails once cli.py is fixed, so the marker gets removed.
-@pytest.mark.xfail(strict=True, raises=ModuleNotFoundError, reason="services/cli.py _BENCH_EXTRA lacks aiohttp")
 def test_sluice_bench_without_its_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     from services import cli

@@ -24,6 +24,15 @@ from tests.procs import ROOT, free_port
 pytestmark = pytest.mark.slow
 
 
+class _Nowhere:
+    """An output group nobody reads."""
+
+    loop = None
+
+    def deliver(self, outputs: list[object]) -> None:
+        raise AssertionError("a cancelled add must produce no output")
+
+
 @pytest.fixture(scope="module")
 def engine() -> AsyncEngine:
     eng = AsyncEngine(EngineCore(EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1)))
@@ -38,7 +47,7 @@ def test_cancelled_callers_do_not_kill_the_engine_thread(engine: AsyncEngine) ->
     engine._commands.put(_Call(lambda core: core.info(), call))  # noqa: SLF001
     add: Future[None] = Future()
     add.cancel()
-    engine._commands.put(_Add("gone", [1, 2, 3], SamplingParams(max_tokens=2), 0, lambda out: None, add))  # noqa: SLF001
+    engine._commands.put(_Add("gone", [1, 2, 3], SamplingParams(max_tokens=2), 0, _Nowhere(), add))  # noqa: SLF001
 
     async def after() -> dict[str, object]:
         return await engine.call(lambda core: core.info())
@@ -69,6 +78,39 @@ def test_stream_ends_with_one_terminal_output_and_early_exit_aborts(engine: Asyn
     reasons, free_minus_total = asyncio.run(run())
     assert reasons[-1] is FinishReason.LENGTH and all(r is None for r in reasons[:-1])
     assert free_minus_total == 0
+
+
+def test_a_step_reaches_the_event_loop_once_for_all_its_requests(engine: AsyncEngine,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # One call_soon_threadsafe (one wake-up of the loop) per step, however many requests ran in it.
+    import engine.async_engine as async_engine
+
+    handbacks: list[int] = []
+    deliver_all = async_engine._deliver_all  # noqa: SLF001
+
+    def counted(batches: list[tuple[object, list[object]]]) -> None:
+        handbacks.append(sum(len(outs) for _, outs in batches))
+        deliver_all(batches)
+
+    monkeypatch.setattr(async_engine, "_deliver_all", counted)
+
+    async def run() -> tuple[dict[str, list[int]], int]:
+        steps_before = await engine.call(lambda core: core.total_steps)
+
+        async def one(rid: str, prompt: list[int]) -> list[int]:
+            return [t async for out in engine.generate(rid, prompt, SamplingParams(temperature=0, max_tokens=5,
+                                                                                   ignore_eos=True))
+                    for t in out.new_token_ids]
+
+        prompts = {f"h{i}": [5 + i, 6, 7] for i in range(4)}
+        tokens = await asyncio.gather(*(one(rid, p) for rid, p in prompts.items()))
+        return dict(zip(prompts, tokens)), await engine.call(lambda core: core.total_steps) - steps_before
+
+    tokens, steps = asyncio.run(run())
+    assert all(len(t) == 5 for t in tokens.values())
+    assert sum(handbacks) == 20  # every output, each once
+    assert len(handbacks) <= steps < 20  # batched: one hand-back per step, not one per output
+    assert max(handbacks) == 4  # a decode step's four outputs came together
 
 
 def test_launch_builds_the_core_on_the_thread_that_steps_it() -> None:

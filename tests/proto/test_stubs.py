@@ -61,6 +61,7 @@ def test_engine_service_methods() -> None:
     assert engine_pb2.DESCRIPTOR.package == "sluice.v1"
     assert _methods(engine_pb2, "Engine") == {
         "Generate": ("EngineGenerateRequest", "EngineGenerateResponse", False, True),
+        "Stream": ("EngineStreamRequest", "EngineStreamResponse", True, True),
         "Abort": ("AbortRequest", "AbortResponse", False, False),
         "GetInfo": ("GetInfoRequest", "GetInfoResponse", False, False),
         "RegisterSharedMemory": ("RegisterSharedMemoryRequest", "RegisterSharedMemoryResponse", False, False),

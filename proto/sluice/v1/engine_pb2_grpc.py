@@ -40,6 +40,11 @@ class EngineStub:
                 request_serializer=sluice_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/sluice.v1.Engine/Stream',
+                request_serializer=sluice_dot_v1_dot_engine__pb2.EngineStreamRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_engine__pb2.EngineStreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/sluice.v1.Engine/Abort',
                 request_serializer=sluice_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -66,6 +71,20 @@ class EngineServicer:
         each engine step (deltas, never the whole sequence); the last message of
         each of the n sequences carries its finish reason. Cancelling the call
         aborts the request and frees its KV blocks in the next step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stream(self, request_iterator, context):
+        """Many requests over one long-lived call, which is how the tokenizer service
+        talks to the engine: the caller sends requests and aborts as they come;
+        the engine answers with one message per step carrying every output of
+        that step for this call's requests (one message instead of one per
+        sequence: at 32 sequences, 32 times fewer messages to write and read on
+        the cores the model runs on). Each request ends in exactly one terminal
+        event: its last output (request_done) or an entry in errors. When the
+        call ends, for whatever reason, its unfinished requests are aborted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,6 +119,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=sluice_dot_v1_dot_engine__pb2.EngineGenerateRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_engine__pb2.EngineGenerateResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=sluice_dot_v1_dot_engine__pb2.EngineStreamRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_engine__pb2.EngineStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -145,6 +169,33 @@ class Engine:
             '/sluice.v1.Engine/Generate',
             sluice_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
             sluice_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/sluice.v1.Engine/Stream',
+            sluice_dot_v1_dot_engine__pb2.EngineStreamRequest.SerializeToString,
+            sluice_dot_v1_dot_engine__pb2.EngineStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
