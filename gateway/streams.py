@@ -9,6 +9,7 @@ stream cancels every call, which is how a client disconnect reaches the engine.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Sequence
 from typing import Final
 
@@ -21,25 +22,46 @@ _END: Final = "end"
 # letting the gateway buffer a whole generation.
 _QUEUE_SIZE = 64
 
+_Item = tuple[int, Delta] | BaseException | str
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
 
 class DeltaStream:
+    """Merged deltas of the calls. Each delta costs a deque append and, when the reader waits, one
+    future and one timer (no task or ``asyncio.wait`` per delta: this runs once per token per request)."""
+
     def __init__(self, calls: Sequence[GenerateCall], n: int) -> None:
         self._calls = list(calls)
         self._n = n
-        self._queue: asyncio.Queue[tuple[int, Delta] | BaseException | str] = asyncio.Queue(_QUEUE_SIZE)
+        self._items: deque[_Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._room = asyncio.Event()
+        self._room.set()
         self._open = len(self._calls)
-        self._pending: asyncio.Future[tuple[int, Delta] | BaseException | str] | None = None
         self._tasks = [asyncio.create_task(self._pump(i, c)) for i, c in enumerate(self._calls)]
         self._closed = False
+
+    def _push(self, item: _Item) -> None:
+        self._items.append(item)
+        if len(self._items) >= _QUEUE_SIZE:
+            self._room.clear()
+        if self._waiter is not None:
+            _wake(self._waiter)
 
     async def _pump(self, prompt_index: int, call: GenerateCall) -> None:
         try:
             async for delta in call:
-                await self._queue.put((prompt_index, delta))
+                self._push((prompt_index, delta))
+                if not self._room.is_set():
+                    await self._room.wait()
         except Exception as err:  # handed to the reader, who owns the error handling
-            await self._queue.put(err)
+            self._push(err)
         else:
-            await self._queue.put(_END)
+            self._push(_END)
 
     def choice_index(self, prompt_index: int, delta: Delta) -> int:
         return prompt_index * self._n + delta.index
@@ -49,13 +71,21 @@ class DeltaStream:
         without one; ``None`` when every call has ended. Raises a call's error
         (after cancelling the others)."""
         while self._open:
-            if self._pending is None:
-                self._pending = asyncio.ensure_future(self._queue.get())
-            done, _ = await asyncio.wait({self._pending}, timeout=timeout)
-            if not done:
-                return TIMED_OUT
-            item = self._pending.result()
-            self._pending = None
+            if not self._items:
+                loop = asyncio.get_running_loop()
+                self._waiter = waiter = loop.create_future()
+                timer = loop.call_later(timeout, _wake, waiter) if timeout is not None else None
+                try:
+                    await waiter
+                finally:
+                    self._waiter = None
+                    if timer is not None:
+                        timer.cancel()
+                if not self._items:
+                    return TIMED_OUT
+            item = self._items.popleft()
+            if len(self._items) < _QUEUE_SIZE:
+                self._room.set()
             if item == _END:
                 self._open -= 1
             elif isinstance(item, BaseException):
@@ -74,9 +104,9 @@ class DeltaStream:
         self._open = 0
         for call in self._calls:
             call.cancel()
+        if self._waiter is not None:
+            self._waiter.cancel()
         waiting = [t for t in self._tasks if not t.done()]
-        if self._pending is not None:
-            waiting.append(self._pending)  # type: ignore[arg-type]
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
