@@ -110,9 +110,11 @@ class EngineStream:
                 item = await queue.get()
                 if isinstance(item, grpc.aio.AioRpcError):
                     done = True
-                    if item.code() is grpc.StatusCode.UNIMPLEMENTED and self.supported is None:
-                        logger.warning("the engine has no Stream RPC (an older engine?): one Generate call "
-                                       "per request from now on")
+                    # Every request on the call sees it (several at once when they raced to the first call).
+                    if item.code() is grpc.StatusCode.UNIMPLEMENTED and self.supported is not True:
+                        if self.supported is None:
+                            logger.warning("the engine has no Stream RPC (an older engine?): one Generate "
+                                           "call per request from now on")
                         self.supported = False
                         self._call = None
                         async for msg in self._generate_unary(request, timeout, metadata):

@@ -179,10 +179,12 @@ def test_a_request_id_already_running_on_the_call_is_refused_locally() -> None:
 
 
 def test_an_engine_without_stream_is_served_by_generate_calls() -> None:
-    async def scenario(stream: EngineStream) -> tuple[list[int], list[int], bool | None]:
-        return await _tokens(stream, "p"), await _tokens(stream, "q"), stream.supported
+    async def scenario(stream: EngineStream) -> tuple[list[list[int]], list[int], bool | None]:
+        # Three requests race to the first Stream call; all of them, and the next, fall back to Generate.
+        first = await asyncio.gather(*(_tokens(stream, rid) for rid in ("p", "q", "r")))
+        return first, await _tokens(stream, "s"), stream.supported
 
     eng = GenerateOnlyEngine()
-    p, q, supported = run(eng, scenario)
-    assert p == q == [7, 8]
-    assert supported is False and eng.generate_calls == 2
+    first, later, supported = run(eng, scenario)
+    assert first == [[7, 8]] * 3 and later == [7, 8]
+    assert supported is False and eng.generate_calls == 4
