@@ -45,32 +45,28 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 unary_unary, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                try:
-                    async for item in inner_us(request, context):
-                        yield item
-                except Exception as e:  # noqa: BLE001
-                    await _abort_with(e, context)
-
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
+                _streaming(handler.unary_stream), request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         if handler.stream_stream is not None:
-            inner_ss = handler.stream_stream
-
-            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                try:
-                    async for item in inner_ss(requests, context):
-                        yield item
-                except Exception as e:  # noqa: BLE001
-                    await _abort_with(e, context)
-
             return grpc.stream_stream_rpc_method_handler(
-                stream_stream, request_deserializer=handler.request_deserializer,
+                _streaming(handler.stream_stream), request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         return handler
+
+
+def _streaming(inner: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+               ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+    """A response-streaming handler (unary or streaming request) whose errors end the call mapped."""
+
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in inner(request, context):
+                yield item
+        except Exception as e:  # noqa: BLE001
+            await _abort_with(e, context)
+
+    return handler
 
 
 async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext) -> None:

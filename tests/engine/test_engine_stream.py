@@ -209,3 +209,26 @@ def test_a_call_that_ends_early_aborts_its_requests(engine: AsyncEngine) -> None
     info = serve(engine, scenario)
     assert info["num_running"] == 0 and info["num_waiting"] == 0
     assert info["free_kv_blocks"] == info["total_kv_blocks"]
+
+
+def test_a_stream_to_an_engine_not_running_ends_unavailable() -> None:
+    # The servicer before the engine is attached (loading, warm-up): the call ends with UNAVAILABLE, mapped
+    # by the interceptor as for Generate, instead of an unmapped UNKNOWN.
+    async def main() -> grpc.StatusCode:
+        server, _ = new_server(SERVICE_NAME)
+        engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(), server)
+        port = free_port()
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                outbox = Outbox()
+                outbox.send(_gen(_request("r", [5, 6], 2)))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in engine_pb2_grpc.EngineStub(channel).Stream(outbox):
+                        pass
+                return err.value.code()
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(main()) is grpc.StatusCode.UNAVAILABLE
