@@ -137,6 +137,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineStreamResponse]:
         call = _StreamCall(self, self.engine)
         self.counters["stream_calls"] += 1
+        await context.send_initial_metadata(())  # the caller sends nothing before this (EngineStream)
         reader = asyncio.ensure_future(call.read(request_iterator))
         try:
             while (msg := await call.next_message()) is not None:

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 _ERROR = engine_pb2.EngineRequestError
 _Item = engine_pb2.EngineGenerateResponse | grpc.aio.AioRpcError
+_Outputs = AsyncIterator[engine_pb2.EngineGenerateResponse]
 
 
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -42,6 +43,12 @@ class _Call:
         self.reader = asyncio.ensure_future(self._read())
 
     async def _requests(self) -> AsyncIterator[engine_pb2.EngineStreamRequest]:
+        # Nothing goes up before the engine has taken the call (its handler sends the headers first): an
+        # engine without Stream ends the call at once with UNIMPLEMENTED, and a message written into that
+        # ending call could turn the status into an INTERNAL "execute_batch" failure instead.
+        await self.rpc.initial_metadata()
+        if self.rpc.done():
+            return
         while (msg := await self.outgoing.get()) is not None:
             yield msg
 
@@ -89,7 +96,7 @@ class EngineStream:
         self.supported: bool | None = None  # None: not known yet; False: the engine has no Stream
 
     async def generate(self, request: engine_pb2.EngineGenerateRequest, *, timeout: float | None = None,
-                       metadata: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+                       metadata: tuple[tuple[str, str], ...] = ()) -> _Outputs:
         """The engine's outputs for ``request`` until its last; leaving early aborts it. ``timeout`` and
         ``metadata`` only apply to the per-request ``Generate`` fallback (a Stream call outlives requests;
         the caller's own deadline ends its iteration, which aborts)."""
@@ -134,7 +141,7 @@ class EngineStream:
                         abort=engine_pb2.AbortRequest(request_ids=[rid])))
 
     async def _generate_unary(self, request: engine_pb2.EngineGenerateRequest, timeout: float | None,
-                              metadata: tuple[tuple[str, str], ...]) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+                              metadata: tuple[tuple[str, str], ...]) -> _Outputs:
         call = self._stub.Generate(request, timeout=timeout, metadata=metadata)
         finished = False
         try:

@@ -38,6 +38,7 @@ class ScriptedStreamEngine(engine_pb2_grpc.EngineServicer):
     async def Stream(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[engine_pb2.EngineStreamResponse]:
         self.calls += 1
+        await context.send_initial_metadata(())  # as the engine does: the client waits for it
 
         async def pump() -> None:
             async for msg in request_iterator:

@@ -85,6 +85,9 @@ class EngineServicer:
         the cores the model runs on). Each request ends in exactly one terminal
         event: its last output (request_done) or an entry in errors. When the
         call ends, for whatever reason, its unfinished requests are aborted.
+        The engine sends the response headers as soon as it takes the call;
+        callers wait for them before writing (an engine without Stream ends the
+        call with UNIMPLEMENTED instead, and nothing was written into it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
