@@ -41,6 +41,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=True)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on CPU")
+    g.add_argument("--stream-interval", type=int, default=1,
+                   help="stream each sequence's tokens in groups of N (the first token and the last group at "
+                        "once): fewer messages through every hop for less smooth streaming; a request's "
+                        "stream_interval can raise it")
     g.add_argument("--disable-log-stats", action="store_true", default=False,
                    help="no periodic 'Avg prompt throughput ...' status line")
 

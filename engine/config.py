@@ -71,6 +71,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     num_threads: int | None = None           # torch intra-op threads on CPU; None = torch's default
     disable_log_stats: bool = False          # no periodic status line (engine.stats_logger)
+    stream_interval: int = 1                 # tokens per streamed group of a sequence (vLLM's --stream-interval)
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None and not isinstance(self.kv_cache_memory, int):
@@ -99,6 +100,8 @@ class EngineConfig:
         check(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests",
               "must be >= 0")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
+        check(isinstance(self.stream_interval, int) and self.stream_interval >= 1, "stream_interval",
+              "must be an integer >= 1")
         check(self.tensor_parallel_size == 1, "tensor_parallel_size",
               "only 1 is supported in this release")
 

@@ -194,12 +194,15 @@ class LLM:
 
     def _apply(self, seq: _Sequence, out: EngineCoreOutput, sp: SamplingParams) -> int:
         """Fold one engine output into a sequence; 1 when the sequence ended."""
-        seq.token_ids.extend(out.new_token_ids)
+        before = seq.detok.num_output_tokens
+        delta = seq.detok.add_tokens(out.new_token_ids) if out.new_token_ids else None
+        # Under a stream interval one output holds several tokens; those after a stop string are dropped.
+        used = seq.detok.num_output_tokens - before
+        seq.token_ids.extend(out.new_token_ids[:used])
         if seq.logprobs is not None and out.new_logprobs:
-            for lp, top in out.new_logprobs:
+            for lp, top in out.new_logprobs[:used]:
                 seq.logprobs.append(top)
                 seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + lp
-        delta = seq.detok.add_tokens(out.new_token_ids) if out.new_token_ids else None
         if delta is not None and delta.stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", delta.stop_string
             seq.text = seq.detok.output_text

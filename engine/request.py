@@ -68,6 +68,7 @@ class Request:
         self.output_token_ids: list[int] = []
         # Each entry: (sampled token logprob, {token id: logprob} of the top-k) when logprobs asked.
         self.output_logprobs: list[tuple[float, dict[int, float]]] = []
+        self.num_reported_tokens = 0         # output tokens already in an EngineCoreOutput (stream interval)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0           # prompt tokens served from the prefix cache (first schedule)
         self.block_ids: list[int] = []

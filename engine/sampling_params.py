@@ -38,6 +38,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # Stream a sequence's tokens in groups of this many (the first token and the last group go out at
+    # once); raises the engine's --stream-interval for this request, never lowers it. None: the engine's.
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +85,8 @@ class SamplingParams:
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
         _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= _MAX_LOGPROBS),
                "logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.stream_interval is None or (_int(self.stream_interval) and self.stream_interval >= 1),
+               "stream_interval", f"must be an integer >= 1, got {self.stream_interval!r}")
         _check(self.seed is None or _int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         if self.logit_bias:

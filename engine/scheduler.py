@@ -230,8 +230,10 @@ class Scheduler:
                            logprobs: dict[str, list[Logprob]] | None = None) -> list[EngineCoreOutput]:
         """Apply one executed step: advance progress, cache full blocks, append samples, finish and free.
 
-        Returns one output per request that got tokens (forked children
-        included, after their parent). ``sampled[id]`` must hold
+        Returns one output per request that got tokens to report (forked children
+        included, after their parent): every token at once, or, under a stream
+        interval of N, the first token at once, then groups of N, then the rest
+        when the request finishes. ``sampled[id]`` must hold
         ``num_samples`` tokens for every request scheduled with ``sample``.
         """
         outputs: list[EngineCoreOutput] = []
@@ -254,9 +256,11 @@ class Scheduler:
                 children = [self.fork_request(request, f"{request.request_id}#{i}", i)
                             for i in range(1, s.num_samples)]
                 request.sampling_params = request.sampling_params.clone(n=1)
-            outputs.append(self._append(request, tokens[:1], lps[:1] if lps else None))
-            for i, child in enumerate(children, start=1):
-                outputs.append(self._append(child, tokens[i:i + 1], lps[i:i + 1] if lps else None))
+            for req, i in ((request, 0), *((child, i) for i, child in enumerate(children, start=1))):
+                self._append(req, tokens[i:i + 1], lps[i:i + 1] if lps else None)
+                report = self._report(req)
+                if report is not None:
+                    outputs.append(report)
         return outputs
 
     # ----- helpers -------------------------------------------------------------------
@@ -275,15 +279,11 @@ class Scheduler:
         self.num_preemptions += 1
         self._insert(self.waiting, victim, front=True)
 
-    def _append(self, request: Request, tokens: list[int], lps: list[Logprob] | None) -> EngineCoreOutput:
-        new_tokens: list[int] = []
-        new_lps: list[Logprob] | None = [] if lps is not None else None
+    def _append(self, request: Request, tokens: list[int], lps: list[Logprob] | None) -> None:
         for j, token in enumerate(tokens):
             request.append_output_token(token)
-            new_tokens.append(token)
-            if lps is not None and new_lps is not None:
+            if lps is not None:
                 request.output_logprobs.append(lps[j])
-                new_lps.append(lps[j])
             self.num_generation_tokens += 1
             reason = self._stop_reason(request, token)
             if reason is not None:
@@ -291,8 +291,21 @@ class Scheduler:
                 break
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
-        return EngineCoreOutput(request.request_id, new_tokens, new_lps, request.finish_reason,
-                                request.num_prompt_tokens, request.num_cached_tokens)
+
+    def _report(self, request: Request) -> EngineCoreOutput | None:
+        """The tokens of ``request`` not yet reported, or None while its stream interval holds them back.
+
+        The first token always goes at once (time to first token is never traded away), and a finished
+        request reports whatever is left with its finish reason."""
+        start = request.num_reported_tokens
+        interval = max(request.sampling_params.stream_interval or 1, self.config.stream_interval)
+        if (interval > 1 and start > 0 and request.finish_reason is None
+                and request.num_output_tokens - start < interval):
+            return None
+        request.num_reported_tokens = request.num_output_tokens
+        return EngineCoreOutput(request.request_id, request.output_token_ids[start:],
+                                request.output_logprobs[start:] if request.output_logprobs else None,
+                                request.finish_reason, request.num_prompt_tokens, request.num_cached_tokens)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         """Why ``request`` stops after appending ``token``; stop tokens are checked before length limits."""

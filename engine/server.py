@@ -58,6 +58,8 @@ def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest) -> SamplingPa
     kw["ignore_eos"] = st.ignore_eos
     if req.HasField("logprobs"):
         kw["logprobs"] = req.logprobs
+    if req.HasField("stream_interval"):
+        kw["stream_interval"] = req.stream_interval  # 0 is refused by SamplingParams as INVALID_ARGUMENT
     return SamplingParams(**kw)
 
 

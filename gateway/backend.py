@@ -47,6 +47,7 @@ class GenerationParams:
     logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False
+    stream_interval: int | None = None   # tokens per streamed delta (vLLM's); None: the engine's --stream-interval
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,8 @@ def generate_request_to_pb(prompt: Prompt, p: GenerationParams, request_id: str)
     r.logprobs = p.logprobs
     r.top_logprobs = p.top_logprobs
     r.echo = p.echo
+    if p.stream_interval is not None:
+        r.stream_interval = p.stream_interval
     return req
 
 

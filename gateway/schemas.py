@@ -261,4 +261,5 @@ def _params(body: Mapping[str, object], max_n: int, max_tokens: int | None, *, l
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         echo=echo,
+        stream_interval=opt_int(body, "stream_interval", 1, UINT32_MAX),
     )

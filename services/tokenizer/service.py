@@ -150,6 +150,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                               f"{_MAX_STOP_LEN} characters")
         if request.response.top_logprobs > _MAX_TOP_LOGPROBS:
             raise InvalidRequestError("top_logprobs", f"must be in [0, {_MAX_TOP_LOGPROBS}]")
+        if request.response.HasField("stream_interval") and request.response.stream_interval < 1:
+            raise InvalidRequestError("stream_interval", "must be an integer >= 1")
         n = request.n or 1
         skip_special = (request.response.skip_special_tokens
                         if request.response.HasField("skip_special_tokens") else True)
@@ -197,9 +199,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _delta(self, request_id: str, seq: _Seq, msg: engine_pb2.EngineGenerateResponse, usage: _Usage,
                options: generation_pb2.ResponseOptions) -> generation_pb2.GenerateResponse | None:
         ids = list(msg.token_ids)
+        before = seq.detok.num_output_tokens
+        delta = seq.detok.add_tokens(ids) if ids else None
+        # Under a stream interval a message holds several tokens: those after a stop string are not
+        # generated as far as the client is concerned (not returned, not counted).
+        del ids[seq.detok.num_output_tokens - before:]
         seq.completion_tokens += len(ids)
         usage.per_seq[seq.index] = seq.completion_tokens
-        delta = seq.detok.add_tokens(ids) if ids else None
         text = delta.text if delta else ""
         out = generation_pb2.GenerateResponse(request_id=request_id, index=seq.index, text=text, token_ids=ids,
                                               usage=usage.pb())
@@ -261,6 +267,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                priority=request.priority, n=n)
         if request.response.logprobs:
             req.logprobs = request.response.top_logprobs
+        if request.response.HasField("stream_interval"):
+            req.stream_interval = request.response.stream_interval
         handoff = _Handoff(None)
         if await self.ensure_shm() and self._ring is not None:
             ref = self._ring.put(prompt_ids)

@@ -90,6 +90,24 @@ def test_openai_sdk_completions_async(stack: ServeStack) -> None:
     asyncio.run(run())
 
 
+def test_openai_sdk_stream_interval_groups_tokens_and_keeps_the_text(stack: ServeStack) -> None:
+    client = _client(stack)
+    model = client.models.list().data[0].id
+    kw = dict(model=model, prompt="Once upon a time", temperature=0, max_tokens=10, stream=True,
+              stream_options={"include_usage": True})
+    one = list(client.completions.create(**kw, extra_body={"ignore_eos": True}))
+    grouped = list(client.completions.create(**kw, extra_body={"ignore_eos": True, "stream_interval": 4}))
+    text = ["".join(c.choices[0].text for c in chunks if c.choices) for chunks in (one, grouped)]
+    assert text[0] == text[1] and text[0]
+    # 10 tokens as 1 + 4 + 4 + 1: at most 4 text chunks (a chunk may hold back half a character), 10 without.
+    deltas = [[c for c in chunks if c.choices and c.choices[0].text] for chunks in (one, grouped)]
+    assert len(deltas[1]) <= 4 < len(deltas[0])
+    assert grouped[-1].usage.completion_tokens == one[-1].usage.completion_tokens == 10
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**kw, extra_body={"stream_interval": 0})
+    assert err.value.body["param"] == "stream_interval"
+
+
 def _curl_stream(stack: ServeStack, body: dict) -> list[str]:
     out = subprocess.run(["curl", "-sN", "-X", "POST", f"{stack.base_url}/v1/completions",
                           "-H", "Content-Type: application/json", "-d", json.dumps(body)],

@@ -120,6 +120,30 @@ def test_requests_share_one_message_per_step_and_match_generate(engine: AsyncEng
     assert counters.stream_calls >= 1
 
 
+def test_stream_interval_groups_each_requests_tokens_over_stream_and_generate(engine: AsyncEngine) -> None:
+    async def scenario(stub: engine_pb2_grpc.EngineStub, eng: AsyncEngine) -> tuple[Any, ...]:
+        alone = [t async for m in stub.Generate(_request("one-by-one", PROMPTS["a"], 10)) for t in m.token_ids]
+        grouped = [list(m.token_ids) async for m in stub.Generate(_request("grouped", PROMPTS["a"], 10,
+                                                                           stream_interval=4))]
+        outbox = Outbox()
+        for rid, p in PROMPTS.items():
+            outbox.send(_gen(_request(rid, p, 10, stream_interval=4)))
+        outbox.close()
+        messages = [m async for m in stub.Stream(outbox)]
+        return alone, grouped, messages, await _idle(eng)
+
+    alone, grouped, messages, info = serve(engine, scenario)
+    # The first token at once, then groups of 4, then the rest with the finish reason: the same tokens.
+    assert [len(g) for g in grouped] == [1, 4, 4, 1]
+    assert [t for g in grouped for t in g] == alone
+    per_request: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
+    for msg in messages:
+        for out in msg.outputs:
+            per_request[out.request_id].append(len(out.token_ids))
+    assert per_request == {rid: [1, 4, 4, 1] for rid in PROMPTS}
+    assert info["free_kv_blocks"] == info["total_kv_blocks"]
+
+
 @pytest.mark.parametrize("bad, code, text", [
     (dict(request_id=""), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     (dict(sampling=common_pb2.SamplingParameters(temperature=-1.0)), grpc.StatusCode.INVALID_ARGUMENT,
@@ -127,6 +151,7 @@ def test_requests_share_one_message_per_step_and_match_generate(engine: AsyncEng
     (dict(prompt_shm=engine_pb2.SharedMemoryRef(segment="nope", length=3)), grpc.StatusCode.INVALID_ARGUMENT,
      "prompt_shm"),
     (dict(prompt_token_ids=common_pb2.TokenIds(ids=[5] * 100_000)), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (dict(stream_interval=0), grpc.StatusCode.INVALID_ARGUMENT, "stream_interval"),
 ])
 def test_a_refused_request_gets_one_error_and_the_others_go_on(engine: AsyncEngine, bad: dict[str, Any],
                                                                 code: grpc.StatusCode, text: str) -> None:

@@ -306,3 +306,74 @@ def test_missing_sample_is_an_error() -> None:
     out = sched.schedule()
     with pytest.raises(ValueError, match="r"):
         sched.update_from_output(out, {})
+
+
+# ----- stream interval ---------------------------------------------------------------
+
+def _reports(sched: Scheduler, request_id: str, max_steps: int = 100,
+             sample: Callable[[Request], int] = lambda r: 10 + r.num_output_tokens,
+             ) -> list[tuple[list[int], FinishReason | None]]:
+    """(tokens, finish reason) of each output of ``request_id``, step by step; [] for a step that held back."""
+    seen: list[tuple[list[int], FinishReason | None]] = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return seen
+        _, outputs = step(sched, sample)
+        mine = [o for o in outputs if o.request_id == request_id]
+        assert len(mine) <= 1
+        seen.append((mine[0].new_token_ids, mine[0].finish_reason) if mine else ([], None))
+    raise AssertionError("the request did not finish")
+
+
+@pytest.mark.parametrize(("engine_interval", "request_interval"), [(1, 3), (3, None), (3, 2)])
+def test_stream_interval_reports_the_first_token_then_groups_then_the_rest(
+        engine_interval: int, request_interval: int | None) -> None:
+    sched = make_scheduler(stream_interval=engine_interval)
+    sched.add_request(make_request("r", 4, max_tokens=8, stream_interval=request_interval))
+    assert _reports(sched, "r") == [
+        ([10], None), ([], None), ([], None), ([11, 12, 13], None), ([], None), ([], None), ([14, 15, 16], None),
+        ([17], FinishReason.LENGTH)]
+
+
+def test_a_request_interval_raises_the_engine_interval_never_lowers_it() -> None:
+    sched = make_scheduler(stream_interval=2)
+    sched.add_request(make_request("r", 4, max_tokens=6, stream_interval=4))
+    assert [t for t, _ in _reports(sched, "r") if t] == [[10], [11, 12, 13, 14], [15]]
+    sched = make_scheduler(stream_interval=4)
+    sched.add_request(make_request("r", 4, max_tokens=6, stream_interval=2))
+    assert [t for t, _ in _reports(sched, "r") if t] == [[10], [11, 12, 13, 14], [15]]
+
+
+def test_stream_interval_flushes_held_tokens_and_logprobs_when_a_stop_token_ends_the_request() -> None:
+    sched = make_scheduler()
+    sched.add_request(make_request("r", 4, max_tokens=50, stream_interval=4, ignore_eos=False, logprobs=0))
+    script = [30, 31, 32, 33, 34, 35, EOS, 99]
+    outputs: list[EngineCoreOutput] = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        due = [s.request for s in out.scheduled if s.sample]
+        sampled = {r.request_id: [script[r.num_output_tokens]] for r in due}
+        lps = {r.request_id: [(-0.5 - r.num_output_tokens, {script[r.num_output_tokens]: -0.5})] for r in due}
+        outputs += sched.update_from_output(out, sampled, lps)
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [
+        ([30], None), ([31, 32, 33, 34], None), ([35, EOS], FinishReason.EOS)]
+    assert [lp for o in outputs for lp, _ in o.new_logprobs or []] == [-0.5, -1.5, -2.5, -3.5, -4.5, -5.5, -6.5]
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_forked_children_under_a_stream_interval_report_their_first_token_at_once() -> None:
+    sched = make_scheduler(16, block_size=4)
+    sched.add_request(make_request("p", 6, n=2, max_tokens=4, stream_interval=2))
+    tokens: dict[str, list[list[int]]] = {}
+    while sched.has_unfinished_requests():
+        for o in step(sched, lambda r: 10 * (r.index + 1) + r.num_output_tokens)[1]:
+            tokens.setdefault(o.request_id, []).append(o.new_token_ids)
+    # The fork's step samples 10 and 11 (parent, child); each then streams its own groups.
+    assert tokens == {"p": [[10], [11, 12], [13]], "p#1": [[11], [21, 22], [23]]}
+
+
+def test_stream_interval_must_be_positive() -> None:
+    with pytest.raises(InvalidRequestError, match="stream_interval"):
+        EngineConfig(stream_interval=0)
+    with pytest.raises(InvalidRequestError, match="stream_interval"):
+        SamplingParams(stream_interval=0)

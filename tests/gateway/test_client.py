@@ -35,6 +35,7 @@ def test_defaults_leave_optional_fields_unset() -> None:
     assert not req.stopping.HasField("max_tokens")
     assert not req.response.HasField("skip_special_tokens")
     assert not req.response.logprobs and req.response.top_logprobs == 0
+    assert not req.response.HasField("stream_interval")
 
 
 def test_every_parameter_is_converted() -> None:
@@ -42,7 +43,7 @@ def test_every_parameter_is_converted() -> None:
                               frequency_penalty=-1.0, repetition_penalty=1.1, logit_bias={5: -1.5}, seed=-3,
                               max_tokens=9, min_tokens=2, stop=("a", "b"), stop_token_ids=(1, 2), ignore_eos=True,
                               include_stop_str_in_output=True, skip_special_tokens=False, logprobs=True,
-                              top_logprobs=4, echo=True)
+                              top_logprobs=4, echo=True, stream_interval=5)
     req = generate_request_to_pb(Prompt(token_ids=(7, 8)), params, "r")
     assert list(req.token_ids.ids) == [7, 8] and req.n == 3
     s = req.sampling
@@ -57,6 +58,7 @@ def test_every_parameter_is_converted() -> None:
     r = req.response
     assert r.HasField("skip_special_tokens") and not r.skip_special_tokens
     assert r.logprobs and r.top_logprobs == 4 and r.echo
+    assert r.HasField("stream_interval") and r.stream_interval == 5
 
 
 def test_chat_prompt_is_converted() -> None:

@@ -33,6 +33,13 @@ def test_integral_floats_are_integers() -> None:
     assert parse_completion({"prompt": "x", "max_tokens": 16.0, "n": 2.0}, max_n=16).params.max_tokens == 16
 
 
+def test_stream_interval_in_both_endpoints() -> None:
+    assert parse_completion({"prompt": "x", "stream_interval": 8}, max_n=16).params.stream_interval == 8
+    chat = {"messages": [{"role": "user", "content": "x"}], "stream": True, "stream_interval": 3}
+    assert parse_chat(chat, max_n=16).params.stream_interval == 3
+    assert parse_completion({"prompt": "x"}, max_n=16).params.stream_interval is None
+
+
 @pytest.mark.parametrize(("top_k", "expected"), [(-1, None), (0, None), (1, 1), (50, 50)])
 def test_top_k_disabled_spellings(top_k: int, expected: int | None) -> None:
     assert parse_completion({"prompt": "x", "top_k": top_k}, max_n=16).params.top_k == expected

@@ -20,10 +20,13 @@ EMOJI_CJK = "Fun 🎉🚀 times: 你好，世界！ and 東京タワー 🌸."
 
 
 class ScriptedEngine(engine_pb2_grpc.EngineServicer):
-    """Streams a fixed list of token ids, one per message; records aborts and how ids arrived."""
+    """Streams a fixed list of token ids, ``group`` per message (one by default, as a stream interval
+    would group them); records requests, aborts and how ids arrived."""
 
     def __init__(self, script: list[int]) -> None:
         self.script = script
+        self.group = 1
+        self.requests: list[engine_pb2.EngineGenerateRequest] = []
         self.aborted: list[str] = []
         self.sent: list[int] = []
         self.cancelled = threading.Event()
@@ -40,15 +43,17 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
         return engine_pb2.AbortResponse()
 
     def Generate(self, request, context):  # noqa: N802
+        self.requests.append(request)
         self.sent = []
-        for i, tok in enumerate(self.script):
+        for i in range(0, len(self.script), self.group):
             if not context.is_active():
                 self.cancelled.set()
                 return
-            last = i == len(self.script) - 1
-            self.sent.append(tok)
+            toks = self.script[i:i + self.group]
+            last = i + self.group >= len(self.script)
+            self.sent.extend(toks)
             yield engine_pb2.EngineGenerateResponse(
-                token_ids=[tok], prompt_tokens=len(request.prompt_token_ids.ids),
+                token_ids=toks, prompt_tokens=len(request.prompt_token_ids.ids),
                 finish_reason=common_pb2.FINISH_REASON_LENGTH if last else common_pb2.FINISH_REASON_UNSPECIFIED)
             time.sleep(0.01)
 
@@ -124,3 +129,41 @@ def test_stop_string_spanning_three_tokens_is_never_leaked(fake: tuple[ScriptedE
         time.sleep(0.05)
     assert engine.aborted, "a matched stop string must abort the engine request"
     assert len(engine.sent) < len(ids)
+
+
+def test_stream_interval_goes_to_the_engine_and_a_stop_string_inside_a_group_ends_the_tokens_there(
+        fake: tuple[ScriptedEngine, str], tokenizer: Tokenizer) -> None:
+    engine, addr = fake
+    text = "The answer is forty-two, obviously. Then more text follows here and goes on."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.decode([t]) for t in ids]
+    stop = "".join(pieces[5:7])  # completes with token 6, in the middle of the group of tokens 4..7
+    assert text.count(stop) == 1
+    engine.script, engine.group = ids, 4
+    msgs = _stream(addr, stopping=generation_pb2.StoppingCriteria(stop=[stop]),
+                   response=generation_pb2.ResponseOptions(stream_interval=4, logprobs=False))
+    assert engine.requests[-1].HasField("stream_interval") and engine.requests[-1].stream_interval == 4
+    assert "".join(m.text for m in msgs) == text[: text.index(stop)]
+    # Token 7 came in the same engine message but after the stop string: not returned, not counted.
+    assert [t for m in msgs for t in m.token_ids] == ids[:7]
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_STOP_STRING
+    assert msgs[-1].usage.completion_tokens == 7
+
+
+def test_without_stream_interval_the_engine_uses_its_own(fake: tuple[ScriptedEngine, str],
+                                                          tokenizer: Tokenizer) -> None:
+    engine, addr = fake
+    engine.script = tokenizer.encode("Hello there.", add_special_tokens=False)
+    msgs = _stream(addr)
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert not engine.requests[-1].HasField("stream_interval")
+
+
+def test_stream_interval_zero_is_invalid_argument(fake: tuple[ScriptedEngine, str]) -> None:
+    engine, addr = fake
+    engine.script = [100, 101]
+    with pytest.raises(grpc.RpcError) as err:
+        _stream(addr, response=generation_pb2.ResponseOptions(stream_interval=0))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream_interval" in err.value.details()
+    assert engine.requests == []

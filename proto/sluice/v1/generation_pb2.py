@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.sluice.v1 import common_pb2 as sluice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asluice/v1/generation.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"\x9c\x01\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.sluice.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\rchat_template\x18\x03 \x01(\tH\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x10\n\x0e_chat_template\"\xda\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x12\x1a\n\rtime_limit_ms\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\r\n\x0b_max_tokensB\x10\n\x0e_time_limit_ms\"\x81\x01\n\x0fResponseOptions\x12 \n\x13skip_special_tokens\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x02 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x03 \x01(\r\x12\x0c\n\x04\x65\x63ho\x18\x04 \x01(\x08\x42\x16\n\x14_skip_special_tokens\"H\n\x0eGuidedDecodingJ\x04\x08\x01\x10\x10R\x0bjson_schemaR\x0bjson_objectR\x05regexR\x06\x63hoiceR\x07grammar\"\xee\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0f.sluice.v1.ChatH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.sluice.v1.SamplingParameters\x12-\n\x08stopping\x18\x07 \x01(\x0b\x32\x1b.sluice.v1.StoppingCriteria\x12,\n\x08response\x18\x08 \x01(\x0b\x32\x1a.sluice.v1.ResponseOptions\x12)\n\x06guided\x18\t \x01(\x0b\x32\x19.sluice.v1.GuidedDecoding\x12\x10\n\x08priority\x18\n \x01(\x05\x12\t\n\x01n\x18\x0b \x01(\rB\x07\n\x05input\"Q\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\ntext_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"\x80\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\ntext_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x15.sluice.v1.TopLogprob\"\xa8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.sluice.v1.Usage\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x15\n\rerror_message\x18\n \x01(\tB\r\n\x0bstop_reason\"\xad\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.sluice.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"_\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\ntoken_strs\x18\x04 \x03(\t\"o\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x13skip_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"H\n\x18\x41pplyChatTemplateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0f.sluice.v1.Chat\"<\n\x19\x41pplyChatTemplateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xc7\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x12\n\nmodel_path\x18\x07 \x01(\tB\x0f\n\r_bos_token_id2\x94\x03\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.sluice.v1.DetokenizeRequest\x1a\x1d.sluice.v1.DetokenizeResponse\x12^\n\x11\x41pplyChatTemplate\x12#.sluice.v1.ApplyChatTemplateRequest\x1a$.sluice.v1.ApplyChatTemplateResponse\x12O\n\x0cGetModelInfo\x12\x1e.sluice.v1.GetModelInfoRequest\x1a\x1f.sluice.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asluice/v1/generation.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"\x9c\x01\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.sluice.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\rchat_template\x18\x03 \x01(\tH\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x10\n\x0e_chat_template\"\xda\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x12\x1a\n\rtime_limit_ms\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\r\n\x0b_max_tokensB\x10\n\x0e_time_limit_ms\"\xb3\x01\n\x0fResponseOptions\x12 \n\x13skip_special_tokens\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x02 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x03 \x01(\r\x12\x0c\n\x04\x65\x63ho\x18\x04 \x01(\x08\x12\x1c\n\x0fstream_interval\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB\x12\n\x10_stream_interval\"H\n\x0eGuidedDecodingJ\x04\x08\x01\x10\x10R\x0bjson_schemaR\x0bjson_objectR\x05regexR\x06\x63hoiceR\x07grammar\"\xee\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0f.sluice.v1.ChatH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.sluice.v1.SamplingParameters\x12-\n\x08stopping\x18\x07 \x01(\x0b\x32\x1b.sluice.v1.StoppingCriteria\x12,\n\x08response\x18\x08 \x01(\x0b\x32\x1a.sluice.v1.ResponseOptions\x12)\n\x06guided\x18\t \x01(\x0b\x32\x19.sluice.v1.GuidedDecoding\x12\x10\n\x08priority\x18\n \x01(\x05\x12\t\n\x01n\x18\x0b \x01(\rB\x07\n\x05input\"Q\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\ntext_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"\x80\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\ntext_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x15.sluice.v1.TopLogprob\"\xa8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.sluice.v1.Usage\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x15\n\rerror_message\x18\n \x01(\tB\r\n\x0bstop_reason\"\xad\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.sluice.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"_\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\ntoken_strs\x18\x04 \x03(\t\"o\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x13skip_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"H\n\x18\x41pplyChatTemplateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0f.sluice.v1.Chat\"<\n\x19\x41pplyChatTemplateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xc7\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x12\n\nmodel_path\x18\x07 \x01(\tB\x0f\n\r_bos_token_id2\x94\x03\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.sluice.v1.DetokenizeRequest\x1a\x1d.sluice.v1.DetokenizeResponse\x12^\n\x11\x41pplyChatTemplate\x12#.sluice.v1.ApplyChatTemplateRequest\x1a$.sluice.v1.ApplyChatTemplateResponse\x12O\n\x0cGetModelInfo\x12\x1e.sluice.v1.GetModelInfoRequest\x1a\x1f.sluice.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,33 +39,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGCRITERIA']._serialized_start=299
   _globals['_STOPPINGCRITERIA']._serialized_end=517
   _globals['_RESPONSEOPTIONS']._serialized_start=520
-  _globals['_RESPONSEOPTIONS']._serialized_end=649
-  _globals['_GUIDEDDECODING']._serialized_start=651
-  _globals['_GUIDEDDECODING']._serialized_end=723
-  _globals['_GENERATEREQUEST']._serialized_start=726
-  _globals['_GENERATEREQUEST']._serialized_end=1092
-  _globals['_TOPLOGPROB']._serialized_start=1094
-  _globals['_TOPLOGPROB']._serialized_end=1175
-  _globals['_TOKENLOGPROB']._serialized_start=1178
-  _globals['_TOKENLOGPROB']._serialized_end=1306
-  _globals['_GENERATERESPONSE']._serialized_start=1309
-  _globals['_GENERATERESPONSE']._serialized_end=1605
-  _globals['_TOKENIZEREQUEST']._serialized_start=1608
-  _globals['_TOKENIZEREQUEST']._serialized_end=1781
-  _globals['_TOKENIZERESPONSE']._serialized_start=1783
-  _globals['_TOKENIZERESPONSE']._serialized_end=1878
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1880
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1991
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1993
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2027
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=2029
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=2101
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=2103
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=2163
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2165
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2201
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2204
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2403
-  _globals['_GENERATION']._serialized_start=2406
-  _globals['_GENERATION']._serialized_end=2810
+  _globals['_RESPONSEOPTIONS']._serialized_end=699
+  _globals['_GUIDEDDECODING']._serialized_start=701
+  _globals['_GUIDEDDECODING']._serialized_end=773
+  _globals['_GENERATEREQUEST']._serialized_start=776
+  _globals['_GENERATEREQUEST']._serialized_end=1142
+  _globals['_TOPLOGPROB']._serialized_start=1144
+  _globals['_TOPLOGPROB']._serialized_end=1225
+  _globals['_TOKENLOGPROB']._serialized_start=1228
+  _globals['_TOKENLOGPROB']._serialized_end=1356
+  _globals['_GENERATERESPONSE']._serialized_start=1359
+  _globals['_GENERATERESPONSE']._serialized_end=1655
+  _globals['_TOKENIZEREQUEST']._serialized_start=1658
+  _globals['_TOKENIZEREQUEST']._serialized_end=1831
+  _globals['_TOKENIZERESPONSE']._serialized_start=1833
+  _globals['_TOKENIZERESPONSE']._serialized_end=1928
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1930
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2041
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2043
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2077
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=2079
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=2151
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=2153
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=2213
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2215
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2251
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2254
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2453
+  _globals['_GENERATION']._serialized_start=2456
+  _globals['_GENERATION']._serialized_end=2860
 # @@protoc_insertion_point(module_scope)

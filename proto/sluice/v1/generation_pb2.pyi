@@ -46,16 +46,18 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., time_limit_ms: _Optional[int] = ...) -> None: ...
 
 class ResponseOptions(_message.Message):
-    __slots__ = ("skip_special_tokens", "logprobs", "top_logprobs", "echo")
+    __slots__ = ("skip_special_tokens", "logprobs", "top_logprobs", "echo", "stream_interval")
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     skip_special_tokens: bool
     logprobs: bool
     top_logprobs: int
     echo: bool
-    def __init__(self, skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class GuidedDecoding(_message.Message):
     __slots__ = ()
