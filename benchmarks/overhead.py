@@ -72,7 +72,10 @@ class EngineSettings:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-SIDES = ("rest", "grpc", "in-process")
+SIDES = ("rest", "rest-si", "grpc", "in-process")
+DEFAULT_SIDES = ("rest", "grpc", "in-process")
+# rest-si: the full stack again, each request asking for a stream interval (--stream-interval, default 4).
+DEFAULT_STREAM_INTERVAL = 4
 
 
 @dataclass
@@ -181,8 +184,9 @@ def rest_stack(settings: EngineSettings, log_dir: Path, timeout: float = 600) ->
 
 
 async def _rest_workload(base_url: str, model: str, prompts: list[str], output_tokens: int, concurrency: int,
-                         timeout: float) -> tuple[int, int]:
+                         timeout: float, stream_interval: int | None = None) -> tuple[int, int]:
     """Every prompt through /v1/completions, streamed, ``concurrency`` at a time; (prompt, output tokens).
+    With ``stream_interval`` each request body asks for it (vLLM's field).
 
     Each stream is drained without parsing its chunks (this client shares the cores with the stack it
     measures); the counts come from the final ``usage`` chunk (``stream_options.include_usage``)."""
@@ -197,6 +201,8 @@ async def _rest_workload(base_url: str, model: str, prompts: list[str], output_t
         async def worker() -> None:
             while queue:
                 body = target.body(RequestSpec(0, queue.pop(), 0, output_tokens))
+                if stream_interval is not None:
+                    body["stream_interval"] = stream_interval
                 tail = b""
                 async with client.post(target.url, json=body) as resp:
                     if resp.status != 200:
@@ -227,13 +233,16 @@ def _final_usage(tail: bytes) -> dict[str, int]:
 
 
 def run_rest(base_url: str, model: str, prompts: list[str], workload: Workload, round_: int, repeat: int,
-             timeout: float = 900) -> RunResult:
+             timeout: float = 900, stream_interval: int | None = None) -> RunResult:
+    """The ``rest`` side, or ``rest-si`` when the requests ask for ``stream_interval``."""
     from benchmarks.runner import run_async
 
     t0 = time.perf_counter()
     prompt_tokens, output_tokens = run_async(
-        _rest_workload(base_url, model, prompts, workload.output_tokens, workload.concurrency, timeout))
-    return RunResult("rest", round_, repeat, time.perf_counter() - t0, prompt_tokens, output_tokens)
+        _rest_workload(base_url, model, prompts, workload.output_tokens, workload.concurrency, timeout,
+                       stream_interval))
+    return RunResult("rest" if stream_interval is None else "rest-si", round_, repeat, time.perf_counter() - t0,
+                     prompt_tokens, output_tokens)
 
 
 async def _grpc_workload(addr: str, prompts: list[str], output_tokens: int, concurrency: int,
@@ -326,7 +335,8 @@ def run_in_process(llm: Any, prompts: list[str], workload: Workload, round_: int
 def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repeat: int, log_dir: Path,
                  on_result: Callable[[list[RunResult]], object] = lambda results: None,
                  crashes: list[str] | None = None, max_attempts: int = 3,
-                 sides: tuple[str, ...] = SIDES) -> list[RunResult]:
+                 sides: tuple[str, ...] = DEFAULT_SIDES,
+                 stream_interval: int = DEFAULT_STREAM_INTERVAL) -> list[RunResult]:
     """All runs; ``on_result`` sees the list after each one (so a crash later keeps what was measured).
     Engine crashes (see BENCHMARKS.md) are appended to ``crashes`` and the round's gRPC side is redone."""
     crashes = crashes if crashes is not None else []
@@ -338,10 +348,10 @@ def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repe
     results: list[RunResult] = []
 
     def measure(side: str, r: int, once: Any) -> None:
-        once(make_prompts(tokenizer, warm, f"warm {r}{side[0]}"), warm, r, -1)
+        once(make_prompts(tokenizer, warm, f"warm {r}{side}"), warm, r, -1)
         for k in range(repeat):
             # A fresh prefix per run (same length on both sides): no run is served from another's cache.
-            results.append(once(make_prompts(tokenizer, workload, f"run {r}.{k}{side[0]}"), workload, r, k))
+            results.append(once(make_prompts(tokenizer, workload, f"run {r}.{k}{side}"), workload, r, k))
             on_result(results)
             x = results[-1]
             print(f"round {r}.{k} {side:10s}: {x.output_tokens} tokens in {x.wall_s:.2f} s = "
@@ -349,9 +359,10 @@ def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repe
 
     for r in range(rounds):
         for side in sides[r % len(sides):] + sides[:r % len(sides)]:  # each side goes first in turn
-            if side == "rest":
+            if side in ("rest", "rest-si"):
+                si = stream_interval if side == "rest-si" else None
                 with rest_stack(settings, log_dir) as (base_url, model):
-                    measure(side, r, lambda p, w, r_, k: run_rest(base_url, model, p, w, r_, k))
+                    measure(side, r, lambda p, w, r_, k: run_rest(base_url, model, p, w, r_, k, stream_interval=si))
             elif side == "grpc":
                 for attempt in range(max_attempts):
                     done = len(results)
@@ -395,7 +406,7 @@ def summarize(results: list[RunResult]) -> dict[str, Any]:
             per_round.append(mine[0] / mine[1])
         out["sides"][side] = {"ratio": median[side] / median["in-process"],
                               "ratio_best": best[side] / best["in-process"], "ratio_per_round": per_round}
-    judged = "rest" if "rest" in out["sides"] else "grpc"
+    judged = next(s for s in ("rest", "grpc", "rest-si") if s in out["sides"])
     out.update(judged=judged, ratio=out["sides"][judged]["ratio"], ratio_best=out["sides"][judged]["ratio_best"],
                ratio_per_round=out["sides"][judged]["ratio_per_round"])
     out["met"] = out["ratio"] >= TARGET_RATIO
@@ -410,7 +421,8 @@ def markdown(results: list[RunResult], summary: dict[str, Any] | None) -> str:
     if summary is None:
         return "\n".join(lines + ["", "(incomplete: the benchmark stopped before every run was done)"])
     lines.append("")
-    names = {"rest": "full stack (REST)", "grpc": "gRPC (no gateway)"}
+    names = {"rest": "full stack (REST)", "rest-si": "full stack (REST), requests with stream_interval",
+             "grpc": "gRPC (no gateway)"}
     for side, r in summary["sides"].items():
         key = side.replace("-", "_")
         per_round = ", ".join(f"{v:.3f}" for v in r["ratio_per_round"])
@@ -429,10 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-tokens", type=int, default=w.input_tokens)
     p.add_argument("--output-tokens", type=int, default=w.output_tokens)
     p.add_argument("--concurrency", type=int, default=w.concurrency)
-    p.add_argument("--sides", default=",".join(SIDES),
+    p.add_argument("--sides", default=",".join(DEFAULT_SIDES),
                    help=f"comma-separated, from {', '.join(SIDES)} (in-process and at least one other)")
     p.add_argument("--rounds", type=int, default=2, help="each round runs every side, the first one rotating")
     p.add_argument("--repeat", type=int, default=2, help="measured runs per side per round")
+    p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
+                   help="the stream_interval the rest-si side's requests ask for (the target is judged on rest)")
     p.add_argument("--dtype", default=e.dtype)
     p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
@@ -456,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "benchmark": "overhead", "command": " ".join(["python -m benchmarks.overhead", *(argv or sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-        "python": platform.python_version(), "workload": asdict(workload), "engine": asdict(settings)}
+        "python": platform.python_version(), "workload": asdict(workload), "engine": asdict(settings),
+        "rest_si_stream_interval": ns.stream_interval if "rest-si" in sides else None}
 
     crashes: list[str] = []
 
@@ -469,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         return table
 
     results = run_overhead(workload, settings, ns.rounds, ns.repeat, out.parent, lambda r: write(r, False), crashes,
-                           sides=sides)
+                           sides=sides, stream_interval=ns.stream_interval)
     table = write(results, True)
     print(table)
     return 0

@@ -36,6 +36,16 @@ def test_summary_without_the_gateway_judges_grpc_and_can_fail() -> None:
         summarize([_run("grpc", 0, 90), _run("rest", 0, 100)])
 
 
+def test_stream_interval_side_is_reported_but_the_target_stays_on_rest() -> None:
+    results = [_run("rest", 0, 90), _run("rest-si", 0, 98), _run("in-process", 0, 100)]
+    s = summarize(results)
+    assert s["judged"] == "rest" and s["ratio"] == pytest.approx(0.9) and s["met"] is False
+    assert s["sides"]["rest-si"]["ratio"] == pytest.approx(0.98)
+    assert "requests with stream_interval / in-process, medians: **0.980**" in markdown(results, s)
+    only = summarize([_run("rest-si", 0, 98), _run("in-process", 0, 100)])
+    assert only["judged"] == "rest-si" and only["met"] is True
+
+
 def test_final_usage_reads_the_last_data_event() -> None:
     from benchmarks.overhead import _final_usage
 
@@ -67,6 +77,10 @@ def test_rest_side_drives_a_streaming_server_and_counts_from_usage() -> None:
                    and b["stream_options"] == {"include_usage": True} for b in behaviour.bodies)
         with pytest.raises(RuntimeError, match="HTTP 500"):
             asyncio.run(_rest_workload(server.base_url, "fake-model", ["FAIL me"], 6, 1, 30))
+        si = run_rest(server.base_url, "fake-model", ["q0", "q1"], Workload(prompts=2, output_tokens=6, concurrency=2),
+                      2, 1, timeout=30, stream_interval=4)
+        assert si.side == "rest-si" and [b["stream_interval"] for b in behaviour.bodies[5:]] == [4, 4]
+        assert all("stream_interval" not in b for b in behaviour.bodies[:5])
         behaviour.send_usage = False
         with pytest.raises(RuntimeError, match="usage"):
             asyncio.run(_rest_workload(server.base_url, "fake-model", ["p"], 6, 1, 30))
