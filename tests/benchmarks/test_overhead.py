@@ -79,8 +79,8 @@ def test_rest_side_drives_a_streaming_server_and_counts_from_usage() -> None:
             asyncio.run(_rest_workload(server.base_url, "fake-model", ["FAIL me"], 6, 1, 30))
         si = run_rest(server.base_url, "fake-model", ["q0", "q1"], Workload(prompts=2, output_tokens=6, concurrency=2),
                       2, 1, timeout=30, stream_interval=4)
-        assert si.side == "rest-si" and [b["stream_interval"] for b in behaviour.bodies[5:]] == [4, 4]
-        assert all("stream_interval" not in b for b in behaviour.bodies[:5])
+        assert si.side == "rest-si" and [b["stream_interval"] for b in behaviour.bodies[-2:]] == [4, 4]
+        assert all("stream_interval" not in b for b in behaviour.bodies[:-2])
         behaviour.send_usage = False
         with pytest.raises(RuntimeError, match="usage"):
             asyncio.run(_rest_workload(server.base_url, "fake-model", ["p"], 6, 1, 30))
