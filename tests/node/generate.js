@@ -18,7 +18,9 @@ const call = client.Generate(JSON.parse(body), new grpc.Metadata(), { deadline: 
 const texts = {};
 let finish = null;
 let usage = null;
+let messages = 0;
 call.on("data", (msg) => {
+  messages += 1;
   texts[msg.index] = (texts[msg.index] || "") + msg.text;
   usage = msg.usage;
   if (msg.finish_reason !== "FINISH_REASON_UNSPECIFIED") finish = msg.finish_reason;
@@ -28,6 +30,6 @@ call.on("error", (err) => {
   process.exit(0);
 });
 call.on("end", () => {
-  console.log(JSON.stringify({ text: texts[0] || "", finish_reason: finish, usage }));
+  console.log(JSON.stringify({ text: texts[0] || "", finish_reason: finish, usage, messages }));
   client.close();
 });

@@ -77,6 +77,21 @@ def test_python_and_node_clients_get_the_same_answer(stack: dict[str, str]) -> N
     assert result["usage"]["prompt_tokens"] == msgs[-1].usage.prompt_tokens
 
 
+def test_node_client_asks_for_a_stream_interval_and_gets_the_same_text_in_fewer_messages(
+        stack: dict[str, str]) -> None:
+    text, msgs = _collect(_gen_stub(stack["shm"]).Generate(generation_pb2.GenerateRequest(
+        text="Tell me about the sea.", **_greedy(32, ignore_eos=True))))
+    assert len(msgs) >= 30  # one token per message (a message may be empty of text, never of tokens)
+    body = {"text": "Tell me about the sea.", "sampling": {"temperature": 0.0},
+            "stopping": {"max_tokens": 32, "ignore_eos": True}, "response": {"stream_interval": 8}}
+    out = subprocess.run([shutil.which("node") or "node", str(ROOT / "tests/node/generate.js"), stack["shm"],
+                          json.dumps(body)], capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout)
+    assert result.get("error") is None, result
+    assert result["text"] == text and result["usage"]["completion_tokens"] == 32
+    assert result["messages"] <= 1 + 32 // 8  # the first token, then groups of 8 (the last one with the finish)
+
+
 def test_cancelled_stream_frees_blocks(stack: dict[str, str]) -> None:
     call = _gen_stub(stack["shm"]).Generate(generation_pb2.GenerateRequest(
         text="Tell me a long story about a dragon.", **_greedy(400, ignore_eos=True)))
