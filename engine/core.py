@@ -63,7 +63,7 @@ class EngineCore:
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = set(mc.eos_token_ids)
         self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
-        self.sampler = Sampler(mc.vocab_size, self.eos_token_ids, seed=config.seed)
+        self.sampler = Sampler(mc.vocab_size, self.eos_token_ids, seed=config.seed, argmax=self.device.row_argmax())
         num_blocks = self._num_kv_blocks()
         self.num_blocks = num_blocks
         self.runner = ModelRunner(self.model, self.device, self.sampler, num_blocks=num_blocks,

@@ -12,7 +12,7 @@ it is in and wherever it sits in it. Rows without a seed share one generator.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,25 +69,33 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
 class Sampler:
     """Turns a step's logits into tokens; holds only the shared generator(s) between steps."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int = 0,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
         self._shared_generators: dict[torch.device, torch.Generator] = {}
+        # The device's argmax over float32 rows (Device.row_argmax), when it has one faster than torch's.
+        self._row_argmax = argmax
+
+    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+        if self._row_argmax is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1:
+            return self._row_argmax(x)
+        return x.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows")
         logits = self._trim(logits)
         if all(_is_plain_greedy(row) for row in rows):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            return SamplerOutput(self._argmax(logits).tolist(), [None] * len(rows))
 
         processed = self.process_logits(logits, rows)
         sampled = [i for i, row in enumerate(rows) if not is_greedy(row.params)]
         if len(sampled) == len(rows):
             token_ids = self._sample(processed, rows)
         else:
-            token_ids = processed.argmax(dim=-1)
+            token_ids = self._argmax(processed)
             if sampled:
                 index = torch.tensor(sampled, device=logits.device)
                 chosen = self._sample(processed.index_select(0, index), [rows[i] for i in sampled])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,6 +76,10 @@ class Device(ABC):
     def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """Rewrite a loaded model's weights into this device's fastest layout (default: leave them)."""
 
+    def row_argmax(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A faster ``torch.argmax(x, -1)`` for float32 logits on this device, or None (use torch's)."""
+        return None
+
 
 class _NullStream:
     """Stands in for a stream on CPU: work runs in issue order on the calling thread."""
@@ -119,3 +123,8 @@ class CpuDevice(Device):
         from engine.kernels import prepare_cpu_model
 
         prepare_cpu_model(model, dtype)
+
+    def row_argmax(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        from engine.kernels import cpu_argmax_rows
+
+        return cpu_argmax_rows()

@@ -83,7 +83,7 @@ def _build(name: str, cflags: list[str]) -> Any:
 @functools.cache
 def cpu_ops() -> Any | None:
     """The compiled ``cpu_ops.cpp`` + ``quant_linear.cpp`` extension (``paged_decode_attention``, ``rms_norm``,
-    ``add_rms_norm``, ``silu_and_mul``, ``rotary_``, ``quant_linear``), or None when CPU kernels are turned
+    ``add_rms_norm``, ``silu_and_mul``, ``rotary_``, ``argmax_rows``, ``quant_linear``), or None when CPU kernels are turned
     off or it cannot be built."""
     if not cpu_kernels_enabled():
         return None
@@ -103,6 +103,12 @@ def portable_cpu_ops() -> Any:
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags += ["-march=x86-64", "-mno-avx2", "-mno-fma"]
     return _build("sluice_cpu_ops_portable", flags)
+
+
+def cpu_argmax_rows() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``argmax_rows(x)`` from ``cpu_ops``: ``torch.argmax(x, -1)`` of float32 rows, vectorised; or None."""
+    ops = cpu_ops()
+    return None if ops is None else ops.argmax_rows
 
 
 def cpu_paged_decode_attention() -> PagedDecodeAttention | None:

@@ -451,6 +451,100 @@ void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tens
   });
 }
 
+// Index of the largest value of each row of x [N, V] (float32, rows may be strided, e.g. logits trimmed to
+// the vocabulary): torch.argmax(x, -1)'s answer, the first maximum, and the first NaN in a row that has one.
+// torch's CPU argmax compares one element at a time (4.7 ms for 128 x 49152 logits here, against 0.5 ms for
+// a sum over them); this is a vector compare-and-blend over 4 x 8 lanes, rows split across threads.
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "argmax_rows: float32 [N, V] with contiguous rows");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  TORCH_CHECK(n > 0 && n < (int64_t{1} << 31), "argmax_rows: rows of 1 to 2^31 - 1 values");
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  const float* src = x.data_ptr<float>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = src + r * stride;
+      int64_t best = 0;
+      float best_v = row[0];
+      int64_t i = 0;
+      bool nan = false;
+#ifdef SLUICE_AVX2
+      if (n >= 32) {
+        // Four independent (max, index) pairs, each over every fourth vector; a strict > keeps the first
+        // index of a maximum within a lane, the lanes are merged by (value, lowest index) below.
+        __m256 m0 = _mm256_loadu_ps(row), m1 = _mm256_loadu_ps(row + 8);
+        __m256 m2 = _mm256_loadu_ps(row + 16), m3 = _mm256_loadu_ps(row + 24);
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256i i0 = lane, i1 = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
+        __m256i i2 = _mm256_add_epi32(lane, _mm256_set1_epi32(16)), i3 = _mm256_add_epi32(lane, _mm256_set1_epi32(24));
+        __m256 unord = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(m0, m0, _CMP_UNORD_Q), _mm256_cmp_ps(m1, m1, _CMP_UNORD_Q)),
+                                    _mm256_or_ps(_mm256_cmp_ps(m2, m2, _CMP_UNORD_Q), _mm256_cmp_ps(m3, m3, _CMP_UNORD_Q)));
+        for (i = 32; i + 32 <= n; i += 32) {
+          const __m256i base = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int32_t>(i)));
+          const __m256 v0 = _mm256_loadu_ps(row + i), v1 = _mm256_loadu_ps(row + i + 8);
+          const __m256 v2 = _mm256_loadu_ps(row + i + 16), v3 = _mm256_loadu_ps(row + i + 24);
+          const __m256 g0 = _mm256_cmp_ps(v0, m0, _CMP_GT_OQ), g1 = _mm256_cmp_ps(v1, m1, _CMP_GT_OQ);
+          const __m256 g2 = _mm256_cmp_ps(v2, m2, _CMP_GT_OQ), g3 = _mm256_cmp_ps(v3, m3, _CMP_GT_OQ);
+          m0 = _mm256_blendv_ps(m0, v0, g0);
+          m1 = _mm256_blendv_ps(m1, v1, g1);
+          m2 = _mm256_blendv_ps(m2, v2, g2);
+          m3 = _mm256_blendv_ps(m3, v3, g3);
+          i0 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i0), _mm256_castsi256_ps(base), g0));
+          i1 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i1),
+                                                    _mm256_castsi256_ps(_mm256_add_epi32(base, _mm256_set1_epi32(8))), g1));
+          i2 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i2),
+                                                    _mm256_castsi256_ps(_mm256_add_epi32(base, _mm256_set1_epi32(16))), g2));
+          i3 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i3),
+                                                    _mm256_castsi256_ps(_mm256_add_epi32(base, _mm256_set1_epi32(24))), g3));
+          unord = _mm256_or_ps(unord, _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q),
+                                                                  _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)),
+                                                     _mm256_or_ps(_mm256_cmp_ps(v2, v2, _CMP_UNORD_Q),
+                                                                  _mm256_cmp_ps(v3, v3, _CMP_UNORD_Q))));
+        }
+        nan = _mm256_movemask_ps(unord) != 0;
+        float vals[32];
+        int32_t idx[32];
+        _mm256_storeu_ps(vals, m0);
+        _mm256_storeu_ps(vals + 8, m1);
+        _mm256_storeu_ps(vals + 16, m2);
+        _mm256_storeu_ps(vals + 24, m3);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx), i0);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + 8), i1);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + 16), i2);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + 24), i3);
+        best_v = vals[0];
+        best = idx[0];
+        for (int k = 1; k < 32; ++k) {
+          if (vals[k] > best_v || (vals[k] == best_v && idx[k] < best)) {
+            best_v = vals[k];
+            best = idx[k];
+          }
+        }
+      }
+#endif
+      for (; i < n; ++i) {
+        if (row[i] != row[i]) nan = true;
+        if (row[i] > best_v) {
+          best_v = row[i];
+          best = i;
+        }
+      }
+      if (nan || best_v != best_v) {  // torch counts NaN as the maximum: the first NaN wins
+        for (int64_t k = 0; k < n; ++k) {
+          if (row[k] != row[k]) {
+            best = k;
+            break;
+          }
+        }
+      }
+      dst[r] = best;
+    }
+  });
+  return out;
+}
+
 // quant_linear.cpp
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            const torch::Tensor& mins, const std::string& format);
@@ -465,6 +559,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, release(), "residual += x in place, then RMSNorm(residual) (float32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, release(), "silu(gate) * up of a [T, 2I] gate|up tensor (float32, CPU)");
   m.def("rotary_", &rotary_, release(), "GPT-NeoX rotary embedding in place (float32, CPU)");
+  m.def("argmax_rows", &argmax_rows, release(), "torch.argmax(x, -1) of float32 [N, V] rows (CPU)");
   m.def("quant_linear", &quant_linear, release(),
         "x @ dequant(W).T over llama.cpp-style block-quantized weights ('u4': Q4_0/Q4_1, 's8': Q8_0), float32 CPU");
 }

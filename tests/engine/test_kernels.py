@@ -90,3 +90,49 @@ def test_bad_inputs_raise_instead_of_crashing(ops: Any) -> None:
     cos = torch.zeros(8, 2)
     with pytest.raises(RuntimeError, match="position out of range"):
         ops.rotary_(torch.zeros(1, 1, 4), torch.tensor([8]), cos, cos)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 1), (3, 7), (4, 31), (5, 32), (6, 33), (9, 100), (128, 49152)])
+def test_argmax_rows_matches_torch(ops: Any, rows: int, width: int) -> None:
+    x = torch.randn(rows, width, generator=_gen(width)) * 5
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+    # rows may be strided (logits trimmed to the vocabulary)
+    wide = torch.randn(rows, width + 5, generator=_gen(width + 1))
+    assert torch.equal(ops.argmax_rows(wide[:, :width]), wide[:, :width].argmax(dim=-1))
+
+
+def test_argmax_rows_ties_nan_and_infinities_as_torch(ops: Any) -> None:
+    width = 200
+    x = torch.zeros(8, width)
+    x[0, [5, 77, 150]] = 3.0                         # a tie: the first index wins, in any vector lane
+    x[1, [40, 8]] = 2.0                              # lanes 0 of different vectors
+    x[2, [199, 197]] = 1.0                           # in the scalar tail
+    x[3] = float("-inf")                             # every value -inf: index 0
+    x[4, 120] = float("inf")
+    x[4, 130] = float("nan")                         # NaN counts as the maximum
+    x[5, [60, 9]] = float("nan")                     # the first NaN
+    x[6, 0] = float("nan")                           # at index 0
+    x[7, [33, 34]] = float("inf")
+    expected = x.argmax(dim=-1)
+    assert expected.tolist() == [5, 8, 197, 0, 130, 9, 0, 33]
+    assert torch.equal(ops.argmax_rows(x), expected)
+
+
+def test_sampler_greedy_rows_use_the_device_argmax() -> None:
+    from engine.kernels import cpu_argmax_rows
+    from engine.sampler import Sampler, SamplingRow
+    from engine.sampling_params import SamplingParams
+
+    calls: list[tuple[int, ...]] = []
+    kernel = cpu_argmax_rows()
+    assert kernel is not None
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return kernel(x)
+
+    logits = torch.randn(3, 50, generator=_gen(9))
+    greedy = SamplingParams(temperature=0.0)
+    rows = [SamplingRow(greedy, [1, 2], [], None) for _ in range(3)]
+    out = Sampler(40, {2}, argmax=counted)(logits, rows)   # the vocabulary trims the 10 padding columns
+    assert out.token_ids == logits[:, :40].argmax(dim=-1).tolist() and calls == [(3, 40)]
