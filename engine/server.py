@@ -93,7 +93,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
 
-    def _prompt(self, request: engine_pb2.EngineGenerateRequest) -> tuple[np.ndarray, int | None]:
+    def read_prompt(self, request: engine_pb2.EngineGenerateRequest) -> tuple[np.ndarray, int | None]:
         """The prompt ids of a request, and the shared-memory slot to acknowledge when they came that way."""
         if not request.request_id:
             raise InvalidRequestError("request_id", "is required")
@@ -123,7 +123,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Generate(self, request: engine_pb2.EngineGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
         engine = self.engine
-        prompt, released_slot = self._prompt(request)
+        prompt, released_slot = self.read_prompt(request)
         params = sampling_params_from_pb(request)
         first = True
         async for out in engine.generate(request.request_id, prompt, params, priority=request.priority):
@@ -215,7 +215,7 @@ class _StreamCall:
         try:
             if rid in self._live:
                 raise InvalidRequestError("request_id", f"request {rid!r} is already running")
-            prompt, released_slot = self._servicer._prompt(request)  # noqa: SLF001 — same servicer's helper
+            prompt, released_slot = self._servicer.read_prompt(request)
             params = sampling_params_from_pb(request)
             done = self._engine.submit(rid, prompt, params, self, priority=request.priority)
         except Exception as e:  # noqa: BLE001 — refused: the error entry is its terminal event
