@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", type=_csv, default=("127.0.0.1:50061",), metavar="ADDR[,ADDR...]",
                    help="tokenizer services' gRPC addresses, balanced round-robin (or one dns:/// target)")
+    p.add_argument("--tokenizer-mux", action=argparse.BooleanOptionalAction, default=False,
+                   help="multiplex requests on one GenerateStream per tokenizer address (one message per engine "
+                        "step for all of its requests) instead of a Generate call each; for listed host:port "
+                        "addresses, not a dns:/// name balanced over several services (default: off; "
+                        "`sluice serve` turns it on)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=None,
@@ -56,6 +61,7 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
     keys = ns.api_key if ns.api_key else ([environ["SLUICE_API_KEY"]] if environ.get("SLUICE_API_KEY") else [])
     return GatewaySettings(
         tokenizer_addresses=tuple(ns.tokenizer),
+        tokenizer_mux=ns.tokenizer_mux,
         host=ns.host,
         port=ns.port,
         api_keys=tuple(keys),

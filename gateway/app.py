@@ -47,7 +47,7 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
             return
         from gateway.client import GrpcBackend
 
-        grpc_backend = GrpcBackend.connect(settings.tokenizer_addresses)
+        grpc_backend = GrpcBackend.connect(settings.tokenizer_addresses, mux=settings.tokenizer_mux)
         app.state.gateway = _state(settings, grpc_backend, metrics)
         try:
             yield

@@ -4,13 +4,21 @@ The only module of the gateway that touches protobuf messages: it converts the
 gateway's types (``gateway/backend.py``) to requests and responses back, and gRPC
 status codes to :class:`BackendError`. One ``grpc.aio`` channel balances calls
 over every tokenizer service with gRPC's own ``round_robin`` policy.
+
+Generation is a ``Generate`` call per request, or, with ``mux`` (``--tokenizer-mux``,
+what ``sluice serve`` uses), requests multiplexed on one ``GenerateStream`` per
+tokenizer address: the deltas of one engine step then arrive as one message for
+all of that tokenizer's requests instead of one message per request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
+import math
 import socket
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -134,21 +142,170 @@ class GrpcGenerateCall:
         self._call.cancel()
 
 
-class GrpcBackend:
-    """:class:`gateway.backend.Backend` over one ``grpc.aio`` channel."""
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+
+def _status_error(item: generation_pb2.GenerateStreamItem) -> BackendError:
+    """What ends a GenerateStream request with a status other than OK, as :func:`to_backend_error`."""
+    code = _STATUS_BY_NUMBER.get(item.status_code, grpc.StatusCode.UNKNOWN)
+    return BackendError(_CODES.get(code, BackendErrorKind.INTERNAL), item.status_message,
+                        item.retry_after_seconds or None)
+
+
+class MuxGenerateCall:
+    """One request on a :class:`GenerateStream`; ``cancel()`` sends the stream a cancel for it."""
+
+    def __init__(self, stream: GenerateStream, id_: int, timeout: float | None) -> None:
+        self._stream = stream
+        self._id = id_
+        self._items: deque[generation_pb2.GenerateStreamItem | BackendError] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._deadline = asyncio.get_running_loop().time() + timeout if timeout is not None else None
+
+    def deliver(self, item: generation_pb2.GenerateStreamItem | BackendError) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._items:
+                self._waiter = waiter = loop.create_future()
+                expired: list[bool] = []
+
+                def expire(waiter: asyncio.Future[None] = waiter) -> None:
+                    expired.append(True)
+                    waiter.cancel()
+
+                timer = loop.call_at(self._deadline, expire) if self._deadline is not None else None
+                try:
+                    await waiter
+                except asyncio.CancelledError:
+                    if not expired:
+                        raise  # our task was cancelled, not the deadline
+                    self.cancel()
+                    raise BackendError(BackendErrorKind.DEADLINE_EXCEEDED, "deadline exceeded") from None
+                finally:
+                    self._waiter = None
+                    if timer is not None:
+                        timer.cancel()
+                continue
+            item = self._items.popleft()
+            if isinstance(item, BackendError):
+                raise item
+            if item.HasField("response"):
+                yield delta_from_pb(item.response)
+            if item.end:
+                if item.status_code != grpc.StatusCode.OK.value[0]:
+                    raise _status_error(item)
+                return
+
+    def cancel(self) -> None:
+        self._stream.cancel(self._id)
+
+
+class GenerateStream:
+    """Requests multiplexed on ``GenerateStream`` calls to one tokenizer service: one call at a time,
+    opened on the first request and again after it ends (a failed call fails the requests it carried,
+    as their own ``Generate`` calls would have failed)."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationStub) -> None:
+        self._stub = stub
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._outbox: asyncio.Queue[generation_pb2.GenerateStreamRequest] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._open: dict[int, MuxGenerateCall] = {}
+        self._next_id = 0
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._open)
+
+    def start(self, req: generation_pb2.GenerateRequest, timeout: float | None) -> MuxGenerateCall:
+        if self._call is None or self._outbox is None:
+            self._connect()
+        assert self._outbox is not None
+        self._next_id += 1
+        call = MuxGenerateCall(self, self._next_id, timeout)
+        self._open[self._next_id] = call
+        msg = generation_pb2.GenerateStreamRequest(id=self._next_id, generate=req)
+        if timeout is not None:
+            msg.timeout_ms = max(1, math.ceil(timeout * 1000))
+        self._outbox.put_nowait(msg)
+        return call
+
+    def cancel(self, id_: int) -> None:
+        if self._open.pop(id_, None) is not None and self._outbox is not None:
+            self._outbox.put_nowait(generation_pb2.GenerateStreamRequest(id=id_, cancel=True))
+
+    def _connect(self) -> None:
+        outbox: asyncio.Queue[generation_pb2.GenerateStreamRequest] = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[generation_pb2.GenerateStreamRequest]:
+            while True:
+                yield await outbox.get()
+
+        self._outbox = outbox
+        self._call = call = self._stub.GenerateStream(requests())
+        self._reader = asyncio.ensure_future(self._read(call))
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        err = BackendError(BackendErrorKind.UNAVAILABLE, "the tokenizer service ended the stream")
+        try:
+            async for message in call:
+                for item in message.items:
+                    target = self._open.pop(item.id, None) if item.end else self._open.get(item.id)
+                    if target is not None:  # else cancelled here already
+                        target.deliver(item)
+        except grpc.aio.AioRpcError as e:
+            err = to_backend_error(e)
+        except asyncio.CancelledError:
+            err = BackendError(BackendErrorKind.UNAVAILABLE, "the gateway is shutting down")
+        finally:
+            if self._call is call:  # the next request opens a new call
+                self._call = self._outbox = None
+            stranded, self._open = self._open, {}
+            for target in stranded.values():
+                target.deliver(err)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class GrpcBackend:
+    """:class:`gateway.backend.Backend` over one ``grpc.aio`` channel (and, with ``mux``, one
+    ``GenerateStream`` per tokenizer address on channels of their own)."""
+
+    def __init__(self, channel: grpc.aio.Channel, mux_channels: Sequence[grpc.aio.Channel] = ()) -> None:
         self._channel = channel
         self._stub = generation_pb2_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
         self._health = health_pb2_grpc.HealthStub(channel)
+        self._mux_channels = list(mux_channels)
+        self._streams = [GenerateStream(generation_pb2_grpc.GenerationStub(c))  # type: ignore[no-untyped-call]
+                         for c in self._mux_channels]
+        self._turn = -1
 
     @classmethod
-    def connect(cls, addresses: Sequence[str]) -> GrpcBackend:
-        return cls(grpc.aio.insecure_channel(grpc_target(addresses), options=channel_options()))
+    def connect(cls, addresses: Sequence[str], *, mux: bool = False) -> GrpcBackend:
+        channel = grpc.aio.insecure_channel(grpc_target(addresses), options=channel_options())
+        if not mux:
+            return cls(channel)
+        # One channel per address, so each stream goes to its own tokenizer service.
+        addrs = [a.strip() for a in addresses if a.strip()]
+        return cls(channel, [grpc.aio.insecure_channel(grpc_target([a]), options=channel_options()) for a in addrs])
 
     def generate(self, prompt: Prompt, params: GenerationParams, *, request_id: str,
-                 timeout: float | None) -> GrpcGenerateCall:
+                 timeout: float | None) -> GrpcGenerateCall | MuxGenerateCall:
         req = generate_request_to_pb(prompt, params, request_id)
+        if self._streams:  # the tokenizer with the fewest open requests; ties taken in turn
+            self._turn = (self._turn + 1) % len(self._streams)
+            turn = self._streams[self._turn:] + self._streams[:self._turn]
+            return min(turn, key=lambda s: s.open_requests).start(req, timeout)
         return GrpcGenerateCall(self._stub.Generate(req, timeout=timeout, metadata=_metadata(request_id)))
 
     async def tokenize(self, prompt: Prompt, *, add_special_tokens: bool | None, return_token_strs: bool,
@@ -203,6 +360,10 @@ class GrpcBackend:
         return True
 
     async def close(self) -> None:
+        for stream in self._streams:
+            await stream.close()
+        for channel in self._mux_channels:
+            await channel.close()
         await self._channel.close()
 
 

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 class GatewaySettings:
     # Tokenizer services' gRPC addresses (host:port, or one full gRPC target).
     tokenizer_addresses: tuple[str, ...] = ("127.0.0.1:50061",)
+    # Multiplex generation on one GenerateStream per tokenizer address (one message per engine step
+    # for all of a tokenizer's requests) instead of a Generate call per request. For listed
+    # addresses: a dns:/// name with several backends behind it gets one stream, to one of them.
+    tokenizer_mux: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
     # Bearer keys accepted; empty: no authentication.

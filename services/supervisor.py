@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--keepalive-interval", type=float, default=5.0, help="seconds between SSE keep-alive comments")
     p.add_argument("--request-timeout", type=float, default=None, help="gateway deadline per request, seconds")
+    p.add_argument("--tokenizer-mux", action=argparse.BooleanOptionalAction, default=True,
+                   help="gateways multiplex requests on one GenerateStream per tokenizer service (one message per "
+                        "engine step for all of its requests); --no-tokenizer-mux: a Generate call per request")
     p.add_argument("--log-level", default="info")
     add_engine_args(p)
     return p
@@ -180,6 +183,8 @@ class Supervisor:
                     "--keepalive-interval", str(ns.keepalive_interval), "--log-level", ns.log_level]
             if ns.request_timeout is not None:
                 argv += ["--request-timeout", str(ns.request_timeout)]
+            if ns.tokenizer_mux:
+                argv.append("--tokenizer-mux")
             if ns.allowed_origins:
                 argv += ["--allowed-origins", ns.allowed_origins]
             self.gateways.append(Child(f"gateway-{i}", argv,

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 from engine.errors import InvalidRequestError
+from engine.grpc_errors import status_for
 from engine.text import IncrementalDetokenizer, Tokenizer
 from proto.shm import ShmRing
 from services.tokenizer.engine_stream import EngineStream
@@ -138,6 +139,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = request.request_id or _metadata(context, "x-request-id") or f"gen-{uuid.uuid4().hex}"
         await context.send_initial_metadata((("x-request-id", request_id),))
+        async for out in self.generate(request, request_id, timeout=context.time_remaining()):
+            yield out
+
+    async def GenerateStream(self, request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],
+                             context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        async for message in _Multiplexer(self).run(request_iterator):
+            yield message
+
+    async def generate(self, request: generation_pb2.GenerateRequest, request_id: str, *, timeout: float | None
+                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """One request's deltas, for ``Generate`` and ``GenerateStream`` alike; errors raise (typed, or the
+        engine call's ``AioRpcError``). ``timeout``: seconds left of the caller's deadline, for the engine call."""
         self._check_model(request.model)
         info = await self.engine_info()
         prompt_ids = self._prompt_ids(request)
@@ -164,7 +178,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         engine_req, handoff = await self._engine_request(request, request_id, prompt_ids, n, source=source)
         time_limit = request.stopping.time_limit_ms / 1000 if request.stopping.HasField("time_limit_ms") else None
         deadline = time.monotonic() + time_limit if time_limit else None
-        timeout = context.time_remaining()
         call = self.engine_stream.generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
         try:
             async for msg in _with_deadline(call, deadline):
@@ -364,6 +377,109 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if info.bos_token_id is not None:
             resp.bos_token_id = info.bos_token_id
         return resp
+
+
+class _Multiplexer:
+    """One ``GenerateStream`` call: a task per open request, whose items go out batched.
+
+    Every item produced while the writer was busy or asleep goes into the next message: the
+    engine's output for one step reaches every request's task in one turn of the event loop,
+    so a step's deltas for all of the stream's requests leave as one message.
+    """
+
+    def __init__(self, servicer: GenerationServicer) -> None:
+        self._servicer = servicer
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._cancelled: set[int] = set()  # by the client: end with CANCELLED
+        self._expired: set[int] = set()  # past their deadline: end with DEADLINE_EXCEEDED
+        self._items: list[generation_pb2.GenerateStreamItem] = []
+        self._ready = asyncio.Event()
+        self._reading = True
+        self._error: Exception | None = None
+
+    async def run(self, requests: AsyncIterator[generation_pb2.GenerateStreamRequest]
+                  ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        reader = asyncio.ensure_future(self._read(requests))
+        try:
+            while True:
+                while not self._items:
+                    if self._error is not None:
+                        raise self._error
+                    if not self._reading and not self._tasks:
+                        return
+                    self._ready.clear()
+                    await self._ready.wait()
+                items, self._items = self._items, []
+                yield generation_pb2.GenerateStreamResponse(items=items)
+        finally:
+            # The stream is over (half-closed and drained, failed, or cancelled): abort what is still open.
+            reader.cancel()
+            open_tasks = list(self._tasks.values())
+            for task in open_tasks:
+                task.cancel()
+            await asyncio.gather(reader, *open_tasks, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[generation_pb2.GenerateStreamRequest]) -> None:
+        try:
+            async for req in requests:
+                action = req.WhichOneof("action")
+                if action == "generate":
+                    if req.id in self._tasks:
+                        raise InvalidRequestError("id", f"request {req.id} is still open on this stream")
+                    timeout = req.timeout_ms / 1000 if req.timeout_ms else None
+                    self._tasks[req.id] = asyncio.ensure_future(self._request(req.id, req.generate, timeout))
+                elif action == "cancel":
+                    task = self._tasks.get(req.id)
+                    if task is not None and req.id not in self._cancelled:
+                        self._cancelled.add(req.id)
+                        task.cancel()
+                else:
+                    raise InvalidRequestError("action", "each message needs `generate` or `cancel`")
+        except Exception as e:  # noqa: BLE001 — ends the stream with its status (see run)
+            self._error = e
+        finally:
+            self._reading = False
+            self._ready.set()
+
+    def _expire(self, id_: int) -> None:
+        task = self._tasks.get(id_)
+        if task is not None and id_ not in self._cancelled:
+            self._expired.add(id_)
+            task.cancel()
+
+    async def _request(self, id_: int, request: generation_pb2.GenerateRequest, timeout: float | None) -> None:
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        timer = asyncio.get_running_loop().call_later(timeout, self._expire, id_) if timeout else None
+        code, message = grpc.StatusCode.OK, ""
+        try:
+            async for out in self._servicer.generate(request, request_id, timeout=timeout):
+                self._items.append(generation_pb2.GenerateStreamItem(id=id_, response=out))
+                self._ready.set()
+        except asyncio.CancelledError:
+            if id_ in self._expired:
+                code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+            elif id_ in self._cancelled:
+                code, message = grpc.StatusCode.CANCELLED, "cancelled by the client"
+            else:
+                raise  # the whole stream is going away
+        except Exception as e:  # noqa: BLE001 — the request's own status, as its Generate call would end
+            code, message = status_for(e)
+            if code is grpc.StatusCode.INTERNAL:
+                logger.exception("unexpected error in GenerateStream request %s", request_id, exc_info=e)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            del self._tasks[id_]
+            self._cancelled.discard(id_)
+            self._expired.discard(id_)
+        last = self._items[-1] if self._items else None
+        if last is None or last.id != id_ or last.end:
+            last = generation_pb2.GenerateStreamItem(id=id_)
+            self._items.append(last)
+        last.end = True
+        last.status_code = code.value[0]
+        last.status_message = message
+        self._ready.set()
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:

@@ -72,8 +72,14 @@ async def fake_server() -> AsyncIterator[FakeServer]:
     await fake.server.stop(0)
 
 
+@pytest.fixture(params=[False, True], ids=["calls", "mux"])
+def tokenizer_mux(request: pytest.FixtureRequest) -> bool:
+    """Every gateway test runs both ways: a Generate call per request, and multiplexed on GenerateStream."""
+    return bool(request.param)
+
+
 @pytest.fixture
-def make_gateway(fake_server: FakeServer) -> GatewayFactory:
+def make_gateway(fake_server: FakeServer, tokenizer_mux: bool) -> GatewayFactory:
     """``async with make_gateway(**settings) as gw`` — a gateway in front of the fake server."""
 
     @contextlib.asynccontextmanager
@@ -82,10 +88,10 @@ def make_gateway(fake_server: FakeServer) -> GatewayFactory:
         responses only); ``live=True`` serves it with uvicorn on a socket, for timing,
         incremental streaming and disconnects."""
         values: dict[str, Any] = {"tokenizer_addresses": (fake_server.address,), "served_model_names": (SERVED,),
-                                  "keepalive_interval": 0.2}
+                                  "keepalive_interval": 0.2, "tokenizer_mux": tokenizer_mux}
         values.update(overrides)
         settings = GatewaySettings(**values)
-        backend = GrpcBackend.connect(settings.tokenizer_addresses)
+        backend = GrpcBackend.connect(settings.tokenizer_addresses, mux=settings.tokenizer_mux)
         metrics = GatewayMetrics()
         app = create_app(settings, backend, metrics)
         try:

@@ -8,10 +8,12 @@ What it does is chosen by the prompt (the text, or the last chat message):
   * ``midfail:CODE`` — sends one message, then fails the call with that status;
   * ``gap:SECONDS`` — waits between messages;
   * ``fail`` — ends choice 0 with FINISH_REASON_ERROR;
+  * ``streamfail:CODE`` — on a GenerateStream, fails the whole stream with that status;
   * anything else — each of the n sequences generates "Hel", "lo", " world"
     (token ids 10, 11, 12), interleaved, then ends: LENGTH when max_tokens cut
     it, STOP_STRING with the first stop string if any were given, else EOS.
 Prompt tokens: the number of words of the text, or of token ids.
+``GenerateStream`` runs the same behaviours per request, multiplexed.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     request_ids: list[str] = field(default_factory=list)  # x-request-id metadata of each call
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    stream_messages: int = 0  # GenerateStream messages sent
+    stream_requests: list[generation_pb2.GenerateStreamRequest] = field(default_factory=list)
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         self.generate_requests.append(request)
@@ -105,6 +109,69 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
             if gap:
                 await asyncio.sleep(gap)
 
+    async def GenerateStream(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        """The same behaviours, multiplexed: a task per request, items batched as they queue up."""
+        out: asyncio.Queue[generation_pb2.GenerateStreamItem | None] = asyncio.Queue()
+        tasks: dict[int, asyncio.Task[None]] = {}
+        cancelled: set[int] = set()
+
+        async def run(id_: int, request: generation_pb2.GenerateRequest) -> None:
+            self.generate_requests.append(request)
+            self.request_ids.append(request.request_id)
+            code, details, retry_after = grpc.StatusCode.OK, "", 0
+            try:
+                async for msg in self._generate(request, command_of(request), _RequestContext()):
+                    out.put_nowait(generation_pb2.GenerateStreamItem(id=id_, response=msg))
+            except _Aborted as e:
+                code, details, retry_after = e.code, e.details, e.retry_after
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                if id_ not in cancelled:
+                    raise
+                code, details = grpc.StatusCode.CANCELLED, "cancelled"
+            else:
+                self.finished.set()
+            del tasks[id_]
+            out.put_nowait(generation_pb2.GenerateStreamItem(id=id_, end=True, status_code=code.value[0],
+                                                             status_message=details,
+                                                             retry_after_seconds=retry_after))
+
+        async def read() -> None:
+            async for r in request_iterator:
+                self.stream_requests.append(r)
+                if r.WhichOneof("action") == "generate" and command_of(r.generate).startswith("streamfail:"):
+                    out.put_nowait(generation_pb2.GenerateStreamItem(id=r.id, status_message=command_of(r.generate)))
+                elif r.WhichOneof("action") == "generate":
+                    tasks[r.id] = asyncio.create_task(run(r.id, r.generate))
+                elif r.cancel and r.id in tasks:
+                    cancelled.add(r.id)
+                    tasks[r.id].cancel()
+            out.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        half_closed = False
+        try:
+            while not (half_closed and not tasks and out.empty()):
+                items = []
+                item = await out.get()
+                while True:
+                    if item is None:
+                        half_closed = True
+                    elif item.status_message.startswith("streamfail:"):
+                        await context.abort(grpc.StatusCode[item.status_message.split(":")[1]], "stream failed")
+                    else:
+                        items.append(item)
+                    if out.empty():
+                        break
+                    item = out.get_nowait()
+                if items:
+                    self.stream_messages += 1
+                    yield generation_pb2.GenerateStreamResponse(items=items)
+        finally:
+            reader.cancel()
+            for task in list(tasks.values()):
+                task.cancel()
+
     async def Tokenize(self, request, context):  # type: ignore[no-untyped-def]
         self.unary_requests.append(request)
         if request.HasField("chat"):
@@ -122,6 +189,21 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
         self.unary_requests.append(request)
         return generation_pb2.GetModelInfoResponse(model_name=MODEL_NAME, max_model_len=2048, vocab_size=1000)
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after: int) -> None:
+        super().__init__(details)
+        self.code, self.details, self.retry_after = code, details, retry_after
+
+
+class _RequestContext:
+    """What ``_generate`` needs of a context, for one request of a GenerateStream: an abort that ends
+    the request with its status instead of the whole call (a retry-after trailer goes in the item)."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        raise _Aborted(code, details, int(dict(trailing_metadata).get("retry-after", 0)))
 
 
 def _finish(msg: generation_pb2.GenerateResponse, request: generation_pb2.GenerateRequest,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.backend import ChatTurn, FinishReason, GenerationParams, Prompt, Usage
@@ -117,8 +119,10 @@ pytest_anyio = pytest.mark.anyio
     ("INTERNAL", BackendErrorKind.INTERNAL),
     ("PERMISSION_DENIED", BackendErrorKind.INTERNAL),
 ])
-async def test_status_codes_become_backend_errors(fake_server: FakeServer, code: str, kind: BackendErrorKind) -> None:
-    backend = GrpcBackend.connect([fake_server.address])
+@pytest.mark.parametrize("mux", [False, True], ids=["call", "mux"])
+async def test_status_codes_become_backend_errors(fake_server: FakeServer, code: str, kind: BackendErrorKind,
+                                                  mux: bool) -> None:
+    backend = GrpcBackend.connect([fake_server.address], mux=mux)
     try:
         call = backend.generate(Prompt(text=f"abort:{code}:why"), GenerationParams(), request_id="r1", timeout=5)
         with pytest.raises(BackendError) as info:
@@ -149,8 +153,9 @@ async def test_round_robin_over_every_address() -> None:
 
 
 @pytest_anyio
-async def test_cancel_reaches_the_server(fake_server: FakeServer) -> None:
-    backend = GrpcBackend.connect([fake_server.address])
+@pytest.mark.parametrize("mux", [False, True], ids=["call", "mux"])
+async def test_cancel_reaches_the_server(fake_server: FakeServer, mux: bool) -> None:
+    backend = GrpcBackend.connect([fake_server.address], mux=mux)
     try:
         call = backend.generate(Prompt(text="stall"), GenerationParams(), request_id="r", timeout=None)
         async for delta in call:
@@ -158,6 +163,91 @@ async def test_cancel_reaches_the_server(fake_server: FakeServer) -> None:
             call.cancel()
             break
         await fake_server.servicer.cancelled.wait()
+    finally:
+        await backend.close()
+
+
+@pytest_anyio
+async def test_mux_carries_concurrent_requests_on_one_stream_in_batched_messages(fake_server: FakeServer) -> None:
+    backend = GrpcBackend.connect([fake_server.address], mux=True)
+    try:
+        async def one(i: int) -> str:
+            call = backend.generate(Prompt(text="gap:0.01"), GenerationParams(n=2), request_id=f"r{i}",
+                                    timeout=None)
+            return "".join(d.text for d in [d async for d in call] if d.index == 0)
+
+        texts = await asyncio.gather(*(one(i) for i in range(8)))
+        assert texts == ["Hello world"] * 8
+        servicer = fake_server.servicer
+        starts = [r for r in servicer.stream_requests if r.WhichOneof("action") == "generate"]
+        assert sorted(r.generate.request_id for r in starts) == [f"r{i}" for i in range(8)]
+        assert len({r.id for r in starts}) == 8  # one id per open request
+        # 8 requests x (6 deltas + an end): far fewer messages than items, the deltas of one step together.
+        assert servicer.stream_messages < 8 * 7 / 2, servicer.stream_messages
+    finally:
+        await backend.close()
+
+
+@pytest_anyio
+async def test_mux_balances_over_every_address() -> None:
+    servers = [await start_fake_server() for _ in range(2)]
+    backend = GrpcBackend.connect([s.address for s in servers], mux=True)
+    try:
+        for _ in range(6):  # one at a time: taken in turn
+            deltas = [d async for d in backend.generate(Prompt(text="x"), GenerationParams(), request_id="r",
+                                                        timeout=5)]
+            assert "".join(d.text for d in deltas) == "Hello world"
+        assert [len(s.servicer.generate_requests) for s in servers] == [3, 3]
+        stalled = [backend.generate(Prompt(text="stall"), GenerationParams(), request_id=f"s{i}", timeout=None)
+                   for i in range(4)]  # held open: each goes where fewer are open
+        for call in stalled:
+            async for _ in call:
+                break
+        assert [len(s.servicer.generate_requests) for s in servers] == [5, 5]
+        for call in stalled:
+            call.cancel()
+    finally:
+        await backend.close()
+        for s in servers:
+            await s.server.stop(0)
+
+
+@pytest_anyio
+async def test_mux_stream_failure_fails_its_open_requests_and_the_next_request_opens_a_new_stream(
+        fake_server: FakeServer) -> None:
+    backend = GrpcBackend.connect([fake_server.address], mux=True)
+    try:
+        open_call = backend.generate(Prompt(text="stall"), GenerationParams(), request_id="a", timeout=None)
+        async for delta in open_call:
+            assert delta.text == "Hel"
+            break
+        failing = backend.generate(Prompt(text="streamfail:UNAVAILABLE"), GenerationParams(), request_id="b",
+                                   timeout=None)
+        for call in (open_call, failing):
+            with pytest.raises(BackendError) as info:
+                async for _ in call:
+                    pass
+            assert info.value.kind is BackendErrorKind.UNAVAILABLE
+        deltas = [d async for d in backend.generate(Prompt(text="x"), GenerationParams(), request_id="c",
+                                                    timeout=5)]
+        assert "".join(d.text for d in deltas) == "Hello world"
+    finally:
+        await backend.close()
+
+
+@pytest_anyio
+async def test_mux_deadline_ends_the_request_and_cancels_it_on_the_stream(fake_server: FakeServer) -> None:
+    backend = GrpcBackend.connect([fake_server.address], mux=True)
+    try:
+        call = backend.generate(Prompt(text="stall"), GenerationParams(), request_id="r", timeout=0.3)
+        got = []
+        with pytest.raises(BackendError) as info:
+            async for delta in call:
+                got.append(delta.text)
+        assert got == ["Hel"] and info.value.kind is BackendErrorKind.DEADLINE_EXCEEDED
+        await asyncio.wait_for(fake_server.servicer.cancelled.wait(), 5)
+        sent = fake_server.servicer.stream_requests
+        assert sent[0].timeout_ms == 300 and sent[-1].cancel and sent[-1].id == sent[0].id
     finally:
         await backend.close()
 

@@ -73,6 +73,7 @@ def test_engine_service_methods() -> None:
 def test_generation_service_methods() -> None:
     assert _methods(generation_pb2, "Generation") == {
         "Generate": ("GenerateRequest", "GenerateResponse", False, True),
+        "GenerateStream": ("GenerateStreamRequest", "GenerateStreamResponse", True, True),
         "Tokenize": ("TokenizeRequest", "TokenizeResponse", False, False),
         "Detokenize": ("DetokenizeRequest", "DetokenizeResponse", False, False),
         "ApplyChatTemplate": ("ApplyChatTemplateRequest", "ApplyChatTemplateResponse", False, False),

@@ -139,6 +139,40 @@ class GenerateResponse(_message.Message):
     error_message: str
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("id", "generate", "cancel", "timeout_ms")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    generate: GenerateRequest
+    cancel: bool
+    timeout_ms: int
+    def __init__(self, id: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class GenerateStreamItem(_message.Message):
+    __slots__ = ("id", "response", "end", "status_code", "status_message", "retry_after_seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    response: GenerateResponse
+    end: bool
+    status_code: int
+    status_message: str
+    retry_after_seconds: int
+    def __init__(self, id: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., retry_after_seconds: _Optional[int] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[GenerateStreamItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[GenerateStreamItem, _Mapping]]] = ...) -> None: ...
+
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "text", "chat", "add_special_tokens", "return_token_strs")
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class GenerationStub:
                 request_serializer=sluice_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/sluice.v1.Generation/GenerateStream',
+                request_serializer=sluice_dot_v1_dot_generation__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/sluice.v1.Generation/Tokenize',
                 request_serializer=sluice_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
@@ -71,6 +76,22 @@ class GenerationServicer:
         deltas with cumulative usage on every message; the last message of each
         of the n sequences carries its finish reason. Cancelling the call aborts
         the generation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate calls on one stream, for a front end that keeps many
+        requests in flight (the REST gateway under `sluice serve`): the deltas
+        that one engine step produces for all of the stream's requests come back
+        in one message, instead of one message per request on as many calls.
+        Each request behaves as its own Generate call would (same validation,
+        same deltas, same errors), and ends with exactly one item that has `end`
+        set and the status code its call would have ended with. Half-closing the
+        stream lets the open requests finish; cancelling it aborts them all. A
+        second `generate` for an id that is still open ends the whole stream with
+        INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +132,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=sluice_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=sluice_dot_v1_dot_generation__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_generation__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -161,6 +187,33 @@ class Generation:
             '/sluice.v1.Generation/Generate',
             sluice_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             sluice_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/sluice.v1.Generation/GenerateStream',
+            sluice_dot_v1_dot_generation__pb2.GenerateStreamRequest.SerializeToString,
+            sluice_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
