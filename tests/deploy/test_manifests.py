@@ -170,6 +170,18 @@ def test_the_default_commands_children_get_accepted_flags() -> None:
             parse(command_of(["python", *child.argv[1:]], f"{path.name} -> {child.name}"))
 
 
+@pytest.mark.parametrize(("flags", "mux"), [([], True), (["--no-tokenizer-mux"], False)])
+def test_sluice_serve_gateways_multiplex_on_the_tokenizers_unless_told_not_to(flags: list[str], mux: bool) -> None:
+    ns = supervisor.resolve_settings(["--tokenizers", "2", "--gateways", "2", *flags])
+    sup = supervisor.Supervisor(ns, supervisor.config_from_args(ns))
+    main = gateway.__main__
+    for child in sup.gateways:
+        assert ("--tokenizer-mux" in child.argv) is mux
+        settings = main.settings_from_args(main.build_parser().parse_args(child.argv[3:]), {})
+        assert settings.tokenizer_mux is mux
+        assert settings.tokenizer_addresses == ("127.0.0.1:50061", "127.0.0.1:50062")
+
+
 def test_sample_commands_are_rejected_when_wrong() -> None:
     """The checker itself: an unknown flag, an abbreviation and a bad value each fail."""
     for args in (["--no-such-flag", "1"], ["--max-model", "8"], ["--device", "tpu"]):

@@ -18,14 +18,16 @@ def test_defaults() -> None:
     s = settings([])
     assert s == GatewaySettings()
     assert s.api_keys == () and s.allowed_origins == () and s.request_timeout is None
+    assert not s.tokenizer_mux  # a Generate call per request: balanced per request over a dns:/// name
 
 
 def test_flags() -> None:
     s = settings(["--tokenizer", "127.0.0.1:1, 127.0.0.1:2", "--host", "0.0.0.0", "--port", "9000",
                   "--api-key", "a", "--api-key", "b", "--allowed-origins", "https://x,https://y",
                   "--served-model-name", "m", "--max-body-bytes", "100", "--request-timeout", "30",
-                  "--keepalive-interval", "2", "--max-n", "4", "--shutdown-timeout", "3"])
-    assert s == GatewaySettings(tokenizer_addresses=("127.0.0.1:1", "127.0.0.1:2"), host="0.0.0.0", port=9000,
+                  "--keepalive-interval", "2", "--max-n", "4", "--shutdown-timeout", "3", "--tokenizer-mux"])
+    assert s == GatewaySettings(tokenizer_addresses=("127.0.0.1:1", "127.0.0.1:2"), tokenizer_mux=True,
+                                host="0.0.0.0", port=9000,
                                 api_keys=("a", "b"), allowed_origins=("https://x", "https://y"),
                                 served_model_names=("m",), max_body_bytes=100, request_timeout=30.0,
                                 keepalive_interval=2.0, max_n=4, shutdown_timeout=3.0)

@@ -92,6 +92,52 @@ def test_node_client_asks_for_a_stream_interval_and_gets_the_same_text_in_fewer_
     assert result["messages"] <= 1 + 32 // 8  # the first token, then groups of 8 (the last one with the finish)
 
 
+def test_generate_stream_batches_a_step_for_every_request_and_matches_generate(stack: dict[str, str]) -> None:
+    prompts = [f"Write a short line about the number {i}." for i in range(6)]
+    serial = [_collect(_gen_stub(stack["shm"]).Generate(generation_pb2.GenerateRequest(
+        text=p, **_greedy(16, ignore_eos=True))))[0] for p in prompts]
+    starts = [generation_pb2.GenerateStreamRequest(id=i + 1, generate=generation_pb2.GenerateRequest(
+        text=p, **_greedy(16, ignore_eos=True))) for i, p in enumerate(prompts)]
+    messages = list(_gen_stub(stack["shm"]).GenerateStream(iter(starts), timeout=120))  # then half-closed
+    texts = {i + 1: "" for i in range(len(prompts))}
+    ends = {}
+    for m in messages:
+        for item in m.items:
+            texts[item.id] += item.response.text
+            if item.end:
+                ends[item.id] = item.status_code
+    assert [texts[i + 1] for i in range(len(prompts))] == serial
+    assert ends == {i + 1: 0 for i in range(len(prompts))}
+    items = sum(len(m.items) for m in messages)
+    # 6 requests x 16 tokens, 4 running at once (--max-num-seqs 4): one message per engine step for all of them.
+    assert len(messages) < items / 2, (len(messages), items)
+    info = _wait_idle(stack["engine"])
+    assert info.free_kv_blocks == info.total_kv_blocks
+
+
+def test_node_client_generate_stream(stack: dict[str, str]) -> None:
+    reqs = [{"text": "Tell me about the sea.", "sampling": {"temperature": 0.0},
+             "stopping": {"max_tokens": 12, "ignore_eos": True}},
+            {"text": "Name a colour.", "sampling": {"temperature": 0.0}, "stopping": {"max_tokens": 8}},
+            {"text": "bad", "response": {"stream_interval": 0}}]
+    expected = [_collect(_gen_stub(stack["shm"]).Generate(generation_pb2.GenerateRequest(
+        text=r["text"], **_greedy(r["stopping"]["max_tokens"], ignore_eos=r["stopping"].get("ignore_eos", False)))))
+        for r in reqs[:2]]
+    out = subprocess.run([shutil.which("node") or "node", str(ROOT / "tests/node/generate_stream.js"), stack["shm"],
+                          json.dumps(reqs)], capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout)
+    assert result.get("error") is None, result
+    for i, (text, msgs) in enumerate(expected):
+        got = result["requests"][str(i + 1)]
+        assert got["status_code"] == 0 and got["text"] == text
+        assert got["usage"]["completion_tokens"] == msgs[-1].usage.completion_tokens
+        assert got["finish_reason"] == common_pb2.FinishReason.Name(msgs[-1].finish_reason)
+    bad = result["requests"]["3"]
+    assert bad["status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "stream_interval" in bad["status_message"]
+    assert bad["items"] == 1
+    assert result["messages"] < result["items"]
+
+
 def test_cancelled_stream_frees_blocks(stack: dict[str, str]) -> None:
     call = _gen_stub(stack["shm"]).Generate(generation_pb2.GenerateRequest(
         text="Tell me a long story about a dragon.", **_greedy(400, ignore_eos=True)))

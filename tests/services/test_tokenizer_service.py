@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -167,3 +168,128 @@ def test_stream_interval_zero_is_invalid_argument(fake: tuple[ScriptedEngine, st
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "stream_interval" in err.value.details()
     assert engine.requests == []
+
+
+class _MuxStream:
+    """A GenerateStream driven from this thread: ``send`` actions, ``close`` half-closes, ``items`` reads."""
+
+    def __init__(self, addr: str, timeout: float = 30) -> None:
+        self._out: queue.Queue[generation_pb2.GenerateStreamRequest | None] = queue.Queue()
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(addr))
+        self.responses = stub.GenerateStream(iter(self._out.get, None), timeout=timeout)
+
+    def send(self, **kw: object) -> None:
+        self._out.put(generation_pb2.GenerateStreamRequest(**kw))
+
+    def close(self) -> None:
+        self._out.put(None)
+
+    def items(self) -> Iterator[generation_pb2.GenerateStreamItem]:
+        for message in self.responses:
+            yield from message.items
+
+
+def _by_id(items: Iterator[generation_pb2.GenerateStreamItem]) -> dict[int, list[generation_pb2.GenerateStreamItem]]:
+    out: dict[int, list[generation_pb2.GenerateStreamItem]] = {}
+    for item in items:
+        assert not (out.get(item.id) and out[item.id][-1].end), f"item for {item.id} after its end"
+        out.setdefault(item.id, []).append(item)
+    return out
+
+
+def test_generate_stream_requests_get_what_their_generate_calls_get(fake: tuple[ScriptedEngine, str],
+                                                                    tokenizer: Tokenizer) -> None:
+    engine, addr = fake
+    text = "The answer is forty-two, obviously. Then more text follows here."
+    engine.script = tokenizer.encode(text, add_special_tokens=False)
+    stop = generation_pb2.StoppingCriteria(stop=["obviously"])
+    expected = {1: _stream(addr), 2: _stream(addr, stopping=stop)}
+    mux = _MuxStream(addr)
+    mux.send(id=1, generate=generation_pb2.GenerateRequest(text="hi", request_id="first"))
+    mux.send(id=2, generate=generation_pb2.GenerateRequest(text="hi", stopping=stop))
+    mux.close()  # half-closed: both still run to their end, then the stream ends OK
+    got = _by_id(mux.items())
+    assert sorted(got) == [1, 2]
+    for id_, msgs in expected.items():
+        items = got[id_]
+        assert items[-1].end and items[-1].status_code == grpc.StatusCode.OK.value[0]
+        responses = [i.response for i in items if i.HasField("response")]
+        assert "".join(r.text for r in responses) == "".join(m.text for m in msgs)
+        assert [t for r in responses for t in r.token_ids] == [t for m in msgs for t in m.token_ids]
+        assert responses[-1].finish_reason == msgs[-1].finish_reason
+        assert responses[-1].usage == msgs[-1].usage
+    assert "".join(i.response.text for i in got[2]) == text[: text.index("obviously")]
+    assert {i.response.request_id for i in got[1] if i.HasField("response")} == {"first"}
+
+
+def test_generate_stream_errors_end_only_their_request(fake: tuple[ScriptedEngine, str],
+                                                       tokenizer: Tokenizer) -> None:
+    engine, addr = fake
+    engine.script = tokenizer.encode("Hello there.", add_special_tokens=False)
+    mux = _MuxStream(addr)
+    mux.send(id=7, generate=generation_pb2.GenerateRequest(
+        text="hi", response=generation_pb2.ResponseOptions(stream_interval=0)))
+    mux.send(id=8, generate=generation_pb2.GenerateRequest(text="hi", model="not-this-one"))
+    mux.send(id=9, generate=generation_pb2.GenerateRequest(text="hi"))
+    mux.close()
+    got = _by_id(mux.items())
+    assert len(got[7]) == 1 and got[7][0].end and not got[7][0].HasField("response")
+    assert got[7][0].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "stream_interval" in got[7][0].status_message
+    assert got[8][-1].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "model" in got[8][-1].status_message
+    assert got[9][-1].end and got[9][-1].status_code == 0
+    assert "".join(i.response.text for i in got[9]) == "Hello there."
+    assert len(engine.requests) == 1  # the two bad ones never reached the engine
+
+
+def test_generate_stream_cancel_and_deadline_end_their_requests_and_reach_the_engine(
+        fake: tuple[ScriptedEngine, str]) -> None:
+    engine, addr = fake
+    engine.script = [100 + i % 50 for i in range(500)]  # 10 ms a token: 5 s
+    mux = _MuxStream(addr)
+    mux.send(id=1, generate=generation_pb2.GenerateRequest(text="hi"))
+    items = mux.items()
+    first = next(items)
+    assert first.id == 1 and first.HasField("response") and not first.end
+    mux.send(id=1, cancel=True)
+    mux.send(id=5, cancel=True)  # not open: ignored
+    rest = [i for i in _take_until_end(items, 1)]
+    assert rest[-1].status_code == grpc.StatusCode.CANCELLED.value[0]
+    assert engine.cancelled.wait(5), "the engine call must be cancelled"
+    engine.cancelled.clear()
+    started = time.monotonic()
+    mux.send(id=2, generate=generation_pb2.GenerateRequest(text="hi"), timeout_ms=300)
+    rest = [i for i in _take_until_end(items, 2)]
+    assert rest[-1].status_code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert 0.25 < time.monotonic() - started < 4
+    assert engine.cancelled.wait(5)
+    mux.send(id=1, generate=generation_pb2.GenerateRequest(  # an ended id may be used again
+        text="hi", stopping=generation_pb2.StoppingCriteria(max_tokens=2)))
+    engine.script = [100, 101]
+    mux.close()
+    again = [i for i in items]
+    assert again[-1].id == 1 and again[-1].end and again[-1].status_code == 0
+
+
+def _take_until_end(items: Iterator[generation_pb2.GenerateStreamItem], id_: int
+                    ) -> Iterator[generation_pb2.GenerateStreamItem]:
+    for item in items:
+        if item.id == id_:
+            yield item
+            if item.end:
+                return
+
+
+def test_generate_stream_with_an_open_id_twice_is_invalid_argument(fake: tuple[ScriptedEngine, str]) -> None:
+    engine, addr = fake
+    engine.script = [100 + i % 50 for i in range(500)]
+    mux = _MuxStream(addr)
+    mux.send(id=3, generate=generation_pb2.GenerateRequest(text="hi"))
+    items = mux.items()
+    assert next(items).id == 3  # generating
+    mux.send(id=3, generate=generation_pb2.GenerateRequest(text="hi"))
+    with pytest.raises(grpc.RpcError) as err:
+        list(items)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "still open" in err.value.details()
+    assert engine.cancelled.wait(5), "the stream's open request is aborted with it"
