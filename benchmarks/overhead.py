@@ -3,12 +3,15 @@
     python -m benchmarks.overhead --prompts 32 --input-tokens 128 --output-tokens 64 --concurrency 32 \\
         --rounds 5 --repeat 1 --out benchmarks/results/overhead.json
 
-The same workload, the same engine settings, in the same run, on up to three sides (``--sides``):
+The same workload, the same engine settings, in the same run, on the sides ``--sides`` names:
 
 * ``rest``: the full stack, ``sluice serve`` (gateway → tokenizer service → engine, shared-memory
   handoff on, as deployed), driven over HTTP by an aiohttp client on uvloop (``sluice bench``'s request
   body and connection settings) keeping ``--concurrency`` streamed ``/v1/completions`` requests in
   flight and draining each stream without parsing it, token counts from its final ``usage`` chunk;
+* ``rest-calls``: the same with ``sluice serve --no-tokenizer-mux`` (a ``Generate`` call per request
+  from the gateway to the tokenizer service instead of one multiplexed ``GenerateStream``);
+* ``rest-si``: the full stack with every request asking for ``--stream-interval``;
 * ``grpc``: an engine process and a tokenizer-service process on 127.0.0.1, driven through the public
   ``sluice.v1.Generation`` API by a grpc.aio client, also on uvloop (no gateway);
 * ``in-process``: with those processes stopped, ``engine.LLM(...)`` in this process given every prompt
@@ -72,9 +75,11 @@ class EngineSettings:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-SIDES = ("rest", "rest-si", "grpc", "in-process")
+SIDES = ("rest", "rest-calls", "rest-si", "grpc", "in-process")
 DEFAULT_SIDES = ("rest", "grpc", "in-process")
 # rest-si: the full stack again, each request asking for a stream interval (--stream-interval, default 4).
+# rest-calls: the full stack with `sluice serve --no-tokenizer-mux` (the gateway makes a Generate call per
+# request instead of multiplexing them on one GenerateStream).
 DEFAULT_STREAM_INTERVAL = 4
 
 
@@ -160,8 +165,10 @@ def grpc_stack(settings: EngineSettings, log_dir: Path) -> Iterator[str]:
 
 
 @contextmanager
-def rest_stack(settings: EngineSettings, log_dir: Path, timeout: float = 600) -> Iterator[tuple[str, str]]:
-    """``sluice serve``: gateway, tokenizer service and engine as deployed; yields (base URL …/v1, model)."""
+def rest_stack(settings: EngineSettings, log_dir: Path, timeout: float = 600,
+               serve_flags: tuple[str, ...] = ()) -> Iterator[tuple[str, str]]:
+    """``sluice serve``: gateway, tokenizer service and engine as deployed (plus ``serve_flags``); yields
+    (base URL …/v1, model)."""
     import httpx
 
     from benchmarks.compare import stop, wait_ready
@@ -170,7 +177,7 @@ def rest_stack(settings: EngineSettings, log_dir: Path, timeout: float = 600) ->
     with open(log_dir / "overhead-serve.log", "ab") as f:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port",
                                  str(port), "--engine-port", str(engine_port), "--tokenizer-port",
-                                 str(tokenizer_port), *settings.cli_flags()],
+                                 str(tokenizer_port), *settings.cli_flags(), *serve_flags],
                                 cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
@@ -233,15 +240,16 @@ def _final_usage(tail: bytes) -> dict[str, int]:
 
 
 def run_rest(base_url: str, model: str, prompts: list[str], workload: Workload, round_: int, repeat: int,
-             timeout: float = 900, stream_interval: int | None = None) -> RunResult:
-    """The ``rest`` side, or ``rest-si`` when the requests ask for ``stream_interval``."""
+             timeout: float = 900, stream_interval: int | None = None, side: str | None = None) -> RunResult:
+    """The ``rest`` side (or ``side``), ``rest-si`` when the requests ask for ``stream_interval``."""
     from benchmarks.runner import run_async
 
     t0 = time.perf_counter()
     prompt_tokens, output_tokens = run_async(
         _rest_workload(base_url, model, prompts, workload.output_tokens, workload.concurrency, timeout,
                        stream_interval))
-    return RunResult("rest" if stream_interval is None else "rest-si", round_, repeat, time.perf_counter() - t0,
+    side = side or ("rest" if stream_interval is None else "rest-si")
+    return RunResult(side, round_, repeat, time.perf_counter() - t0,
                      prompt_tokens, output_tokens)
 
 
@@ -359,10 +367,12 @@ def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repe
 
     for r in range(rounds):
         for side in sides[r % len(sides):] + sides[:r % len(sides)]:  # each side goes first in turn
-            if side in ("rest", "rest-si"):
+            if side in ("rest", "rest-calls", "rest-si"):
                 si = stream_interval if side == "rest-si" else None
-                with rest_stack(settings, log_dir) as (base_url, model):
-                    measure(side, r, lambda p, w, r_, k: run_rest(base_url, model, p, w, r_, k, stream_interval=si))
+                flags = ("--no-tokenizer-mux",) if side == "rest-calls" else ()
+                with rest_stack(settings, log_dir, serve_flags=flags) as (base_url, model):
+                    measure(side, r, lambda p, w, r_, k, s=side: run_rest(base_url, model, p, w, r_, k,
+                                                                          stream_interval=si, side=s))
             elif side == "grpc":
                 for attempt in range(max_attempts):
                     done = len(results)
@@ -406,7 +416,7 @@ def summarize(results: list[RunResult]) -> dict[str, Any]:
             per_round.append(mine[0] / mine[1])
         out["sides"][side] = {"ratio": median[side] / median["in-process"],
                               "ratio_best": best[side] / best["in-process"], "ratio_per_round": per_round}
-    judged = next(s for s in ("rest", "grpc", "rest-si") if s in out["sides"])
+    judged = next(s for s in ("rest", "grpc", "rest-calls", "rest-si") if s in out["sides"])
     out.update(judged=judged, ratio=out["sides"][judged]["ratio"], ratio_best=out["sides"][judged]["ratio_best"],
                ratio_per_round=out["sides"][judged]["ratio_per_round"])
     out["met"] = out["ratio"] >= TARGET_RATIO
@@ -422,6 +432,7 @@ def markdown(results: list[RunResult], summary: dict[str, Any] | None) -> str:
         return "\n".join(lines + ["", "(incomplete: the benchmark stopped before every run was done)"])
     lines.append("")
     names = {"rest": "full stack (REST)", "rest-si": "full stack (REST), requests with stream_interval",
+             "rest-calls": "full stack (REST), a Generate call per request (--no-tokenizer-mux)",
              "grpc": "gRPC (no gateway)"}
     for side, r in summary["sides"].items():
         key = side.replace("-", "_")

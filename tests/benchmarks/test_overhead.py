@@ -46,6 +46,14 @@ def test_stream_interval_side_is_reported_but_the_target_stays_on_rest() -> None
     assert only["judged"] == "rest-si" and only["met"] is True
 
 
+def test_per_request_calls_side_is_reported_beside_rest() -> None:
+    results = [_run("rest", 0, 96), _run("rest-calls", 0, 91), _run("in-process", 0, 100)]
+    s = summarize(results)
+    assert s["judged"] == "rest" and s["met"] is True
+    assert s["sides"]["rest-calls"]["ratio"] == pytest.approx(0.91)
+    assert "a Generate call per request (--no-tokenizer-mux) / in-process, medians: **0.910**" in markdown(results, s)
+
+
 def test_final_usage_reads_the_last_data_event() -> None:
     from benchmarks.overhead import _final_usage
 
