@@ -40,6 +40,7 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
     await stop.wait()
     watcher.cancel()
     await health_service.set_serving(False)
+    servicer.drain()
     await server.stop(shutdown_grace)
     servicer.close()
     await channel.close()

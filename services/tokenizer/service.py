@@ -96,6 +96,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._info: EngineInfo | None = None
         self._ring = ShmRing(shm_tokens) if shm_tokens > 0 else None
         self._shm_registered = False
+        self.draining = False
+        self._streams: set[_Multiplexer] = set()
 
     # -- engine handshake ---------------------------------------------------------------------------------
     async def engine_info(self, refresh: bool = False) -> EngineInfo:
@@ -129,6 +131,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._info = None
         self.engine_stream.reset()
 
+    def drain(self) -> None:
+        """Shutting down: open GenerateStreams take no new requests and end once theirs have finished
+        (new calls are refused by the server itself)."""
+        self.draining = True
+        for stream in self._streams:
+            stream.wake()
+
     def close(self) -> None:
         self.engine_stream.close()
         if self._ring is not None:
@@ -145,8 +154,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        async for message in _Multiplexer(self).run(request_iterator):
-            yield message
+        mux = _Multiplexer(self)
+        self._streams.add(mux)
+        try:
+            async for message in mux.run(request_iterator):
+                yield message
+        finally:
+            self._streams.discard(mux)
 
     async def generate(self, request: generation_pb2.GenerateRequest, request_id: str, *, timeout: float | None
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -405,8 +419,8 @@ class _Multiplexer:
                 while not self._items:
                     if self._error is not None:
                         raise self._error
-                    if not self._reading and not self._tasks:
-                        return
+                    if (not self._reading or self._servicer.draining) and not self._tasks:
+                        return  # half-closed (or shutting down) and every request ended
                     self._ready.clear()
                     await self._ready.wait()
                 items, self._items = self._items, []
@@ -426,6 +440,9 @@ class _Multiplexer:
                 if action == "generate":
                     if req.id in self._tasks:
                         raise InvalidRequestError("id", f"request {req.id} is still open on this stream")
+                    if self._servicer.draining:
+                        self._end(req.id, grpc.StatusCode.UNAVAILABLE, "the tokenizer service is shutting down")
+                        continue
                     timeout = req.timeout_ms / 1000 if req.timeout_ms else None
                     self._tasks[req.id] = asyncio.ensure_future(self._request(req.id, req.generate, timeout))
                 elif action == "cancel":
@@ -440,6 +457,9 @@ class _Multiplexer:
         finally:
             self._reading = False
             self._ready.set()
+
+    def wake(self) -> None:
+        self._ready.set()
 
     def _expire(self, id_: int) -> None:
         task = self._tasks.get(id_)
@@ -472,6 +492,10 @@ class _Multiplexer:
             del self._tasks[id_]
             self._cancelled.discard(id_)
             self._expired.discard(id_)
+        self._end(id_, code, message)
+
+    def _end(self, id_: int, code: grpc.StatusCode, message: str) -> None:
+        """The request's last item: its last delta when that has not left yet, else an item of its own."""
         last = self._items[-1] if self._items else None
         if last is None or last.id != id_ or last.end:
             last = generation_pb2.GenerateStreamItem(id=id_)

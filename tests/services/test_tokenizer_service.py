@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import pytest
 from engine.config import default_model_path
 from engine.text import Tokenizer
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
-from tests.procs import free_port, tokenizer_process
+from tests.procs import free_port, grpc_serving, spawn, stop, tokenizer_process, wait_until
 
 EMOJI_CJK = "Fun 🎉🚀 times: 你好，世界！ and 東京タワー 🌸."
 
@@ -31,6 +32,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
         self.aborted: list[str] = []
         self.sent: list[int] = []
         self.cancelled = threading.Event()
+        self.address = ""
 
     def GetInfo(self, request, context):  # noqa: N802
         return engine_pb2.GetInfoResponse(model_name="fake", max_model_len=4096, vocab_size=49152,
@@ -72,8 +74,9 @@ def fake(tmp_path: Path, tokenizer: Tokenizer) -> Iterator[tuple[ScriptedEngine,
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
+    engine.address = f"127.0.0.1:{port}"
     try:
-        with tokenizer_process(tmp_path, f"127.0.0.1:{port}") as addr:
+        with tokenizer_process(tmp_path, engine.address) as addr:
             yield engine, addr
     finally:
         server.stop(0)
@@ -293,3 +296,31 @@ def test_generate_stream_with_an_open_id_twice_is_invalid_argument(fake: tuple[S
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "still open" in err.value.details()
     assert engine.cancelled.wait(5), "the stream's open request is aborted with it"
+
+
+def test_generate_stream_on_sigterm_finishes_open_requests_refuses_new_ones_and_ends(
+        fake: tuple[ScriptedEngine, str], tmp_path: Path) -> None:
+    engine, engine_addr = fake[0], fake[0].address
+    engine.script = [100 + i % 50 for i in range(100)]  # 10 ms a token: about 1 s
+    port = free_port()
+    proc = spawn(["-m", "services.tokenizer", "--engine", engine_addr, "--port", str(port),
+                  "--shutdown-timeout", "30"], tmp_path / "tokenizer-drain.log")
+    try:
+        addr = f"127.0.0.1:{port}"
+        wait_until(lambda: grpc_serving(addr, "sluice.v1.Generation"), 120, proc, "tokenizer ready")
+        mux = _MuxStream(addr)
+        mux.send(id=1, generate=generation_pb2.GenerateRequest(text="hi"))
+        items = mux.items()
+        assert next(items).id == 1
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        mux.send(id=2, generate=generation_pb2.GenerateRequest(text="hi"))
+        got = _by_id(items)  # ends by itself: the client never half-closes
+        assert got[2] == [generation_pb2.GenerateStreamItem(
+            id=2, end=True, status_code=grpc.StatusCode.UNAVAILABLE.value[0],
+            status_message="the tokenizer service is shutting down")]
+        assert got[1][-1].end and got[1][-1].status_code == 0
+        assert sum(len(i.response.token_ids) for i in got[1]) == 99  # the first one was read before
+        assert proc.wait(timeout=20) == 0
+    finally:
+        stop(proc)
