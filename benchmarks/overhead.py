@@ -39,7 +39,9 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+import resource
+from dataclasses import asdict, dataclass, field, replace
+from typing import NamedTuple
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +93,58 @@ class RunResult:
     wall_s: float
     prompt_tokens: int
     output_tokens: int
+    # CPU seconds (user + system, every thread) during the run, by process: engine, tokenizer, gateway
+    # (the served sides) and client (this process); empty for in-process.
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def output_tok_s(self) -> float:
         return self.output_tokens / self.wall_s
+
+
+CPU_ROLES = ("engine", "tokenizer", "gateway", "client")
+_ROLES = (("-m engine", "engine"), ("-m services.tokenizer", "tokenizer"), ("-m gateway", "gateway"))
+
+
+def stack_cpu_s(root_pid: int) -> dict[str, float]:
+    """CPU seconds so far of ``root_pid``'s descendant processes by role (engine, tokenizer, gateway; replicas
+    summed), from Linux's /proc (every thread of a process counted); {} where there is no /proc."""
+    parents: dict[int, int] = {}
+    stats: dict[int, list[str]] = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[pid] = int(fields[1])
+        stats[pid] = fields
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid, fields in stats.items():
+        ancestor = parents.get(pid)
+        while ancestor not in (None, 0, 1, root_pid):
+            ancestor = parents.get(ancestor)
+        if ancestor != root_pid:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        role = next((name for key, name in _ROLES if key in cmdline), None)
+        if role is not None:
+            out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def make_prompts(tokenizer: Any, workload: Workload, tag: str) -> list[str]:
@@ -164,11 +214,16 @@ def grpc_stack(settings: EngineSettings, log_dir: Path) -> Iterator[str]:
             yield addr
 
 
+class RestStack(NamedTuple):
+    base_url: str  # …/v1
+    model: str
+    pid: int  # of `sluice serve`, the processes' parent
+
+
 @contextmanager
 def rest_stack(settings: EngineSettings, log_dir: Path, timeout: float = 600,
-               serve_flags: tuple[str, ...] = ()) -> Iterator[tuple[str, str]]:
-    """``sluice serve``: gateway, tokenizer service and engine as deployed (plus ``serve_flags``); yields
-    (base URL …/v1, model)."""
+               serve_flags: tuple[str, ...] = ()) -> Iterator[RestStack]:
+    """``sluice serve``: gateway, tokenizer service and engine as deployed (plus ``serve_flags``)."""
     import httpx
 
     from benchmarks.compare import stop, wait_ready
@@ -185,7 +240,7 @@ def rest_stack(settings: EngineSettings, log_dir: Path, timeout: float = 600,
         wait_ready(proc, f"{base}/ready", timeout)
         with httpx.Client(timeout=10, trust_env=False) as client:
             model = client.get(f"{base}/v1/models").json()["data"][0]["id"]
-        yield f"{base}/v1", model
+        yield RestStack(f"{base}/v1", model, proc.pid)
     finally:
         stop(proc)
 
@@ -355,11 +410,19 @@ def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repe
     warm = Workload(prompts=min(4, workload.prompts), input_tokens=16, output_tokens=4, concurrency=4)
     results: list[RunResult] = []
 
-    def measure(side: str, r: int, once: Any) -> None:
+    def measure(side: str, r: int, once: Any, stack_pid: int | None = None) -> None:
         once(make_prompts(tokenizer, warm, f"warm {r}{side}"), warm, r, -1)
         for k in range(repeat):
             # A fresh prefix per run (same length on both sides): no run is served from another's cache.
-            results.append(once(make_prompts(tokenizer, workload, f"run {r}.{k}{side}"), workload, r, k))
+            prompts = make_prompts(tokenizer, workload, f"run {r}.{k}{side}")
+            before = stack_cpu_s(stack_pid) if stack_pid else {}
+            client = _own_cpu_s()
+            x = once(prompts, workload, r, k)
+            if stack_pid:
+                after = stack_cpu_s(stack_pid)
+                cpu = {role: round(after[role] - before.get(role, 0.0), 2) for role in after}
+                x = replace(x, cpu_s=dict(cpu, client=round(_own_cpu_s() - client, 2)))
+            results.append(x)
             on_result(results)
             x = results[-1]
             print(f"round {r}.{k} {side:10s}: {x.output_tokens} tokens in {x.wall_s:.2f} s = "
@@ -370,9 +433,10 @@ def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repe
             if side in ("rest", "rest-calls", "rest-si"):
                 si = stream_interval if side == "rest-si" else None
                 flags = ("--no-tokenizer-mux",) if side == "rest-calls" else ()
-                with rest_stack(settings, log_dir, serve_flags=flags) as (base_url, model):
-                    measure(side, r, lambda p, w, r_, k, s=side: run_rest(base_url, model, p, w, r_, k,
-                                                                          stream_interval=si, side=s))
+                with rest_stack(settings, log_dir, serve_flags=flags) as stack:
+                    measure(side, r, lambda p, w, r_, k, s=side: run_rest(stack.base_url, stack.model, p, w, r_, k,
+                                                                          stream_interval=si, side=s),
+                            stack.pid)
             elif side == "grpc":
                 for attempt in range(max_attempts):
                     done = len(results)
@@ -416,6 +480,11 @@ def summarize(results: list[RunResult]) -> dict[str, Any]:
             per_round.append(mine[0] / mine[1])
         out["sides"][side] = {"ratio": median[side] / median["in-process"],
                               "ratio_best": best[side] / best["in-process"], "ratio_per_round": per_round}
+        runs = [x for x in results if x.side == side and x.cpu_s]
+        if runs:  # CPU seconds per 1000 output tokens, median over the side's runs
+            out["sides"][side]["cpu_s_per_1k_tokens"] = {
+                role: statistics.median(1000 * x.cpu_s.get(role, 0.0) / x.output_tokens for x in runs)
+                for role in CPU_ROLES}
     judged = next(s for s in ("rest", "grpc", "rest-calls", "rest-si") if s in out["sides"])
     out.update(judged=judged, ratio=out["sides"][judged]["ratio"], ratio_best=out["sides"][judged]["ratio_best"],
                ratio_per_round=out["sides"][judged]["ratio_per_round"])
@@ -424,10 +493,12 @@ def summarize(results: list[RunResult]) -> dict[str, Any]:
 
 
 def markdown(results: list[RunResult], summary: dict[str, Any] | None) -> str:
-    lines = ["| run | side | prompt tokens | output tokens | wall (s) | output tok/s |", "|---:|---|---:|---:|---:|---:|"]
+    lines = ["| run | side | prompt tokens | output tokens | wall (s) | output tok/s | CPU s: "
+             + " / ".join(CPU_ROLES) + " |", "|---:|---|---:|---:|---:|---:|---:|"]
     for x in results:
+        cpu = " / ".join(f"{x.cpu_s[role]:.2f}" if role in x.cpu_s else "–" for role in CPU_ROLES)
         lines.append(f"| {x.round}.{x.repeat} | {x.side} | {x.prompt_tokens} | {x.output_tokens} | {x.wall_s:.2f} | "
-                     f"{x.output_tok_s:.1f} |")
+                     f"{x.output_tok_s:.1f} | {cpu if x.cpu_s else '–'} |")
     if summary is None:
         return "\n".join(lines + ["", "(incomplete: the benchmark stopped before every run was done)"])
     lines.append("")
@@ -440,6 +511,9 @@ def markdown(results: list[RunResult], summary: dict[str, Any] | None) -> str:
         lines.append(f"{names[side]} / in-process, medians: **{r['ratio']:.3f}** "
                      f"({summary[key + '_tok_s_median']:.1f} / {summary['in_process_tok_s_median']:.1f} tok/s); "
                      f"best runs: {r['ratio_best']:.3f}; per round: {per_round}.")
+        if "cpu_s_per_1k_tokens" in r:
+            cpu = ", ".join(f"{role} {v:.3f}" for role, v in r["cpu_s_per_1k_tokens"].items())
+            lines.append(f"  CPU s per 1000 output tokens (medians): {cpu}.")
     lines.append(f"Target ≥ {TARGET_RATIO:g} (medians, {names[summary['judged']]}): "
                  f"{'met' if summary['met'] else 'NOT met'}.")
     return "\n".join(lines)

@@ -213,7 +213,8 @@ class GenerateStream:
     def __init__(self, stub: generation_pb2_grpc.GenerationStub) -> None:
         self._stub = stub
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._outbox: asyncio.Queue[generation_pb2.GenerateStreamRequest] | None = None
+        # The current call's requests; None ends its request iterator.
+        self._outbox: asyncio.Queue[generation_pb2.GenerateStreamRequest | None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._open: dict[int, MuxGenerateCall] = {}
         self._next_id = 0
@@ -223,15 +224,15 @@ class GenerateStream:
         return len(self._open)
 
     def start(self, req: generation_pb2.GenerateRequest, timeout: float | None) -> MuxGenerateCall:
+        msg = generation_pb2.GenerateStreamRequest(id=self._next_id + 1, generate=req)
+        if timeout is not None:
+            msg.timeout_ms = max(1, math.ceil(timeout * 1000))
         if self._call is None or self._outbox is None:
             self._connect()
         assert self._outbox is not None
         self._next_id += 1
         call = MuxGenerateCall(self, self._next_id, timeout)
         self._open[self._next_id] = call
-        msg = generation_pb2.GenerateStreamRequest(id=self._next_id, generate=req)
-        if timeout is not None:
-            msg.timeout_ms = max(1, math.ceil(timeout * 1000))
         self._outbox.put_nowait(msg)
         return call
 
@@ -240,18 +241,20 @@ class GenerateStream:
             self._outbox.put_nowait(generation_pb2.GenerateStreamRequest(id=id_, cancel=True))
 
     def _connect(self) -> None:
-        outbox: asyncio.Queue[generation_pb2.GenerateStreamRequest] = asyncio.Queue()
+        outbox: asyncio.Queue[generation_pb2.GenerateStreamRequest | None] = asyncio.Queue()
 
         async def requests() -> AsyncIterator[generation_pb2.GenerateStreamRequest]:
-            while True:
-                yield await outbox.get()
+            while (msg := await outbox.get()) is not None:
+                yield msg
 
         self._outbox = outbox
         self._call = call = self._stub.GenerateStream(requests())
-        self._reader = asyncio.ensure_future(self._read(call))
+        self._reader = asyncio.ensure_future(self._read(call, outbox))
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
-        err = BackendError(BackendErrorKind.UNAVAILABLE, "the tokenizer service ended the stream")
+    async def _read(self, call: grpc.aio.StreamStreamCall,
+                    outbox: asyncio.Queue[generation_pb2.GenerateStreamRequest | None]) -> None:
+        # Whatever ended the stream, the requests it carried did not cause it: they fail as unavailable.
+        reason = "the tokenizer service ended the stream"
         try:
             async for message in call:
                 for item in message.items:
@@ -259,13 +262,18 @@ class GenerateStream:
                     if target is not None:  # else cancelled here already
                         target.deliver(item)
         except grpc.aio.AioRpcError as e:
-            err = to_backend_error(e)
+            reason = f"the tokenizer stream failed: {e.code().name}: {e.details() or ''}"
         except asyncio.CancelledError:
-            err = BackendError(BackendErrorKind.UNAVAILABLE, "the gateway is shutting down")
+            reason = "the gateway is shutting down"
+        except Exception:  # noqa: BLE001 — logged; the requests still fail cleanly
+            log.exception("GenerateStream reader failed")
+            reason = "the tokenizer stream failed"
         finally:
+            outbox.put_nowait(None)  # ends the call's request iterator (and its task)
             if self._call is call:  # the next request opens a new call
                 self._call = self._outbox = None
             stranded, self._open = self._open, {}
+            err = BackendError(BackendErrorKind.UNAVAILABLE, reason)
             for target in stranded.values():
                 target.deliver(err)
 

@@ -18,8 +18,10 @@ from gateway.backend import Delta, GenerateCall
 # Returned by next() when nothing arrived within the timeout.
 TIMED_OUT: Final = "timed_out"
 _END: Final = "end"
-# A slow HTTP client holds the calls back (gRPC flow control) instead of
-# letting the gateway buffer a whole generation.
+# A slow HTTP client holds its Generate calls back (gRPC flow control) instead of
+# letting the gateway buffer a whole generation. Requests multiplexed on a
+# GenerateStream (--tokenizer-mux) share one flow-control window, so one slow
+# client must not stall it: their deltas are buffered (at most max_tokens × n).
 _QUEUE_SIZE = 64
 
 _Item = tuple[int, Delta] | BaseException | str

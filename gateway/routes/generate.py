@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.backend import Delta, FinishReason
+from gateway.backend import Delta, FinishReason, GenerateCall
 from gateway.errors import BackendError, internal_error
 from gateway.metrics import GenerationTracker
 from gateway.responses import ResponseBuilder, UsageSum
@@ -45,11 +45,16 @@ class _Run:
         self.req = req
         self.rid = rid
         num_prompts = len(req.prompts)
-        calls = [
-            state.backend.generate(prompt, req.params, request_id=rid if num_prompts == 1 else f"{rid}-{i}",
-                                   timeout=state.settings.request_timeout)
-            for i, prompt in enumerate(req.prompts)
-        ]
+        calls: list[GenerateCall] = []
+        try:
+            for i, prompt in enumerate(req.prompts):
+                calls.append(state.backend.generate(prompt, req.params,
+                                                    request_id=rid if num_prompts == 1 else f"{rid}-{i}",
+                                                    timeout=state.settings.request_timeout))
+        except BaseException:
+            for call in calls:  # started already: abort them
+                call.cancel()
+            raise
         self.stream = DeltaStream(calls, req.params.n)
         self.builder = ResponseBuilder(is_chat=req.is_chat, request_id=rid, created=int(time.time()), model=model,
                                        num_choices=num_prompts * req.params.n, logprobs=req.params.logprobs)

@@ -39,8 +39,8 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
     logger.info("tokenizer service on %s:%d, engine at %s", host, bind_port, engine_addr)
     await stop.wait()
     watcher.cancel()
+    servicer.drain()  # before NOT_SERVING: whoever sees that finds new stream requests refused
     await health_service.set_serving(False)
-    servicer.drain()
     await server.stop(shutdown_grace)
     servicer.close()
     await channel.close()

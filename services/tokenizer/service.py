@@ -398,17 +398,21 @@ class _Multiplexer:
 
     Every item produced while the writer was busy or asleep goes into the next message: the
     engine's output for one step reaches every request's task in one turn of the event loop,
-    so a step's deltas for all of the stream's requests leave as one message.
+    so a step's deltas for all of the stream's requests leave as one message. Each request ends
+    with exactly one end item: written by its task as it finishes, or, for a task cancelled (by
+    the client, its deadline, even before it ever ran), by the task's done-callback.
     """
 
     def __init__(self, servicer: GenerationServicer) -> None:
         self._servicer = servicer
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._timers: dict[int, asyncio.TimerHandle] = {}
         self._cancelled: set[int] = set()  # by the client: end with CANCELLED
         self._expired: set[int] = set()  # past their deadline: end with DEADLINE_EXCEEDED
         self._items: list[generation_pb2.GenerateStreamItem] = []
         self._ready = asyncio.Event()
         self._reading = True
+        self._closing = False
         self._error: Exception | None = None
 
     async def run(self, requests: AsyncIterator[generation_pb2.GenerateStreamRequest]
@@ -416,17 +420,19 @@ class _Multiplexer:
         reader = asyncio.ensure_future(self._read(requests))
         try:
             while True:
-                while not self._items:
-                    if self._error is not None:
-                        raise self._error
+                if self._error is not None:
+                    raise self._error
+                if not self._items:
                     if (not self._reading or self._servicer.draining) and not self._tasks:
                         return  # half-closed (or shutting down) and every request ended
                     self._ready.clear()
                     await self._ready.wait()
+                    continue
                 items, self._items = self._items, []
                 yield generation_pb2.GenerateStreamResponse(items=items)
         finally:
             # The stream is over (half-closed and drained, failed, or cancelled): abort what is still open.
+            self._closing = True
             reader.cancel()
             open_tasks = list(self._tasks.values())
             for task in open_tasks:
@@ -438,13 +444,7 @@ class _Multiplexer:
             async for req in requests:
                 action = req.WhichOneof("action")
                 if action == "generate":
-                    if req.id in self._tasks:
-                        raise InvalidRequestError("id", f"request {req.id} is still open on this stream")
-                    if self._servicer.draining:
-                        self._end(req.id, grpc.StatusCode.UNAVAILABLE, "the tokenizer service is shutting down")
-                        continue
-                    timeout = req.timeout_ms / 1000 if req.timeout_ms else None
-                    self._tasks[req.id] = asyncio.ensure_future(self._request(req.id, req.generate, timeout))
+                    self._start(req)
                 elif action == "cancel":
                     task = self._tasks.get(req.id)
                     if task is not None and req.id not in self._cancelled:
@@ -458,6 +458,20 @@ class _Multiplexer:
             self._reading = False
             self._ready.set()
 
+    def _start(self, req: generation_pb2.GenerateStreamRequest) -> None:
+        id_ = req.id
+        if id_ in self._tasks:
+            raise InvalidRequestError("id", f"request {id_} is still open on this stream")
+        if self._servicer.draining:
+            self._end(id_, grpc.StatusCode.UNAVAILABLE, "the tokenizer service is shutting down")
+            return
+        timeout = req.timeout_ms / 1000 if req.timeout_ms else None
+        task = asyncio.ensure_future(self._request(id_, req.generate, timeout))
+        self._tasks[id_] = task
+        if timeout:
+            self._timers[id_] = asyncio.get_running_loop().call_later(timeout, self._expire, id_)
+        task.add_done_callback(lambda t, i=id_: self._finished(i, t))
+
     def wake(self) -> None:
         self._ready.set()
 
@@ -469,30 +483,37 @@ class _Multiplexer:
 
     async def _request(self, id_: int, request: generation_pb2.GenerateRequest, timeout: float | None) -> None:
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        timer = asyncio.get_running_loop().call_later(timeout, self._expire, id_) if timeout else None
-        code, message = grpc.StatusCode.OK, ""
         try:
             async for out in self._servicer.generate(request, request_id, timeout=timeout):
                 self._items.append(generation_pb2.GenerateStreamItem(id=id_, response=out))
                 self._ready.set()
         except asyncio.CancelledError:
-            if id_ in self._expired:
-                code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
-            elif id_ in self._cancelled:
-                code, message = grpc.StatusCode.CANCELLED, "cancelled by the client"
-            else:
-                raise  # the whole stream is going away
+            raise  # ended by _finished
         except Exception as e:  # noqa: BLE001 — the request's own status, as its Generate call would end
             code, message = status_for(e)
             if code is grpc.StatusCode.INTERNAL:
                 logger.exception("unexpected error in GenerateStream request %s", request_id, exc_info=e)
-        finally:
-            if timer is not None:
-                timer.cancel()
-            del self._tasks[id_]
-            self._cancelled.discard(id_)
-            self._expired.discard(id_)
+        else:
+            code, message = grpc.StatusCode.OK, ""
+        # Here, not in the done-callback: the end then rides on the last delta if that has not left yet.
         self._end(id_, code, message)
+
+    def _finished(self, id_: int, task: asyncio.Task[None]) -> None:
+        del self._tasks[id_]
+        timer = self._timers.pop(id_, None)
+        if timer is not None:
+            timer.cancel()
+        expired, cancelled = id_ in self._expired, id_ in self._cancelled
+        self._expired.discard(id_)
+        self._cancelled.discard(id_)
+        if not task.cancelled():  # it wrote its own end
+            self._ready.set()  # run() may be waiting for the last request to end
+            return
+        if expired:
+            self._end(id_, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        elif cancelled or not self._closing:
+            self._end(id_, grpc.StatusCode.CANCELLED, "cancelled")
+        # else the whole stream is going away: nobody to tell
 
     def _end(self, id_: int, code: grpc.StatusCode, message: str) -> None:
         """The request's last item: its last delta when that has not left yet, else an item of its own."""

@@ -46,12 +46,24 @@ def test_stream_interval_side_is_reported_but_the_target_stays_on_rest() -> None
     assert only["judged"] == "rest-si" and only["met"] is True
 
 
-def test_per_request_calls_side_is_reported_beside_rest() -> None:
-    results = [_run("rest", 0, 96), _run("rest-calls", 0, 91), _run("in-process", 0, 100)]
+def test_per_request_calls_side_is_reported_beside_rest_with_cpu_per_process() -> None:
+    from dataclasses import replace
+
+    cpu = {"engine": 20.0, "tokenizer": 0.2, "gateway": 0.4, "client": 0.1}
+    results = [replace(_run("rest", 0, 96), cpu_s=cpu), replace(_run("rest", 1, 97), cpu_s=dict(cpu, tokenizer=0.4)),
+               replace(_run("rest-calls", 0, 91), cpu_s=dict(cpu, tokenizer=0.5)), _run("in-process", 0, 100),
+               _run("in-process", 1, 100)]
     s = summarize(results)
     assert s["judged"] == "rest" and s["met"] is True
     assert s["sides"]["rest-calls"]["ratio"] == pytest.approx(0.91)
-    assert "a Generate call per request (--no-tokenizer-mux) / in-process, medians: **0.910**" in markdown(results, s)
+    # 1000 output tokens a run: the medians of the seconds themselves
+    assert s["sides"]["rest"]["cpu_s_per_1k_tokens"] == pytest.approx(
+        {"engine": 20.0, "tokenizer": 0.3, "gateway": 0.4, "client": 0.1})
+    assert "cpu_s_per_1k_tokens" not in s["sides"].get("grpc", {})
+    table = markdown(results, s)
+    assert "a Generate call per request (--no-tokenizer-mux) / in-process, medians: **0.910**" in table
+    assert "CPU s per 1000 output tokens (medians): engine 20.000, tokenizer 0.500, gateway 0.400, client 0.100." in table
+    assert "| 96.0 | 20.00 / 0.20 / 0.40 / 0.10 |" in table and "| 100.0 | – |" in table
 
 
 def test_final_usage_reads_the_last_data_event() -> None:
@@ -92,3 +104,32 @@ def test_rest_side_drives_a_streaming_server_and_counts_from_usage() -> None:
         behaviour.send_usage = False
         with pytest.raises(RuntimeError, match="usage"):
             asyncio.run(_rest_workload(server.base_url, "fake-model", ["p"], 6, 1, 30))
+
+
+def test_stack_cpu_counts_each_role_of_a_process_tree() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.overhead import stack_cpu_s
+
+    burn = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('ok', flush=True)\ntime.sleep(60)"
+    root_code = (
+        "import subprocess, sys, time\n"
+        f"burn = {burn!r}\n"
+        "kids = [subprocess.Popen([sys.executable, '-c', burn, '-m', role], stdout=sys.stdout)"
+        " for role in ('engine', 'gateway', 'gateway')]\n"
+        "time.sleep(60)\n")
+    root = subprocess.Popen([sys.executable, "-c", root_code], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):
+            assert root.stdout is not None and root.stdout.readline().strip() == "ok"
+        time.sleep(0.1)
+        cpu = stack_cpu_s(root.pid)
+        assert set(cpu) == {"engine", "gateway"}  # the root itself has no role; nothing else is counted
+        assert 0.25 <= cpu["engine"] < 2 and 0.5 <= cpu["gateway"] < 4  # two gateways summed
+        assert stack_cpu_s(2**22 + 7) == {}  # no such process: no descendants
+    finally:
+        subprocess.run(["pkill", "-P", str(root.pid)], check=False)
+        root.kill()
+        root.wait()

@@ -162,7 +162,7 @@ async def test_cancel_reaches_the_server(fake_server: FakeServer, mux: bool) -> 
             assert delta.text == "Hel"
             call.cancel()
             break
-        await fake_server.servicer.cancelled.wait()
+        await asyncio.wait_for(fake_server.servicer.cancelled.wait(), 10)
     finally:
         await backend.close()
 
@@ -181,7 +181,6 @@ async def test_mux_carries_concurrent_requests_on_one_stream_in_batched_messages
         servicer = fake_server.servicer
         starts = [r for r in servicer.stream_requests if r.WhichOneof("action") == "generate"]
         assert sorted(r.generate.request_id for r in starts) == [f"r{i}" for i in range(8)]
-        assert len({r.id for r in starts}) == 8  # one id per open request
         # 8 requests x (6 deltas + an end): far fewer messages than items, the deltas of one step together.
         assert servicer.stream_messages < 8 * 7 / 2, servicer.stream_messages
     finally:
@@ -217,17 +216,21 @@ async def test_mux_stream_failure_fails_its_open_requests_and_the_next_request_o
         fake_server: FakeServer) -> None:
     backend = GrpcBackend.connect([fake_server.address], mux=True)
     try:
+        tasks_before = len(asyncio.all_tasks())
         open_call = backend.generate(Prompt(text="stall"), GenerationParams(), request_id="a", timeout=None)
         async for delta in open_call:
             assert delta.text == "Hel"
             break
-        failing = backend.generate(Prompt(text="streamfail:UNAVAILABLE"), GenerationParams(), request_id="b",
+        failing = backend.generate(Prompt(text="streamfail:INTERNAL"), GenerationParams(), request_id="b",
                                    timeout=None)
         for call in (open_call, failing):
             with pytest.raises(BackendError) as info:
                 async for _ in call:
                     pass
-            assert info.value.kind is BackendErrorKind.UNAVAILABLE
+            # The requests did not cause the stream's failure: unavailable (a 503 to retry), not a 500.
+            assert info.value.kind is BackendErrorKind.UNAVAILABLE and "INTERNAL" in info.value.message
+        await asyncio.sleep(0.2)
+        assert len(asyncio.all_tasks()) == tasks_before  # the failed call's reader and request writer ended
         deltas = [d async for d in backend.generate(Prompt(text="x"), GenerationParams(), request_id="c",
                                                     timeout=5)]
         assert "".join(d.text for d in deltas) == "Hello world"
@@ -239,7 +242,7 @@ async def test_mux_stream_failure_fails_its_open_requests_and_the_next_request_o
 async def test_mux_deadline_ends_the_request_and_cancels_it_on_the_stream(fake_server: FakeServer) -> None:
     backend = GrpcBackend.connect([fake_server.address], mux=True)
     try:
-        call = backend.generate(Prompt(text="stall"), GenerationParams(), request_id="r", timeout=0.3)
+        call = backend.generate(Prompt(text="stall"), GenerationParams(), request_id="r", timeout=1.0)
         got = []
         with pytest.raises(BackendError) as info:
             async for delta in call:
@@ -247,7 +250,7 @@ async def test_mux_deadline_ends_the_request_and_cancels_it_on_the_stream(fake_s
         assert got == ["Hel"] and info.value.kind is BackendErrorKind.DEADLINE_EXCEEDED
         await asyncio.wait_for(fake_server.servicer.cancelled.wait(), 5)
         sent = fake_server.servicer.stream_requests
-        assert sent[0].timeout_ms == 300 and sent[-1].cancel and sent[-1].id == sent[0].id
+        assert sent[0].timeout_ms == 1000 and sent[-1].cancel and sent[-1].id == sent[0].id
     finally:
         await backend.close()
 

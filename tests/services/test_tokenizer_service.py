@@ -178,7 +178,8 @@ class _MuxStream:
 
     def __init__(self, addr: str, timeout: float = 30) -> None:
         self._out: queue.Queue[generation_pb2.GenerateStreamRequest | None] = queue.Queue()
-        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(addr))
+        self.channel = grpc.insecure_channel(addr)
+        stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.responses = stub.GenerateStream(iter(self._out.get, None), timeout=timeout)
 
     def send(self, **kw: object) -> None:
@@ -295,6 +296,8 @@ def test_generate_stream_with_an_open_id_twice_is_invalid_argument(fake: tuple[S
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "still open" in err.value.details()
     assert engine.cancelled.wait(5), "the stream's open request is aborted with it"
+    mux.close()
+    mux.channel.close()
 
 
 def test_generate_stream_on_sigterm_finishes_open_requests_refuses_new_ones_and_ends(
@@ -312,7 +315,7 @@ def test_generate_stream_on_sigterm_finishes_open_requests_refuses_new_ones_and_
         items = mux.items()
         assert next(items).id == 1
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        wait_until(lambda: not grpc_serving(addr, "sluice.v1.Generation"), 10, None, "draining")
         mux.send(id=2, generate=generation_pb2.GenerateRequest(text="hi"))
         got = _by_id(items)  # ends by itself: the client never half-closes
         assert got[2] == [generation_pb2.GenerateStreamItem(
@@ -321,5 +324,7 @@ def test_generate_stream_on_sigterm_finishes_open_requests_refuses_new_ones_and_
         assert got[1][-1].end and got[1][-1].status_code == 0
         assert sum(len(i.response.token_ids) for i in got[1]) == 99  # the first one was read before
         assert proc.wait(timeout=20) == 0
+        mux.close()
+        mux.channel.close()
     finally:
         stop(proc)
