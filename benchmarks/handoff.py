@@ -11,10 +11,10 @@ protobuf's repeated field), and answers with one message.
 
 The client builds each request with the tokenizer service's own code:
 ``inline`` / ``shm`` start from the ``list[int]`` a tokenizer returns for a text
-prompt and call ``_engine_request`` (``ShmRing.put`` + reference, or
+prompt and call ``engine_request`` (``ShmRing.put`` + reference, or
 ``ids.extend``); with ``--token-ids``, ``inline.ids`` / ``shm.ids`` start from a
-public ``GenerateRequest`` carrying ``token_ids`` and call ``_prompt_ids`` then
-``_engine_request`` (``ring.put(array)``, or ``CopyFrom`` of the message). It
+public ``GenerateRequest`` carrying ``token_ids`` and call ``prompt_ids`` then
+``engine_request`` (``ring.put(array)``, or ``CopyFrom`` of the message). It
 sends the request and waits for the first reply, releasing the shm slot on the
 acknowledgement as the service does.
 
@@ -189,7 +189,7 @@ async def run_client(address: str, settings: HandoffSettings, prompts: dict[int,
     channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", _MSG_LIMIT),
                                                           ("grpc.max_send_message_length", _MSG_LIMIT)])
     # Two tokenizer-service servicers on one channel: one with a ring (shm), one without (inline ids).
-    # The tokenizer itself is never used by _engine_request.
+    # The tokenizer itself is never used by engine_request.
     ring = GenerationServicer(None, channel, served_model_name="bench", model_path="",  # type: ignore[arg-type]
                               shm_tokens=settings.shm_tokens)
     plain = GenerationServicer(None, channel, served_model_name="bench", model_path="",  # type: ignore[arg-type]
@@ -216,11 +216,11 @@ async def run_client(address: str, settings: HandoffSettings, prompts: dict[int,
                     if mode in ID_MODES:  # what GenerationServicer.Generate does with a token-id prompt
                         ids_public = id_requests[size]
                         t0 = time.perf_counter()
-                        ids = service._prompt_ids(ids_public)
-                        request, handoff = await service._engine_request(ids_public, rid, ids, 1,
+                        ids = service.prompt_ids(ids_public)
+                        request, handoff = await service.engine_request(ids_public, rid, ids, 1,
                                                                          source=ids_public.token_ids)
                     else:
-                        request, handoff = await service._engine_request(public, rid, prompts[size], 1)
+                        request, handoff = await service.engine_request(public, rid, prompts[size], 1)
                     if (request.WhichOneof("prompt") == "prompt_shm") != mode.startswith("shm"):
                         raise RuntimeError(f"{rid}: the request went {request.WhichOneof('prompt')}")
                     t1 = None

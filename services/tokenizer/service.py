@@ -168,7 +168,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         engine call's ``AioRpcError``). ``timeout``: seconds left of the caller's deadline, for the engine call."""
         self._check_model(request.model)
         info = await self.engine_info()
-        prompt_ids = self._prompt_ids(request)
+        prompt_ids = self.prompt_ids(request)
         if len(prompt_ids) > info.max_model_len:
             raise InvalidRequestError("prompt", f"the prompt has {len(prompt_ids)} tokens, more than "
                                                 f"max_model_len {info.max_model_len}")
@@ -189,7 +189,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 for i in range(n)}
         usage = _Usage(prompt=len(prompt_ids))
         source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
-        engine_req, handoff = await self._engine_request(request, request_id, prompt_ids, n, source=source)
+        engine_req, handoff = await self.engine_request(request, request_id, prompt_ids, n, source=source)
         time_limit = request.stopping.time_limit_ms / 1000 if request.stopping.HasField("time_limit_ms") else None
         deadline = time.monotonic() + time_limit if time_limit else None
         call = self.engine_stream.generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
@@ -280,7 +280,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except grpc.aio.AioRpcError:
             logger.warning("abort of %s did not reach the engine", request_id)
 
-    async def _engine_request(self, request: generation_pb2.GenerateRequest, request_id: str,
+    async def engine_request(self, request: generation_pb2.GenerateRequest, request_id: str,
                               prompt_ids: list[int] | np.ndarray, n: int, *, source: common_pb2.TokenIds | None = None
                               ) -> tuple[engine_pb2.EngineGenerateRequest, _Handoff]:
         """The engine request for ``prompt_ids``: a shm reference when the ring has room, else inline ids
@@ -310,7 +310,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             req.prompt_token_ids.ids.extend(prompt_ids.tolist() if isinstance(prompt_ids, np.ndarray) else prompt_ids)
         return req, handoff
 
-    def _prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int] | np.ndarray:
+    def prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int] | np.ndarray:
+        """The prompt's token ids: text encoded, chat messages rendered with the chat template and
+        encoded, or the given ids as an array; an empty or missing prompt is an InvalidRequestError."""
         which = request.WhichOneof("input")
         if which == "text":
             if not request.text:
