@@ -2,15 +2,7 @@
 // against the .proto files only: it streams one Generate call and prints a JSON summary.
 //   node generate.js ADDR '{"chat": {"messages": [...]}, "sampling": {...}, "stopping": {...}}'
 "use strict";
-const path = require("path");
-const grpc = require("@grpc/grpc-js");
-const protoLoader = require("@grpc/proto-loader");
-
-const protoRoot = path.resolve(__dirname, "..", "..", "proto");
-const def = protoLoader.loadSync(path.join(protoRoot, "sluice/v1/generation.proto"), {
-  includeDirs: [protoRoot], keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true,
-});
-const sluice = grpc.loadPackageDefinition(def).sluice.v1;
+const { grpc, sluice } = require("./sluice");
 
 const [addr, body] = process.argv.slice(2);
 const client = new sluice.Generation(addr, grpc.credentials.createInsecure());
