@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 import pytest
 
+from gateway.app import create_app
+from gateway.backend import GenerateCall
+from gateway.client import GrpcBackend
+from gateway.metrics import GatewayMetrics
+from gateway.settings import GatewaySettings
 from proto.sluice.v1 import generation_pb2
 from tests.gateway.conftest import SERVED, Gateway, GatewayFactory
+from tests.gateway.fakes import FakeServer
 
 pytestmark = pytest.mark.anyio
 
@@ -303,3 +311,49 @@ async def test_openai_sdk_json_and_stream(live_gateway: Gateway) -> None:
         assert info.value.status_code == 404
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("mux", [False, True], ids=["calls", "mux"])
+async def test_a_batched_prompt_whose_call_cannot_start_aborts_the_calls_already_started(
+        fake_server: FakeServer, mux: bool) -> None:
+    settings = GatewaySettings(tokenizer_addresses=(fake_server.address,), served_model_names=(SERVED,),
+                               tokenizer_mux=mux)
+    backend = GrpcBackend.connect(settings.tokenizer_addresses, mux=mux)
+    started: list[GenerateCall] = []
+    cancelled: list[GenerateCall] = []
+
+    class Recording:
+        def __init__(self, call: GenerateCall) -> None:
+            self.call = call
+
+        def __aiter__(self):  # type: ignore[no-untyped-def]
+            return self.call.__aiter__()
+
+        def cancel(self) -> None:
+            cancelled.append(self)
+            self.call.cancel()
+
+    def generate(prompt, params, *, request_id, timeout):  # type: ignore[no-untyped-def]
+        if prompt.text == "cannot start":
+            raise ValueError("no such call")
+        started.append(Recording(GrpcBackend.generate(backend, prompt, params, request_id=request_id,
+                                                      timeout=timeout)))
+        return started[-1]
+
+    backend.generate = generate  # type: ignore[method-assign]
+    app = create_app(settings, backend, GatewayMetrics())
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app, raise_app_exceptions=False),
+                                     base_url="http://gateway.test") as client:
+            r = await client.post("/v1/completions", json={"model": SERVED, "prompt": ["stall", "cannot start"],
+                                                           "stream": True})
+        assert r.status_code == 500
+        assert len(started) == 1 and cancelled == started  # the stalled call was aborted, not left running
+        servicer = fake_server.servicer
+        for _ in range(100):  # the backend saw the cancel, unless the call was cancelled before reaching it
+            if servicer.cancelled.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert servicer.cancelled.is_set() or not servicer.generate_requests
+    finally:
+        await backend.close()
