@@ -83,7 +83,8 @@ class TorchAttentionBackend:
     right when there is no earlier context).
 
     ``decode_kernel`` (the CPU device passes ``engine.kernels.cpu_paged_decode_attention``) replaces the
-    gather + SDPA of float32 decodes (over a float32 or float16 cache) with one pass over the blocks in place.
+    gather + SDPA of float32 and bfloat16 decodes (over a float32, float16 or bfloat16 cache) with one pass over
+    the blocks in place.
     """
 
     def __init__(self, decode_kernel: PagedDecodeAttention | None = None) -> None:
@@ -107,8 +108,8 @@ class TorchAttentionBackend:
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         num_decodes = meta.num_decodes
-        if (self.decode_kernel is not None and query.dtype == torch.float32
-                and kv_cache.dtype in (torch.float32, torch.float16) and kv_cache.is_contiguous()):
+        if (self.decode_kernel is not None and query.dtype in (torch.float32, torch.bfloat16)
+                and kv_cache.dtype in (torch.float32, torch.float16, torch.bfloat16) and kv_cache.is_contiguous()):
             return self.decode_kernel(query.contiguous(), kv_cache, meta.block_tables[:num_decodes].contiguous(),
                                       meta.seq_lens[:num_decodes].contiguous(), scale)
         block_size = meta.block_size

@@ -1,5 +1,6 @@
-"""Native CPU kernels for float32: oneDNN prepacked linears, and ``cpu_ops.cpp`` (paged decode
-attention, RMSNorm with the residual add, SiLU-and-mul, rotary embedding) compiled on first use with
+"""Native CPU kernels for float32 and bfloat16 models: oneDNN prepacked linears (AMX on CPUs that have it,
+for bfloat16), and ``cpu_ops.cpp`` (paged decode attention, RMSNorm with the residual add, SiLU-and-mul,
+rotary embedding; the block-quantized linear for float32 only) compiled on first use with
 ``torch.utils.cpp_extension`` (g++ and ninja).
 
 The build lands in torch's extension cache (``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``)
@@ -49,15 +50,23 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get(ENV_CPU_KERNELS, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+# Model dtypes the CPU kernels take. float16 models run the PyTorch path.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """float32 models: prepack the linears for oneDNN (when torch has it) and hand the model the fused
-    elementwise ops and the quantized linear (when ``cpu_ops`` builds). True when anything changed."""
+    """float32 and bfloat16 models: prepack the linears for oneDNN (when torch has it) and hand the model
+    the fused elementwise ops and paged decode attention (when ``cpu_ops`` builds); float32 models also
+    the quantized linear. True when anything changed.
+
+    bfloat16 linears run oneDNN's bfloat16 GEMM, which uses AMX tiles or AVX512-BF16 where the CPU has
+    them (``--dtype auto`` picks bfloat16 only there); the checkpoint's quantized blocks are not used."""
     from engine.models.llama import QUANT_MAX_ROWS
 
-    ops = cpu_ops() if dtype == torch.float32 and cpu_kernels_enabled() else None
-    if ops is None and hasattr(model, "drop_quantized"):
+    ops = cpu_ops() if dtype in KERNEL_DTYPES and cpu_kernels_enabled() else None
+    if (ops is None or dtype != torch.float32) and hasattr(model, "drop_quantized"):
         model.drop_quantized()  # nothing here reads the block-quantized copies
-    if dtype != torch.float32 or not cpu_kernels_enabled():
+    if dtype not in KERNEL_DTYPES or not cpu_kernels_enabled():
         return False
     changed = False
     if ops is not None and hasattr(model, "use_cpu_ops"):  # first: layers that will only read blocks free

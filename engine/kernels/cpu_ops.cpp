@@ -1,4 +1,4 @@
-// The engine's CPU float32 kernels, built on first use by engine/kernels/__init__.py
+// The engine's CPU kernels for float32 and bfloat16 models, built on first use by engine/kernels/__init__.py
 // (torch.utils.cpp_extension). Each replaces a chain of PyTorch ops that would each make a pass over
 // memory; all are checked against the PyTorch path in tests/engine/test_kernels.py and, through the
 // model, against transformers in tests/engine/test_models.py.
@@ -7,13 +7,16 @@
 // values where they lie in the paged KV cache. No gather: each key and value is read once from its
 // block, which is what the pure-PyTorch path (index_select + SDPA) pays three times for.
 //
-// query        [N, Hq, D]            float32, contiguous
-// kv_cache     [2, NB, BS, Hkv, D]   float32 or float16, contiguous; index 0 keys, 1 values
+// query        [N, Hq, D]            float32 or bfloat16, contiguous
+// kv_cache     [2, NB, BS, Hkv, D]   float32, float16 or bfloat16, contiguous; index 0 keys, 1 values
 // block_tables [N, MB]               int64: block ids of each sequence, in order
 // seq_lens     [N]                   int64: tokens in the cache for each sequence (this step's included)
-// returns      [N, Hq, D]            float32
+// returns      [N, Hq, D]            the query's dtype
+//
+// bfloat16 tensors (the default dtype on CPUs with AVX512-BF16 / AMX) are computed in float32: each row
+// is widened as it is read and rounded to nearest-even once, when the result is stored.
 #include <torch/extension.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <ATen/Parallel.h>
@@ -31,9 +34,30 @@ namespace {
 
 constexpr int64_t kLanes = 8;  // one AVX2 register of floats; the compiler vectorises the lane loops
 
-// A key or value element as float: the KV cache holds float32, or float16 (--kv-cache-dtype float16).
+// An element as float: the KV cache holds float32, float16 (--kv-cache-dtype float16) or bfloat16;
+// activations are float32 or bfloat16.
 inline float to_float(float x) { return x; }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+
+// A row of n elements widened to float (a bfloat16 is the high half of a float32: a shift, vectorised).
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// A row of floats stored as T: copied for float32, rounded to nearest-even (NaN kept) for bfloat16.
+inline void store_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+    std::memcpy(dst + i, &v, sizeof(v));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = at::BFloat16(src[i]);  // c10 rounds to nearest-even
+}
 
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
@@ -91,6 +115,10 @@ inline __m256 exp_clamped8(__m256 x) {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const at::BFloat16* p) {  // zero-extend to 32 bits, shift into the high half
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
 // Dot products of one query with 8 keys `stride` floats apart (8 consecutive tokens of a block), as one
@@ -173,9 +201,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                                      double scale) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(query.scalar_type() == at::kFloat &&
-                  (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf),
-              "paged_decode_attention: float32 query, float32 or float16 KV cache");
+  TORCH_CHECK((query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16) &&
+                  (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf ||
+                   kv_cache.scalar_type() == at::kBFloat16),
+              "paged_decode_attention: float32 or bfloat16 query, float32, float16 or bfloat16 KV cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_decode_attention: int64 block_tables and seq_lens");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 && block_tables.dim() == 2 &&
@@ -191,7 +220,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const int64_t max_blocks = block_tables.size(1);
   const int64_t group = n_heads / n_kv_heads;
 
-  const float* q = query.data_ptr<float>();
+  // A bfloat16 query is widened once (N x Hq x D: a few KB) and the result rounded back at the end.
+  const torch::Tensor query_f = query.scalar_type() == at::kFloat ? query : query.to(at::kFloat);
+  const float* q = query_f.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t n = 0; n < n_seqs; ++n) {  // validate before any thread reads through them
@@ -201,13 +232,14 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
       TORCH_CHECK(id >= 0 && id < n_blocks, "paged_decode_attention: block id out of range");
     }
   }
-  auto out = torch::empty_like(query);
+  auto out = torch::empty_like(query_f);
   float* o = out.data_ptr<float>();
   const int64_t token_stride = n_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
   const float fscale = static_cast<float>(scale);
 
-  // Keys and values are read as float32 or converted from float16 as they are loaded (F16C): the same loops.
+  // Keys and values are read as float32 or converted from float16 (F16C) or bfloat16 (a shift) as they are
+  // loaded: the same loops.
   const auto run = [&](const auto* keys) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>;
     const T* values = keys + n_blocks * block_size * n_kv_heads * head_dim;
@@ -333,17 +365,40 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   };
   if (kv_cache.scalar_type() == at::kHalf) {
     run(kv_cache.data_ptr<at::Half>());
+  } else if (kv_cache.scalar_type() == at::kBFloat16) {
+    run(kv_cache.data_ptr<at::BFloat16>());
   } else {
     run(kv_cache.data_ptr<float>());
   }
-  return out;
+  return query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type());
 }
 
 namespace {
 
 void check_rows(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, name, ": float32 CPU tensor expected");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), name,
+              ": float32 or bfloat16 CPU tensor expected");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": [rows, features] with contiguous rows expected");
+}
+
+// A norm weight of H values: float32, or the activations' own dtype.
+void check_weight(const torch::Tensor& weight, const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == x.scalar_type()),
+              name, ": weight must be [H], float32 or the input's dtype");
+}
+
+// Calls f with null pointers of the activation type T and the weight type W (float or at::BFloat16).
+template <typename F>
+void dispatch_rows(const torch::Tensor& x, const torch::Tensor& weight, F&& f) {
+  const bool wf = weight.scalar_type() == at::kFloat;
+  if (x.scalar_type() == at::kFloat) {
+    f(static_cast<float*>(nullptr), static_cast<const float*>(nullptr));
+  } else if (wf) {
+    f(static_cast<at::BFloat16*>(nullptr), static_cast<const float*>(nullptr));
+  } else {
+    f(static_cast<at::BFloat16*>(nullptr), static_cast<const at::BFloat16*>(nullptr));
+  }
 }
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for one row of `n` floats.
@@ -353,45 +408,77 @@ inline void rms_norm_row(const float* x, const float* weight, float* out, int64_
   for (int64_t d = 0; d < n; ++d) out[d] = weight[d] * (x[d] * inv);
 }
 
+// The same for any T / W: float rows go straight through; other rows are widened into buf (n floats),
+// normalised there and rounded once into out. x and out may be the same row.
+template <typename T, typename W>
+inline void rms_norm_row_any(const T* x, const W* weight, T* out, int64_t n, float eps, float* buf) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<W, float>) {
+    rms_norm_row(x, weight, out, n, eps);
+  } else {
+    load_row(x, buf, n);
+    const float ss = dot(buf, buf, n);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t d = 0; d < n; ++d) buf[d] = to_float(weight[d]) * (buf[d] * inv);
+    store_row(buf, out, n);
+  }
+}
+
 }  // namespace
 
-// RMSNorm of each row of x [T, H] (float32), as transformers computes it in float32.
+// RMSNorm of each row of x [T, H] (float32 or bfloat16), computed in float32 as transformers does.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   check_rows(x, "rms_norm: x");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == at::kFloat,
-              "rms_norm: weight must be float32 [H]");
+  check_weight(weight, x, "rms_norm");
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   auto out = torch::empty({rows, n}, x.options());
-  const float* src = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(src + r * stride, w, dst + r * n, n, static_cast<float>(eps));
+  dispatch_rows(x, weight, [&](auto* t, const auto* w_type) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(w_type)>>;
+    const T* src = x.data_ptr<T>();
+    const W* w = weight.data_ptr<W>();
+    T* dst = out.data_ptr<T>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(std::is_same_v<T, float> ? 0 : n);
+      for (int64_t r = begin; r < end; ++r) {
+        rms_norm_row_any(src + r * stride, w, dst + r * n, n, static_cast<float>(eps), buf.data());
+      }
+    });
   });
   return out;
 }
 
 // residual += x (in place), then returns rms_norm(residual): the residual add and the next layer's
-// input norm in one pass.
+// input norm in one pass. In bfloat16 the sum is rounded into the residual and the norm is of that
+// rounded row, as with the two ops apart.
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
   check_rows(x, "add_rms_norm: x");
   check_rows(residual, "add_rms_norm: residual");
-  TORCH_CHECK(residual.is_contiguous() && x.sizes() == residual.sizes(), "add_rms_norm: shapes differ");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == at::kFloat,
-              "add_rms_norm: weight must be float32 [H]");
+  TORCH_CHECK(residual.is_contiguous() && x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: shapes or dtypes differ");
+  check_weight(weight, x, "add_rms_norm");
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   auto out = torch::empty({rows, n}, x.options());
-  const float* src = x.data_ptr<float>();
-  float* res = residual.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* rr = res + r * n;
-      const float* xr = src + r * stride;
-      for (int64_t d = 0; d < n; ++d) rr[d] += xr[d];
-      rms_norm_row(rr, w, dst + r * n, n, static_cast<float>(eps));
-    }
+  dispatch_rows(x, weight, [&](auto* t, const auto* w_type) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(w_type)>>;
+    const T* src = x.data_ptr<T>();
+    T* res = residual.data_ptr<T>();
+    const W* w = weight.data_ptr<W>();
+    T* dst = out.data_ptr<T>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(std::is_same_v<T, float> ? 0 : n);
+      for (int64_t r = begin; r < end; ++r) {
+        T* rr = res + r * n;
+        const T* xr = src + r * stride;
+        if constexpr (std::is_same_v<T, float>) {
+          for (int64_t d = 0; d < n; ++d) rr[d] += xr[d];
+        } else {
+          for (int64_t d = 0; d < n; ++d) buf[d] = to_float(rr[d]) + to_float(xr[d]);
+          store_row(buf.data(), rr, n);
+        }
+        rms_norm_row_any(static_cast<const T*>(rr), w, dst + r * n, n, static_cast<float>(eps), buf.data());
+      }
+    });
   });
   return out;
 }
@@ -402,14 +489,25 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: odd width");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
   auto out = torch::empty({rows, inter}, gate_up.options());
-  const float* src = gate_up.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+  if (gate_up.scalar_type() == at::kFloat) {
+    const float* src = gate_up.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* g = src + r * stride;
+        silu_mul_row(g, g + inter, dst + r * inter, inter);
+      }
+    });
+    return out;
+  }
+  const at::BFloat16* src = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(3 * inter);  // gate | up | result
     for (int64_t r = begin; r < end; ++r) {
-      const float* g = src + r * stride;
-      const float* u = g + inter;
-      float* o = dst + r * inter;
-      silu_mul_row(g, u, o, inter);
+      load_row(src + r * stride, buf.data(), 2 * inter);
+      silu_mul_row(buf.data(), buf.data() + inter, buf.data() + 2 * inter, inter);
+      store_row(buf.data() + 2 * inter, dst + r * inter, inter);
     }
   });
   return out;
@@ -417,37 +515,63 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 
 // Rotary embedding, GPT-NeoX layout (the halves of each head rotate together), in place on x
 // [T, heads, D] whose heads and features are contiguous (tokens may be strided, e.g. a slice of the
-// fused qkv output). cos/sin [max_positions, D/2]; positions [T] int64.
+// fused qkv output). cos/sin [max_positions, D/2], float32 or x's dtype; positions [T] int64.
 void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3, "rotary_: float32 [T, H, D]");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 3, "rotary_: float32 or bfloat16 [T, H, D]");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == dim && dim % 2 == 0, "rotary_: heads and features contiguous");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(),
-              "rotary_: cos/sin must be float32 [positions, D/2]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == sin.scalar_type() &&
+                  (cos.scalar_type() == at::kFloat || cos.scalar_type() == x.scalar_type()) && cos.dim() == 2 &&
+                  cos.size(1) == half && sin.sizes() == cos.sizes(),
+              "rotary_: cos/sin must be [positions, D/2], float32 or x's dtype");
   TORCH_CHECK(positions.is_contiguous() && positions.scalar_type() == at::kLong && positions.numel() == tokens,
               "rotary_: positions must be int64 [T]");
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t max_pos = cos.size(0);
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_: position out of range");
-  float* base = x.data_ptr<float>();
-  const float* c = cos.data_ptr<float>();
-  const float* s = sin.data_ptr<float>();
   const int64_t stride = x.stride(0);
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* ct = c + pos[t] * half;
-      const float* st = s + pos[t] * half;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* x1 = base + t * stride + h * dim;
-        float* x2 = x1 + half;
-        for (int64_t d = 0; d < half; ++d) {
-          const float a = x1[d], b = x2[d];
-          x1[d] = a * ct[d] - b * st[d];
-          x2[d] = b * ct[d] + a * st[d];
+  dispatch_rows(x, cos, [&](auto* t_type, const auto* c_type) {
+    using T = std::remove_pointer_t<decltype(t_type)>;
+    using C = std::remove_cv_t<std::remove_pointer_t<decltype(c_type)>>;
+    T* base = x.data_ptr<T>();
+    const C* c = cos.data_ptr<C>();
+    const C* s = sin.data_ptr<C>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(std::is_same_v<T, float> && std::is_same_v<C, float> ? 0 : 3 * dim);
+      for (int64_t t = begin; t < end; ++t) {
+        if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
+          const float* ct = c + pos[t] * half;
+          const float* st = s + pos[t] * half;
+          for (int64_t h = 0; h < heads; ++h) {
+            float* x1 = base + t * stride + h * dim;
+            float* x2 = x1 + half;
+            for (int64_t d = 0; d < half; ++d) {
+              const float a = x1[d], b = x2[d];
+              x1[d] = a * ct[d] - b * st[d];
+              x2[d] = b * ct[d] + a * st[d];
+            }
+          }
+        } else {
+          float* ct = buf.data() + dim;  // widened cos | sin of this position
+          float* st = ct + half;
+          load_row(c + pos[t] * half, ct, half);
+          load_row(s + pos[t] * half, st, half);
+          for (int64_t h = 0; h < heads; ++h) {
+            T* head = base + t * stride + h * dim;
+            float* x1 = buf.data();
+            float* x2 = x1 + half;
+            load_row(head, x1, dim);
+            for (int64_t d = 0; d < half; ++d) {
+              const float a = x1[d], b = x2[d];
+              x1[d] = a * ct[d] - b * st[d];
+              x2[d] = b * ct[d] + a * st[d];
+            }
+            store_row(x1, head, dim);
+          }
         }
       }
-    }
+    });
   });
 }
 
@@ -554,11 +678,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // engine's gRPC event loop shares the process with the thread that runs the model.
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention, release(),
-        "Paged decode attention over a [2, blocks, block_size, kv_heads, head_dim] float32 KV cache (CPU)");
-  m.def("rms_norm", &rms_norm, release(), "RMSNorm of each row (float32, CPU)");
-  m.def("add_rms_norm", &add_rms_norm, release(), "residual += x in place, then RMSNorm(residual) (float32, CPU)");
-  m.def("silu_and_mul", &silu_and_mul, release(), "silu(gate) * up of a [T, 2I] gate|up tensor (float32, CPU)");
-  m.def("rotary_", &rotary_, release(), "GPT-NeoX rotary embedding in place (float32, CPU)");
+        "Paged decode attention over a [2, blocks, block_size, kv_heads, head_dim] KV cache (CPU)");
+  m.def("rms_norm", &rms_norm, release(), "RMSNorm of each row (float32 or bfloat16, CPU)");
+  m.def("add_rms_norm", &add_rms_norm, release(), "residual += x in place, then RMSNorm(residual) (float32 or bfloat16, CPU)");
+  m.def("silu_and_mul", &silu_and_mul, release(), "silu(gate) * up of a [T, 2I] gate|up tensor (float32 or bfloat16, CPU)");
+  m.def("rotary_", &rotary_, release(), "GPT-NeoX rotary embedding in place (float32 or bfloat16, CPU)");
   m.def("argmax_rows", &argmax_rows, release(), "torch.argmax(x, -1) of float32 [N, V] rows (CPU)");
   m.def("quant_linear", &quant_linear, release(),
         "x @ dequant(W).T over llama.cpp-style block-quantized weights ('u4': Q4_0/Q4_1, 's8': Q8_0), float32 CPU");

@@ -50,7 +50,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's prepacked (blocked) copy of a float32 [out, in] CPU weight, for ``onednn_linear``."""
+    """oneDNN's prepacked (blocked) copy of a float32 or bfloat16 [out, in] CPU weight, for ``onednn_linear``."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
@@ -264,12 +264,16 @@ class CausalLM(nn.Module):
         if self._tied_quant is not None and self._ops is not None and uses_blocks(hidden.shape[0]):
             return quant_linear(self._ops, hidden, self._tied_quant)
         if self._tied_packed is not None:
-            return onednn_linear(hidden, self._tied_packed)
+            return onednn_linear(hidden, self._tied_packed).float()
         return linear(hidden, self.embed_tokens.weight).float()
 
-    def _require_float32_cpu(self, what: str) -> None:
-        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in self.parameters()):
-            raise ValueError(f"{what}: float32 CPU models only")
+    def _require_kernel_dtype(self, what: str) -> torch.dtype:
+        """The model's dtype, when it is a CPU float32 or bfloat16 model (what the CPU kernels take)."""
+        dtypes = {p.dtype for p in self.parameters()}
+        if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16} or any(
+                p.device.type != "cpu" for p in self.parameters()):
+            raise ValueError(f"{what}: float32 or bfloat16 CPU models only")
+        return dtypes.pop()
 
     @property
     def uses_cpu_ops(self) -> bool:
@@ -277,11 +281,14 @@ class CausalLM(nn.Module):
 
     def use_cpu_ops(self, ops: Any) -> None:
         """Run RMSNorm (fused with the residual adds), SiLU-and-mul and rotary through ``ops``
-        (engine.kernels.cpu_ops: float32 CPU kernels), each one pass over memory instead of several.
+        (engine.kernels.cpu_ops: float32 / bfloat16 CPU kernels), each one pass over memory instead of several.
 
-        Projections with block-quantized weights run ``quant_linear`` from then on; where every step does
-        (``SLUICE_QUANT_MAX_ROWS`` unset), their float32 weights are freed."""
-        self._require_float32_cpu("use_cpu_ops")
+        In a float32 model, projections with block-quantized weights run ``quant_linear`` from then on;
+        where every step does (``SLUICE_QUANT_MAX_ROWS`` unset), their float32 weights are freed. A bfloat16
+        model must have dropped its blocks (``drop_quantized``): that kernel computes in float32 only."""
+        dtype = self._require_kernel_dtype("use_cpu_ops")
+        if dtype != torch.float32 and self.quantized_linears:
+            raise ValueError("use_cpu_ops: the quantized linear takes float32 models only (drop_quantized first)")
         self._ops = ops
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
@@ -338,13 +345,13 @@ class CausalLM(nn.Module):
                 module.quant_ops = None
 
     def pack_onednn(self) -> None:
-        """Prepack every projection and the lm_head for oneDNN (CPU, float32; after ``load_weights``).
+        """Prepack every projection and the lm_head for oneDNN (CPU, float32 or bfloat16; after ``load_weights``).
 
         From 1.1x (576 -> 3072 at 128 rows) to 2x (the 576 -> 49152 lm_head at 32 rows) faster than
         ``F.linear`` with torch 2.13 on 2 AVX2 cores. A tied lm_head gets its own packed copy: the
         embedding lookup still needs the plain table.
         """
-        self._require_float32_cpu("pack_onednn")
+        self._require_kernel_dtype("pack_onednn")
         for module in self.modules():
             if isinstance(module, Linear) and module.weight is not None:  # None: freed, runs on its blocks
                 module.pack_onednn()
