@@ -453,8 +453,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
   check_rows(x, "add_rms_norm: x");
   check_rows(residual, "add_rms_norm: residual");
-  TORCH_CHECK(residual.is_contiguous() && x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
-              "add_rms_norm: shapes or dtypes differ");
+  TORCH_CHECK(residual.is_contiguous() && x.sizes() == residual.sizes(), "add_rms_norm: shapes differ");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type(), "add_rms_norm: dtypes differ");
   check_weight(weight, x, "add_rms_norm");
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   auto out = torch::empty({rows, n}, x.options());

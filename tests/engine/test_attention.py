@@ -193,3 +193,27 @@ def test_decode_kernel_reads_a_float16_cache_as_its_float32_copy(build: str) -> 
     lens = torch.tensor([1, 17, 40, 63, 64])
     expected = kernel(query, cache.float(), tables, lens, 0.125)
     torch.testing.assert_close(kernel(query, cache, tables, lens, 0.125), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_decode_kernel_takes_a_bfloat16_query_and_cache(build: str) -> None:
+    # A bfloat16 model's decode: bfloat16 query and cache, widened as they are read; the result is the
+    # float32 result on the widened copies, rounded once.
+    kernel = cpu_paged_decode_attention() if build == "native" else portable_cpu_ops().paged_decode_attention
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(kv_cache_shape(24, 16, 3, 64), generator=gen).bfloat16()
+    query = torch.randn(5, 9, 64, generator=gen).bfloat16()
+    tables = torch.randperm(24, generator=gen)[:20].view(5, 4)
+    lens = torch.tensor([1, 17, 40, 63, 64])
+    exact = kernel(query.float(), cache.float(), tables, lens, 0.125)
+    out = kernel(query, cache, tables, lens, 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), exact, rtol=2.0 ** -7, atol=1e-6)
+    # and the float32 kernel on the widened copies is the dense reference
+    for n, length in enumerate(lens.tolist()):
+        keys = cache[0][tables[n]].reshape(-1, 3, 64)[:length].float().repeat_interleave(3, dim=1)
+        values = cache[1][tables[n]].reshape(-1, 3, 64)[:length].float().repeat_interleave(3, dim=1)
+        scores = torch.einsum("hd,lhd->hl", query[n].float(), keys) * 0.125
+        torch.testing.assert_close(exact[n], torch.einsum("hl,lhd->hd", scores.softmax(-1), values),
+                                   rtol=1e-5, atol=1e-5)

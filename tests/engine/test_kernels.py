@@ -136,3 +136,68 @@ def test_sampler_greedy_rows_use_the_device_argmax() -> None:
     rows = [SamplingRow(greedy, [1, 2], [], None) for _ in range(3)]
     out = Sampler(40, {2}, argmax=counted)(logits, rows)   # the vocabulary trims the 10 padding columns
     assert out.token_ids == logits[:, :40].argmax(dim=-1).tolist() and calls == [(3, 40)]
+
+
+# bfloat16 rows (the model dtype --dtype auto picks on AVX512-BF16 / AMX CPUs): computed in float32 from the
+# widened inputs and rounded to nearest-even once on the way out, so each result is the float32 result of
+# the same (bfloat16) inputs, rounded: within one bfloat16 step of it (a float32 result a few ulps off
+# torch's can round to the other neighbour). A step is 2^-7 of the value at most (8 significant bits).
+BF16_STEP = 2.0 ** -7
+
+
+def _close_to_rounded(out: torch.Tensor, exact: torch.Tensor) -> None:
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), exact, rtol=BF16_STEP, atol=1e-6)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_bfloat16(ops: Any, weight_dtype: torch.dtype) -> None:
+    x = (torch.randn(33, 576, generator=_gen(20)) * 3).bfloat16()
+    weight = torch.randn(576, generator=_gen(21)).to(weight_dtype)
+    exact = F.rms_norm(x.float(), (576,), weight.float(), 1e-5)
+    _close_to_rounded(ops.rms_norm(x, weight, 1e-5), exact)
+    wide = (torch.randn(5, 600, generator=_gen(22))).bfloat16()  # strided rows
+    _close_to_rounded(ops.rms_norm(wide[:, :576], weight, 1e-5), F.rms_norm(wide[:, :576].float(), (576,),
+                                                                             weight.float(), 1e-5))
+
+
+def test_add_rms_norm_bfloat16_rounds_the_residual_then_normalises_it(ops: Any) -> None:
+    x = torch.randn(19, 96, generator=_gen(23)).bfloat16()
+    residual = torch.randn(19, 96, generator=_gen(24)).bfloat16()
+    weight = torch.randn(96, generator=_gen(25)).bfloat16()
+    expected_residual = residual + x  # torch's bfloat16 add: float32 sum rounded to nearest-even
+    out = ops.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(residual, expected_residual)
+    _close_to_rounded(out, F.rms_norm(expected_residual.float(), (96,), weight.float(), 1e-6))
+
+
+def test_silu_and_mul_bfloat16(ops: Any) -> None:
+    gate_up = (torch.randn(9, 2 * 1536, generator=_gen(26)) * 4).bfloat16()
+    gate, up = gate_up.float().split(1536, dim=-1)
+    _close_to_rounded(ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("table_dtype", [torch.bfloat16, torch.float32])
+def test_rotary_bfloat16_in_place_on_a_slice_of_the_fused_projection(ops: Any, table_dtype: torch.dtype) -> None:
+    tokens, hq, hkv, d = 11, 4, 2, 64
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=_gen(27)).bfloat16()
+    positions = torch.randint(0, 50, (tokens,), generator=_gen(28))
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    cos, sin = freqs.cos().to(table_dtype), freqs.sin().to(table_dtype)
+    q = qkv[:, :hq * d].view(tokens, hq, d)
+    c, s = cos.float()[positions].unsqueeze(1), sin.float()[positions].unsqueeze(1)
+    expected_q = _rotate(q.float(), c, s)
+    v_before = qkv[:, hq * d:].clone()
+    ops.rotary_(q, positions, cos, sin)
+    _close_to_rounded(q, expected_q)
+    assert torch.equal(qkv[:, hq * d:], v_before)  # keys and values untouched
+
+
+def test_bfloat16_bad_inputs_raise(ops: Any) -> None:
+    x = torch.zeros(2, 4, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(x, torch.ones(4, dtype=torch.float16), 1e-5)  # neither float32 nor x's dtype
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        ops.add_rms_norm(x, torch.zeros(2, 4), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        ops.rotary_(torch.zeros(1, 1, 4), torch.tensor([0]), torch.zeros(8, 2).bfloat16(), torch.zeros(8, 2).bfloat16())
