@@ -60,11 +60,12 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     the quantized linear. True when anything changed.
 
     bfloat16 linears run oneDNN's bfloat16 GEMM, which uses AMX tiles or AVX512-BF16 where the CPU has
-    them (``--dtype auto`` picks bfloat16 only there); the checkpoint's quantized blocks are not used."""
-    from engine.models.llama import QUANT_MAX_ROWS
+    them (``--dtype auto`` picks bfloat16 only there), except small steps, which read the checkpoint's
+    quantized blocks (``engine.models.llama.quant_max_rows``)."""
+    from engine.models.llama import quant_max_rows
 
     ops = cpu_ops() if dtype in KERNEL_DTYPES and cpu_kernels_enabled() else None
-    if (ops is None or dtype != torch.float32) and hasattr(model, "drop_quantized"):
+    if ops is None and hasattr(model, "drop_quantized"):
         model.drop_quantized()  # nothing here reads the block-quantized copies
     if dtype not in KERNEL_DTYPES or not cpu_kernels_enabled():
         return False
@@ -73,7 +74,8 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype) -> bool:
         model.use_cpu_ops(ops)                              # their float32 weights instead of packing them
         changed = True
         if getattr(model, "quantized_linears", 0):
-            limit = "every step" if QUANT_MAX_ROWS is None else f"steps of <= {QUANT_MAX_ROWS} rows"
+            rows = quant_max_rows(dtype)
+            limit = "every step" if rows is None else f"steps of <= {rows} rows"
             logger.info("%d projections run from the checkpoint's quantized blocks (%s)",
                         model.quantized_linears, limit)
     if torch.backends.mkldnn.is_available() and hasattr(model, "pack_onednn"):

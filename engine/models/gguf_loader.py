@@ -161,13 +161,13 @@ def _iter_quantized(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[s
 
 
 def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> CausalLM:
-    """Weights dequantized to ``dtype``; for float32 on the CPU the model also keeps the quantized blocks
-    (``CausalLM.load_quantized``) for the ``quant_linear`` kernel (the CPU device drops them
+    """Weights dequantized to ``dtype``; for float32 and bfloat16 on the CPU the model also keeps the quantized
+    blocks (``CausalLM.load_quantized``) for the ``quant_linear`` kernel (the CPU device drops them
     when the kernels are off or cannot be built)."""
     reader = GGUFReader(str(path))
     config = config_from_gguf(reader)
     model = build_model(config, dtype, device)
     model.load_weights(_iter_tensors(reader, config))
-    if dtype == torch.float32 and torch.device(device).type == "cpu":
+    if dtype in (torch.float32, torch.bfloat16) and torch.device(device).type == "cpu":
         model.load_quantized(_iter_quantized(reader, config))
     return model

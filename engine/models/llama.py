@@ -58,14 +58,19 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# A linear with block-quantized weights (``Linear.quant``) runs the ``quant_linear`` kernel on them for steps
-# of any size by default: up to 8 rows a fused kernel bound by reading the 5-bit codes, above a GEMM over
-# weight panels expanded to float32 in cache: from even with oneDNN's float32 GEMM on the dequantized weights
-# to 1.7x faster with weights hot in cache, 1.2-2.5x faster per model step (BENCHMARKS.md, "Quantized linears
-# on every step"). The float32 copies of those weights are then freed. ``SLUICE_QUANT_MAX_ROWS=N`` keeps the
-# float32 weights and runs steps of more than N rows on oneDNN instead (0: never use the blocks); read when
-# this module is imported.
+# A linear with block-quantized weights (``Linear.quant``) runs the ``quant_linear`` kernel on them. In a
+# float32 model, for steps of any size by default: up to 8 rows a fused kernel bound by reading the 5-bit
+# codes, above a GEMM over weight panels expanded to float32 in cache: from even with oneDNN's float32 GEMM on
+# the dequantized weights to 1.7x faster with weights hot in cache, 1.2-2.5x faster per model step
+# (BENCHMARKS.md, "Quantized linears on every step"). The float32 copies of those weights are then freed.
+# In a bfloat16 model (CPUs with AVX512-BF16 / AMX), only for steps of up to BF16_QUANT_MAX_ROWS rows, where
+# reading a third of the bytes wins (the default model's 120 projections: 7.3 ms on the blocks against 10.9 ms
+# on oneDNN at 1 row, 9.5 against 10.8 at 2, even at 3, 16.2 against 11.0 at 8, on 2 Sapphire Rapids-class
+# cores); larger steps run oneDNN's bfloat16 GEMM (AMX). ``SLUICE_QUANT_MAX_ROWS=N`` sets the limit for both
+# dtypes (0: never use the blocks; larger steps keep the dense weights, on oneDNN); read when this module is
+# imported.
 ENV_QUANT_MAX_ROWS = "SLUICE_QUANT_MAX_ROWS"
+BF16_QUANT_MAX_ROWS = 2
 
 
 def quant_max_rows_from_env() -> int | None:
@@ -85,13 +90,23 @@ def quant_max_rows_from_env() -> int | None:
 QUANT_MAX_ROWS = quant_max_rows_from_env()
 
 
-def uses_blocks(rows: int) -> bool:
+def quant_max_rows(dtype: torch.dtype = torch.float32) -> int | None:
+    """The most rows a step of a ``dtype`` model runs on the block-quantized weights (None: no limit)."""
+    if QUANT_MAX_ROWS is not None:
+        return QUANT_MAX_ROWS
+    return None if dtype == torch.float32 else BF16_QUANT_MAX_ROWS
+
+
+def uses_blocks(rows: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether a step of ``rows`` rows runs on the block-quantized weights (where a layer has them)."""
-    return QUANT_MAX_ROWS is None or rows <= QUANT_MAX_ROWS
+    limit = quant_max_rows(dtype)
+    return limit is None or rows <= limit
 
 
 def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    out = ops.quant_linear(x, weight.codes, weight.scales, weight.mins, weight.format)
+    """``x @ dequant(weight).T (+ bias)`` by the float32 kernel; float32 out for any ``x`` dtype."""
+    out = ops.quant_linear(x if x.dtype == torch.float32 else x.float(), weight.codes, weight.scales, weight.mins,
+                           weight.format)
     return out if bias is None else out.add_(bias)
 
 
@@ -104,6 +119,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     quant: QuantWeight | None = None
     quant_ops: Any = None
+    model_dtype: torch.dtype = torch.float32  # set by CausalLM.use_cpu_ops: picks the row limit of the blocks
 
     def pack_onednn(self) -> None:
         """Swap the weight for oneDNN's prepacked copy; the plain weight is freed (``weight`` is None)."""
@@ -112,8 +128,8 @@ class Linear(nn.Linear):
 
     @property
     def blocks_only(self) -> bool:
-        """True when every step runs on the blocks, so the float32 weight is never read."""
-        return self.quant_ops is not None and QUANT_MAX_ROWS is None
+        """True when every step runs on the blocks, so the dense weight is never read."""
+        return self.quant_ops is not None and quant_max_rows(self.model_dtype) is None
 
     def free_dense(self) -> None:
         """Drops the float32 weight (plain or packed) of a ``blocks_only`` layer."""
@@ -129,8 +145,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_ops is not None:
             rows = x.reshape(-1, x.shape[-1])
-            if uses_blocks(rows.shape[0]):
+            if uses_blocks(rows.shape[0], self.model_dtype):
                 out = quant_linear(self.quant_ops, rows, self.quant, self.bias)  # type: ignore[arg-type]
+                out = out if out.dtype == x.dtype else out.to(x.dtype)
                 return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
         if self.packed is not None:
             return onednn_linear(x, self.packed, self.bias)
@@ -261,7 +278,7 @@ class CausalLM(nn.Module):
         """[N, hidden] -> float32 [N, vocab]."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self._tied_quant is not None and self._ops is not None and uses_blocks(hidden.shape[0]):
+        if self._tied_quant is not None and self._ops is not None and uses_blocks(hidden.shape[0], hidden.dtype):
             return quant_linear(self._ops, hidden, self._tied_quant)
         if self._tied_packed is not None:
             return onednn_linear(hidden, self._tied_packed).float()
@@ -283,21 +300,20 @@ class CausalLM(nn.Module):
         """Run RMSNorm (fused with the residual adds), SiLU-and-mul and rotary through ``ops``
         (engine.kernels.cpu_ops: float32 / bfloat16 CPU kernels), each one pass over memory instead of several.
 
-        In a float32 model, projections with block-quantized weights run ``quant_linear`` from then on;
-        where every step does (``SLUICE_QUANT_MAX_ROWS`` unset), their float32 weights are freed. A bfloat16
-        model must have dropped its blocks (``drop_quantized``): that kernel computes in float32 only."""
+        Projections with block-quantized weights run ``quant_linear`` from then on for the steps
+        ``uses_blocks`` allows (every step of a float32 model by default: their float32 weights are then
+        freed; small steps of a bfloat16 model, widened to float32 for the kernel)."""
         dtype = self._require_kernel_dtype("use_cpu_ops")
-        if dtype != torch.float32 and self.quantized_linears:
-            raise ValueError("use_cpu_ops: the quantized linear takes float32 models only (drop_quantized first)")
         self._ops = ops
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
                 module.ops = ops
             elif isinstance(module, Linear) and module.quant is not None:
                 module.quant_ops = ops
+                module.model_dtype = dtype
                 if module.blocks_only:
                     module.free_dense()
-        if self._tied_quant is not None and QUANT_MAX_ROWS is None:
+        if self._tied_quant is not None and quant_max_rows(dtype) is None:
             self._tied_packed = None  # the embedding table itself stays: token lookup reads it
 
     @property
@@ -351,12 +367,12 @@ class CausalLM(nn.Module):
         ``F.linear`` with torch 2.13 on 2 AVX2 cores. A tied lm_head gets its own packed copy: the
         embedding lookup still needs the plain table.
         """
-        self._require_kernel_dtype("pack_onednn")
+        dtype = self._require_kernel_dtype("pack_onednn")
         for module in self.modules():
             if isinstance(module, Linear) and module.weight is not None:  # None: freed, runs on its blocks
                 module.pack_onednn()
         if self.lm_head is None and not (self._tied_quant is not None and self._ops is not None
-                                         and QUANT_MAX_ROWS is None):
+                                         and quant_max_rows(dtype) is None):
             self._tied_packed = onednn_pack(self.embed_tokens.weight)
         self.onednn_packed = True
 

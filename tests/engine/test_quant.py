@@ -309,3 +309,34 @@ def test_quant_max_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setenv(llama.ENV_QUANT_MAX_ROWS, bad)
         with pytest.raises(ValueError, match="SLUICE_QUANT_MAX_ROWS must be a non-negative integer"):
             llama.quant_max_rows_from_env()
+
+
+def test_bfloat16_model_reads_its_blocks_for_small_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # --dtype auto on AVX512-BF16 / AMX CPUs: the prompt's steps run oneDNN's bfloat16 GEMM on the dense
+    # weights, steps of up to BF16_QUANT_MAX_ROWS rows read the blocks (widened to float32 for the kernel).
+    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", None)  # SLUICE_QUANT_MAX_ROWS unset
+    model = _quantized_tiny_model(GGMLQuantizationType.Q4_1).to(torch.bfloat16)
+    CpuDevice().prepare_model(model, torch.bfloat16)
+    assert model.uses_cpu_ops and model.onednn_packed and model.quantized_linears == 9
+    layer = model.layers[0].mlp.gate_up_proj
+    assert layer.model_dtype == torch.bfloat16 and not layer.blocks_only and layer.packed is not None
+    assert model._tied_packed is not None
+    reference = _quantized_tiny_model(GGMLQuantizationType.Q4_1).to(torch.bfloat16)
+    reference.drop_quantized()
+    CpuDevice().prepare_model(reference, torch.bfloat16)
+
+    calls = _counting_quant_linear(monkeypatch)
+    cfg = model.config
+    kv_q, kv_r = (PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=4,
+                          dtype=torch.bfloat16, backend=_backend(m)) for m in (model, reference))
+    prompt = list(range(3, 3 + 13))
+    steps = [[("a", prompt)], [("a", [5])], [("a", [9]), ("b", [7, 8, 9])], [("a", [11]), ("b", [4])]]
+    for chunks in steps:
+        got, expected = _run(model, kv_q, chunks), _run(reference, kv_r, chunks)
+        assert got.dtype == torch.float32
+        assert float((got - expected).norm() / expected.norm()) < 0.02
+    # Steps of up to the limit on the blocks (4 projections x 2 layers and the tied lm_head each), the
+    # prompt's 13 rows on oneDNN.
+    limit = llama.BF16_QUANT_MAX_ROWS
+    assert 1 <= limit < 13
+    assert calls == [rows for rows in (13, 1, 4, 2) if rows <= limit for _ in range(9)]
