@@ -144,6 +144,118 @@ inline __m256 dot_8_keys(const float* q, const T* k, int64_t stride, int64_t n) 
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__FMA__)
+#define SLUICE_AVX512 1
+// 16 keys or values as float (the cache's float32, float16 or bfloat16 widened).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Lane sums of 16 vectors: out[t] = sum of the 16 lanes of a[t], by a transpose-and-add tree (four rounds of
+// shuffles and adds, 16 -> 8 -> 4 -> 2 -> 1 vectors) instead of a horizontal reduction per vector.
+inline __m512 lane_sums16(__m512 a[16]) {
+  __m512 b[8], c[4], d[2];
+  // round 1: pairs (2k, 2k+1): per 128-bit lane [x0+x2, y0+y2, x1+x3, y1+y3]
+  for (int k = 0; k < 8; ++k)
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  // round 2: per 128-bit lane [x, y, z, w] sums of vectors (4k .. 4k+3) within that lane
+  for (int k = 0; k < 4; ++k) {
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // c[k] lane L (128-bit) holds the partial sums of vectors 4k..4k+3 over that 128-bit lane.
+  // round 3: fold 128-bit lanes: [c0.L0 c1.L0 c0.L2 c1.L2] + [c0.L1 c1.L1 c0.L3 c1.L3]
+  for (int k = 0; k < 2; ++k) {
+    const __m512 x = _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88);  // lanes 0,2 of each
+    const __m512 y = _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xDD);  // lanes 1,3 of each
+    d[k] = _mm512_add_ps(x, y);  // [c0(L0+L1), c0(L2+L3), c1(L0+L1), c1(L2+L3)]
+  }
+  // round 4: [d0.0 d0.2 d1.0 d1.2] + [d0.1 d0.3 d1.1 d1.3] = [v0..3, v4..7, v8..11, v12..15]
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// The scores of one block's `stop` tokens for one kv head and all G query heads of its group (GQA):
+// row[g * len + i] = scale * q_g . k_i. Each key row (NV x 16 values) is loaded and widened once for the
+// whole group; the group's queries stay in registers; 16 keys' dot products are summed across lanes at once.
+template <int G, int NV, typename T>
+inline void group_scores16(const float* q, int64_t head_dim, const T* k, int64_t token_stride, int64_t stop,
+                           float* row, int64_t len, float scale) {
+  __m512 qv[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_loadu_ps(q + g * head_dim + 16 * j);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < stop; i += 16) {
+    const int64_t n = std::min<int64_t>(16, stop - i);
+    __m512 acc[G][16];
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t >= n) {
+        for (int g = 0; g < G; ++g) acc[g][t] = _mm512_setzero_ps();
+        continue;
+      }
+      const T* kt = k + (i + t) * token_stride;
+      __m512 kv[NV];
+      for (int j = 0; j < NV; ++j) kv[j] = load16(kt + 16 * j);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kv[j], a);
+        acc[g][t] = a;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 sums = _mm512_mul_ps(lane_sums16(acc[g]), vscale);
+      _mm512_mask_storeu_ps(row + g * len + i, static_cast<__mmask16>((1u << n) - 1), sums);
+    }
+  }
+}
+
+// acc[g * head_dim + d] += sum_i p[g * len + i] * v_i[d] over one block's `stop` tokens for one kv head and its
+// G query heads: each value row is widened once and the G x NV accumulators stay in registers.
+template <int G, int NV, typename T>
+inline void group_values16(const float* p, int64_t len, const T* v, int64_t token_stride, int64_t stop, float* acc,
+                           int64_t head_dim) {
+  __m512 a[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) a[g][j] = _mm512_loadu_ps(acc + g * head_dim + 16 * j);
+  for (int64_t i = 0; i < stop; ++i, v += token_stride) {
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * len + i]);
+      for (int j = 0; j < NV; ++j) a[g][j] = _mm512_fmadd_ps(w, vv[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + g * head_dim + 16 * j, a[g][j]);
+}
+
+// The AVX-512 loops for one GQA shape: groups of 1-4 query heads per kv head with head_dim 64, 1-2 with
+// head_dim 128 (the accumulators fit the 32 vector registers). Null for other shapes (the AVX2 loops).
+template <typename T>
+struct Group16 {
+  void (*scores)(const float*, int64_t, const T*, int64_t, int64_t, float*, int64_t, float) = nullptr;
+  void (*values)(const float*, int64_t, const T*, int64_t, int64_t, float*, int64_t) = nullptr;
+};
+
+template <typename T>
+Group16<T> group16_for(int64_t group, int64_t head_dim) {
+  Group16<T> f;
+#define SLUICE_G16(G, NV)                                                 \
+  if (group == G && head_dim == 16 * NV) {                                \
+    f.scores = &group_scores16<G, NV, T>;                                 \
+    f.values = &group_values16<G, NV, T>;                                 \
+  }
+  SLUICE_G16(1, 4) SLUICE_G16(2, 4) SLUICE_G16(3, 4) SLUICE_G16(4, 4) SLUICE_G16(1, 8) SLUICE_G16(2, 8)
+#undef SLUICE_G16
+  return f;
+}
+#endif
+
 // Prefetches `rows` rows of `n` floats, `stride` floats apart, into L1.
 template <typename T>
 inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t n) {
@@ -243,6 +355,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const auto run = [&](const auto* keys) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>;
     const T* values = keys + n_blocks * block_size * n_kv_heads * head_dim;
+#ifdef SLUICE_AVX512
+    const Group16<T> g16 = group16_for<T>(group, head_dim);  // AVX-512 loops for common GQA shapes
+#endif
     // One work item per sequence, or per (sequence, kv head) when there are too few sequences to keep every
     // thread busy. An item walks its blocks in order and, in each block, does the work of all its kv heads
     // (whose `group` query heads share every key and value read): a block's token rows are contiguous, so
@@ -284,6 +399,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
           prefetch_next(keys, b, start);  // the next block's keys, while this one's are multiplied
           for (int64_t h = h0; h < h1; ++h) {
             const T* kb = keys + table[b] * block_stride + h * head_dim;
+#ifdef SLUICE_AVX512
+            if (g16.scores != nullptr) {
+              const int64_t q0 = (h - h0) * group;
+              g16.scores(qn + q0 * head_dim, head_dim, kb, token_stride, stop, sc + q0 * len + start, len, fscale);
+              continue;
+            }
+#endif
             for (int64_t g = 0; g < group; ++g) {
               const int64_t qi = (h - h0) * group + g;
               const float* qh = qn + qi * head_dim;
@@ -314,6 +436,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
           prefetch_next(values, b, start);
           for (int64_t h = h0; h < h1; ++h) {
             const T* vb = values + table[b] * block_stride + h * head_dim;
+#ifdef SLUICE_AVX512
+            if (g16.values != nullptr) {
+              const int64_t q0 = (h - h0) * group;
+              g16.values(sc + q0 * len + start, len, vb, token_stride, stop, a + q0 * head_dim, head_dim);
+              continue;
+            }
+#endif
             for (int64_t g = 0; g < group; ++g) {
               const int64_t qi = (h - h0) * group + g;
               const float* p = sc + qi * len + start;

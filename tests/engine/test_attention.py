@@ -86,7 +86,8 @@ def test_random_mixed_batches_match_dense_reference(backend: TorchAttentionBacke
     rng = random.Random(seed)
     hkv = rng.choice([1, 2, 3])
     hq = hkv * rng.choice([1, 2, 4])
-    # 36: the kernel's tail past its 8-float lanes; 64 and 128: its register-blocked value pass.
+    # 36: the kernel's tail past its 8-float lanes; 64 and 128: its register-blocked value pass (on AVX-512
+    # CPUs, groups of up to 4 query heads at 64 and up to 2 at 128 take the AVX-512 group loops).
     d = rng.choice([8, 16, 32, 36, 64, 128])
     # 8 and 16: runs of 8 tokens inside a block take the kernel's 8-keys-at-once score path.
     block_size = rng.choice([1, 4, 8, 16])
@@ -217,3 +218,18 @@ def test_decode_kernel_takes_a_bfloat16_query_and_cache(build: str) -> None:
         scores = torch.einsum("hd,lhd->hl", query[n].float(), keys) * 0.125
         torch.testing.assert_close(exact[n], torch.einsum("hl,lhd->hd", scores.softmax(-1), values),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("hq, hkv, d", [(3, 3, 64), (6, 3, 64), (9, 3, 64), (8, 2, 64), (2, 2, 128), (4, 2, 128),
+                                        (8, 2, 128)])
+def test_decode_kernel_group_shapes_and_long_blocks(backend: TorchAttentionBackend, hq: int, hkv: int, d: int,
+                                                    kv_dtype: torch.dtype) -> None:
+    # GQA groups of 1-4 with head_dim 64 and 1-2 with 128 run the AVX-512 group loops where the CPU has
+    # AVX-512 (16 keys' scores at once, masked for a block's last keys); (8, 2, 128) is a group of 4 at 128,
+    # which stays on the AVX2 loops. Blocks of 32 tokens: two rounds of 16 keys per block.
+    rng = random.Random(hq * 100 + d)
+    seqs = _make_seqs(rng, 0, [(n, 1) for n in (1, 15, 16, 17, 31, 33, 64, 70)], hq, hkv, d)
+    for s in seqs:
+        s.k, s.v = s.k.to(kv_dtype).float(), s.v.to(kv_dtype).float()
+    _check(backend, seqs, len(seqs), hq, hkv, d, block_size=32, kv_dtype=kv_dtype)
