@@ -24,8 +24,18 @@ new_venv() {  # $1 = directory
 
 install_llamacpp() {
     new_venv "$peers/venv-llama"
-    CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
-        "$peers/venv-llama/bin/pip" install 'llama-cpp-python[server]'
+    # llama.cpp builds with -march=native; on a CPU with AMX that compiles its AMX matmul, which crashed with
+    # SIGSEGV in ggml_backend_amx_mul_mat on the first decode of the Q4_1 model here (llama-cpp-python 0.3.36,
+    # Sapphire Rapids-class KVM guest). GCC keeps explicit -mno-* flags over -march, so this leaves AMX out
+    # and the AVX-512 / VNNI paths in.
+    local cmake_args="${CMAKE_ARGS:-}"
+    if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+        local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        cmake_args="$cmake_args -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'"
+    fi
+    CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
+        "$peers/venv-llama/bin/pip" install --no-cache-dir --force-reinstall --no-deps 'llama-cpp-python'
+    "$peers/venv-llama/bin/pip" install 'llama-cpp-python[server]'
     "$peers/venv-llama/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 }
 

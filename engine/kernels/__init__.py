@@ -1,6 +1,6 @@
 """Native CPU kernels for float32 and bfloat16 models: oneDNN prepacked linears (AMX on CPUs that have it,
 for bfloat16), and ``cpu_ops.cpp`` (paged decode attention, RMSNorm with the residual add, SiLU-and-mul,
-rotary embedding; the block-quantized linear for float32 only) compiled on first use with
+rotary embedding, and the block-quantized linear, which computes in float32) compiled on first use with
 ``torch.utils.cpp_extension`` (g++ and ninja).
 
 The build lands in torch's extension cache (``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``)
