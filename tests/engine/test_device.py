@@ -75,3 +75,30 @@ def test_importing_engine_makes_openmp_workers_sleep_unless_the_user_chose() -> 
     assert run(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE -"
     assert run(OMP_WAIT_POLICY="PASSIVE") == "PASSIVE -"  # sleep at once, as chosen
     assert run(GOMP_SPINCOUNT="0") == "PASSIVE 0"
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "never"
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "never"
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
+def test_importing_engine_puts_large_tensors_on_huge_pages_unless_the_user_chose() -> None:
+    # THP_MEM_ALLOC_ENABLE (read by torch's CPU allocator when torch loads): large tensors 2 MiB-aligned and
+    # advised MADV_HUGEPAGE. Counted in this process's AnonHugePages once a 64 MiB tensor is written.
+    code = ("import engine, torch; x = torch.ones(64 << 20, dtype=torch.uint8); "
+            "print(next(int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')))")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+
+    def huge_kib(**extra: str) -> int:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**env, **extra})
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.strip())
+
+    assert huge_kib() >= 32 << 10  # most of the 64 MiB
+    if _thp_mode() == "madvise":  # without the advice, no huge pages at all
+        assert huge_kib(THP_MEM_ALLOC_ENABLE="0") == 0
