@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-# Set before torch loads its OpenMP runtime and allocator (nothing in this package imports torch at import
-# time).
+# Set before torch loads its OpenMP runtime (nothing in this package imports torch at import time).
 # OpenMP workers that spin while they wait fight the tokenizer's own threads and the other processes
 # of the stack for the cores: measured on 2 cores, the same LLM.generate took 46.8 s on the main
 # thread with workers spinning for libgomp's default 3 ms and 1.8 s with sleeping ones. Sleeping at
@@ -18,12 +17,6 @@ from typing import TYPE_CHECKING, Any
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# PyTorch's CPU allocator puts large tensors (weights, the KV cache) on 2 MiB-aligned memory advised for
-# transparent huge pages (MADV_HUGEPAGE; the kernel's THP mode "madvise" gives none otherwise). Decode
-# attention reads each sequence's KV blocks from scattered 6 KiB pieces of a cache of hundreds of MiB per
-# layer: with 4 KiB pages nearly every block is a TLB miss. On the AMX machine: 128-sequence runs 6-7 %
-# faster, 32-sequence decode steps 3-4 % faster (BENCHMARKS.md). THP_MEM_ALLOC_ENABLE=0 turns it off.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError, SluiceError

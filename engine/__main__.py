@@ -5,6 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+
+# The engine process puts its large tensors (weights, KV cache, step buffers) on transparent huge pages:
+# PyTorch's CPU allocator 2 MiB-aligns them and advises MADV_HUGEPAGE when this is set before torch loads.
+# Each decode step streams every weight and scattered KV blocks; on 4 KiB pages that is a TLB miss every few
+# KiB. On the AMX machine 128-sequence bfloat16 decode steps took 81.8 / 82.6 ms against 87.6 / 86.6 without
+# (BENCHMARKS.md, "bfloat16 on AMX"). Only this process: an allocator that maps, faults and unmaps a huge
+# temporary per call can be slower (a lone 12.6 MB silu_and_mul output: 9.0 ms against 0.76), which the
+# engine's own steps did not show. THP_MEM_ALLOC_ENABLE=0 turns it off.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from engine.args import add_engine_args, config_from_args
 from engine.parent_watch import die_with_parent

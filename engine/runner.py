@@ -55,10 +55,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         cfg = model.config
         shape = kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeroed, not empty: padded block-table entries are gathered then masked, and
-        # uninitialised memory could hold NaNs that a zero attention weight does not cancel.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device.torch_device)
-                          for _ in range(cfg.num_layers)]
+        self.kv_caches = [device.allocate_kv_cache(shape, dtype) for _ in range(cfg.num_layers)]
         self.backend = device.attention_backend()
         self.copy_stream = device.new_stream()
         self.compute_stream = device.new_stream()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.device import CpuDevice, get_device
+from engine.device.base import ENV_KV_HUGE_PAGES, advise_huge_pages
 
 
 def test_cpu_device_is_a_complete_no_op_stream_backend() -> None:
@@ -85,29 +86,64 @@ def _thp_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "never"
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
-def test_importing_engine_puts_large_tensors_on_huge_pages_unless_the_user_chose() -> None:
-    # THP_MEM_ALLOC_ENABLE (read by torch's CPU allocator when torch loads): large tensors advised
-    # MADV_HUGEPAGE, which /proc/self/smaps shows as the "hg" flag of the tensor's mapping (whether the
-    # kernel then finds free huge pages is up to it).
-    code = ("import engine, torch\n"
+def test_cpu_kv_cache_is_advised_for_huge_pages_and_zeroed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # MADV_HUGEPAGE shows as the "hg" flag of the mapping (whether the kernel then finds free huge pages
+    # is up to it). 64 MiB: a cache layer of the default model is ~70 MiB.
+    shape = (2, 1024, 16, 8, 128)
+    dev = CpuDevice()
+    cache = dev.allocate_kv_cache(shape, torch.bfloat16)
+    assert cache.shape == shape and cache.dtype == torch.bfloat16
+    assert not cache.any()
+    middle = cache.data_ptr() + cache.numel() * cache.element_size() // 2
+    assert "hg" in _vm_flags(middle)
+    monkeypatch.setenv(ENV_KV_HUGE_PAGES, "0")
+    plain = dev.allocate_kv_cache(shape, torch.float16)
+    assert not plain.any()
+    assert "hg" not in _vm_flags(plain.data_ptr() + plain.numel() * plain.element_size() // 2)
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
+def test_advise_huge_pages_skips_what_has_no_aligned_2mib() -> None:
+    assert advise_huge_pages(torch.zeros(1024)) == 0  # 4 KiB
+    big = torch.empty(8 << 20, dtype=torch.uint8)
+    advised = advise_huge_pages(big)
+    assert advised % (2 << 20) == 0 and (4 << 20) <= advised <= (8 << 20)
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
+def test_engine_process_allocates_large_tensors_on_huge_pages_unless_the_user_chose() -> None:
+    # `python -m engine` sets THP_MEM_ALLOC_ENABLE before torch loads (the served engine's weights and
+    # buffers); a library user's process (`import engine`) keeps torch's default.
+    code = ("import sys\n"
+            "if sys.argv[1] == 'server':\n"
+            "    import engine.__main__\n"
+            "import engine, torch\n"
+            "from tests.engine.test_device import _vm_flags\n"
             "x = torch.ones(64 << 20, dtype=torch.uint8)\n"
-            "addr, flags, inside = x.data_ptr(), '', False\n"
-            "for line in open('/proc/self/smaps'):\n"
-            "    head = line.split()[0]\n"
-            "    if '-' in head and ':' not in head:\n"
-            "        lo, hi = (int(v, 16) for v in head.split('-'))\n"
-            "        inside = lo <= addr < hi\n"
-            "    elif inside and line.startswith('VmFlags:'):\n"
-            "        flags = line.split()[1:]\n"
-            "print('hg' in flags)\n")
+            "print('hg' in _vm_flags(x.data_ptr() + (32 << 20)))\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
 
-    def run(**extra: str) -> str:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    def run(kind: str, **extra: str) -> str:
+        out = subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True, timeout=120,
                              env={**env, **extra})
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
-    assert run() == "True"  # advised for huge pages
-    assert run(THP_MEM_ALLOC_ENABLE="0") == "False"
+    assert run("server") == "True"
+    assert run("server", THP_MEM_ALLOC_ENABLE="0") == "False"
+    assert run("library") == "False"
