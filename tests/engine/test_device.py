@@ -101,20 +101,26 @@ def _vm_flags(address: int) -> list[str]:
 
 
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
-def test_cpu_kv_cache_is_advised_for_huge_pages_and_zeroed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_kv_cache_is_advised_for_huge_pages_and_zeroed() -> None:
     # MADV_HUGEPAGE shows as the "hg" flag of the mapping (whether the kernel then finds free huge pages
-    # is up to it). 64 MiB: a cache layer of the default model is ~70 MiB.
-    shape = (2, 1024, 16, 8, 128)
-    dev = CpuDevice()
-    cache = dev.allocate_kv_cache(shape, torch.bfloat16)
-    assert cache.shape == shape and cache.dtype == torch.bfloat16
-    assert not cache.any()
-    middle = cache.data_ptr() + cache.numel() * cache.element_size() // 2
-    assert "hg" in _vm_flags(middle)
-    monkeypatch.setenv(ENV_KV_HUGE_PAGES, "0")
-    plain = dev.allocate_kv_cache(shape, torch.float16)
-    assert not plain.any()
-    assert "hg" not in _vm_flags(plain.data_ptr() + plain.numel() * plain.element_size() // 2)
+    # is up to it). 64 MiB: a cache layer of the default model is ~70 MiB. In a fresh process with torch's
+    # allocator left as it is (THP_MEM_ALLOC_ENABLE=0), so only the device's own advice can set the flag.
+    code = ("import torch\n"
+            "from engine.device import CpuDevice\n"
+            "from tests.engine.test_device import _vm_flags\n"
+            "cache = CpuDevice().allocate_kv_cache((2, 1024, 16, 8, 128), torch.bfloat16)\n"
+            "middle = cache.data_ptr() + cache.numel() * cache.element_size() // 2\n"
+            "print(cache.shape == (2, 1024, 16, 8, 128), not cache.any(), 'hg' in _vm_flags(middle))\n")
+    env = {**__import__("os").environ, "THP_MEM_ALLOC_ENABLE": "0"}
+
+    def run(**extra: str) -> str:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**env, **extra})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert run() == "True True True"
+    assert run(**{ENV_KV_HUGE_PAGES: "0"}) == "True True False"
 
 
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
@@ -128,10 +134,10 @@ def test_advise_huge_pages_skips_what_has_no_aligned_2mib() -> None:
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
 def test_engine_process_allocates_large_tensors_on_huge_pages_unless_the_user_chose() -> None:
     # `python -m engine` sets THP_MEM_ALLOC_ENABLE before torch loads (the served engine's weights and
-    # buffers); a library user's process (`import engine`) keeps torch's default.
-    code = ("import sys\n"
+    # buffers); a library user's process (`import engine`, even `import engine.__main__`) keeps torch's default.
+    code = ("import sys, engine.__main__\n"
             "if sys.argv[1] == 'server':\n"
-            "    import engine.__main__\n"
+            "    engine.__main__.use_huge_pages()  # what main() does first\n"
             "import engine, torch\n"
             "from tests.engine.test_device import _vm_flags\n"
             "x = torch.ones(64 << 20, dtype=torch.uint8)\n"

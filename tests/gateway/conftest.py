@@ -23,9 +23,19 @@ SERVED = "sluice-test"
 API_KEY = "sk-test-key"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+async def one_event_loop() -> AsyncIterator[None]:
+    """Held for the whole session by every fixture that starts gRPC objects, so that anyio runs those
+    tests in one event loop. grpc.aio binds its completion-queue poller to each loop that uses it, and
+    with a loop per test it sometimes posted a finished call's event to an earlier test's closed loop:
+    "RuntimeError: Event loop is closed" from ``PollerCompletionQueue._handle_events`` failed the setup
+    of an unrelated test (grpc/grpc#25364 is the same binding, across threads)."""
+    yield
 
 
 @dataclasses.dataclass
@@ -66,7 +76,7 @@ GatewayFactory = Callable[..., contextlib.AbstractAsyncContextManager[Gateway]]
 
 
 @pytest.fixture
-async def fake_server() -> AsyncIterator[FakeServer]:
+async def fake_server(one_event_loop: None) -> AsyncIterator[FakeServer]:
     fake = await start_fake_server()
     yield fake
     await fake.server.stop(0)
