@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -100,6 +101,15 @@ def _vm_flags(address: int) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def _python(code: str, *args: str, drop: tuple[str, ...] = (), **env: str) -> str:
+    """stdout of ``python -c code args`` in a fresh process: this environment less ``drop``, plus ``env``."""
+    base = {k: v for k, v in os.environ.items() if k not in drop}
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                         env={**base, **env})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
 def test_cpu_kv_cache_is_advised_for_huge_pages_and_zeroed() -> None:
     # MADV_HUGEPAGE shows as the "hg" flag of the mapping (whether the kernel then finds free huge pages
@@ -111,16 +121,8 @@ def test_cpu_kv_cache_is_advised_for_huge_pages_and_zeroed() -> None:
             "cache = CpuDevice().allocate_kv_cache((2, 1024, 16, 8, 128), torch.bfloat16)\n"
             "middle = cache.data_ptr() + cache.numel() * cache.element_size() // 2\n"
             "print(cache.shape == (2, 1024, 16, 8, 128), not cache.any(), 'hg' in _vm_flags(middle))\n")
-    env = {**__import__("os").environ, "THP_MEM_ALLOC_ENABLE": "0"}
-
-    def run(**extra: str) -> str:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                             env={**env, **extra})
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
-
-    assert run() == "True True True"
-    assert run(**{ENV_KV_HUGE_PAGES: "0"}) == "True True False"
+    assert _python(code, THP_MEM_ALLOC_ENABLE="0") == "True True True"
+    assert _python(code, THP_MEM_ALLOC_ENABLE="0", **{ENV_KV_HUGE_PAGES: "0"}) == "True True False"
 
 
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
@@ -142,14 +144,7 @@ def test_engine_process_allocates_large_tensors_on_huge_pages_unless_the_user_ch
             "from tests.engine.test_device import _vm_flags\n"
             "x = torch.ones(64 << 20, dtype=torch.uint8)\n"
             "print('hg' in _vm_flags(x.data_ptr() + (32 << 20)))\n")
-    env = {k: v for k, v in __import__("os").environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-
-    def run(kind: str, **extra: str) -> str:
-        out = subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True, timeout=120,
-                             env={**env, **extra})
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
-
-    assert run("server") == "True"
-    assert run("server", THP_MEM_ALLOC_ENABLE="0") == "False"
-    assert run("library") == "False"
+    drop = ("THP_MEM_ALLOC_ENABLE",)
+    assert _python(code, "server", drop=drop) == "True"
+    assert _python(code, "server", drop=drop, THP_MEM_ALLOC_ENABLE="0") == "False"
+    assert _python(code, "library", drop=drop) == "False"
