@@ -233,3 +233,49 @@ def test_decode_kernel_group_shapes_and_long_blocks(backend: TorchAttentionBacke
     for s in seqs:
         s.k, s.v = s.k.to(kv_dtype).float(), s.v.to(kv_dtype).float()
     _check(backend, seqs, len(seqs), hq, hkv, d, block_size=32, kv_dtype=kv_dtype)
+
+
+def _native_ops():  # the -march=native build, or skip
+    from engine.kernels import cpu_ops
+    ops = cpu_ops()
+    if ops is None or not ops.has_amx_attention():
+        pytest.skip("needs a CPU with AMX-BF16 (and Linux granting the tile state)")
+    return ops
+
+
+@pytest.mark.parametrize("lens", [[1, 17, 70], [1, 15, 16, 17, 31, 33, 64, 70, 100]], ids=["per-head", "per-seq"])
+@pytest.mark.parametrize("hkv, group, d, block_size", [(3, 3, 64, 16), (2, 4, 128, 32), (1, 8, 64, 16),
+                                                       (2, 9, 64, 16), (4, 1, 32, 64), (1, 16, 96, 16)])
+def test_amx_decode_matches_the_vector_loops(hkv: int, group: int, d: int, block_size: int, lens: list[int]) -> None:
+    # bfloat16 query and cache on an AMX CPU: scores of 16 keys per tile product, keys loaded straight from the
+    # cache rows, in whole 16-row tiles. The same attention as the AVX-512 / AVX2 loops (the same bfloat16
+    # inputs, float32 sums in another order), and the rows a tile loads past a sequence's end never count:
+    # every cache slot no sequence reads is NaN. Three sequences give one work item per kv head, nine one per
+    # sequence (up to 18 query heads: two 16-lane softmax columns).
+    ops = _native_ops()
+    gen = torch.Generator().manual_seed(hkv * 1000 + group * 10 + d)
+    n_blocks, per_seq = 64, (max(lens) + block_size - 1) // block_size
+    cache = torch.randn(kv_cache_shape(n_blocks, block_size, hkv, d), generator=gen).bfloat16()
+    tables = torch.randperm(n_blocks, generator=gen)[:len(lens) * per_seq].view(len(lens), per_seq)
+    used = torch.zeros(n_blocks, block_size, dtype=torch.bool)
+    for n, length in enumerate(lens):
+        for t in range(length):
+            used[tables[n, t // block_size], t % block_size] = True
+    cache[:, ~used] = float("nan")
+    query = torch.randn(len(lens), hkv * group, d, generator=gen).bfloat16()
+    seq_lens = torch.tensor(lens)
+    assert ops.set_amx_attention(False) is True  # on by default
+    try:
+        expected = ops.paged_decode_attention(query, cache, tables, seq_lens, d ** -0.5)
+    finally:
+        ops.set_amx_attention(True)
+    out = ops.paged_decode_attention(query, cache, tables, seq_lens, d ** -0.5)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2.0 ** -7, atol=1e-3)
+    # and both are the dense attention over each sequence's own keys and values
+    for n, length in enumerate(lens):
+        keys = cache[0][tables[n]].reshape(-1, hkv, d)[:length].float().repeat_interleave(group, dim=1)
+        values = cache[1][tables[n]].reshape(-1, hkv, d)[:length].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", query[n].float(), keys) * d ** -0.5
+        dense = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
+        torch.testing.assert_close(out[n].float(), dense, rtol=2.0 ** -7, atol=2e-3)
