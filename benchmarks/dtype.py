@@ -6,6 +6,12 @@ For each round and each dtype (alternating, so drift on a shared machine hits bo
 prefill ``--prompts`` fresh prompts (``max_tokens`` 1) and the output tokens/s of a full greedy run of
 ``--output-len`` tokens each (``ignore_eos``) through ``engine.LLM``. Every run gets prompts no earlier
 run saw, so the prefix cache never serves one from another. Ratios are per round against the first dtype.
+
+A dtype written ``bfloat16:no-amx`` runs with the AMX decode attention turned off (the AVX-512 loops), so
+
+    python -m benchmarks.dtype --dtypes bfloat16:no-amx,bfloat16 --prompts 128
+
+measures that kernel path alone.
 """
 
 from __future__ import annotations
@@ -19,6 +25,15 @@ import time
 from typing import Any
 
 from engine import LLM, SamplingParams
+from engine.kernels import cpu_ops
+
+NO_AMX = ":no-amx"
+
+
+def _amx_attention(on: bool) -> None:
+    ops = cpu_ops()
+    if ops is not None:
+        ops.set_amx_attention(on)
 
 
 def _prompts(rng: random.Random, count: int, length: int) -> list[dict[str, list[int]]]:
@@ -67,12 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     dtypes = [d.strip() for d in ns.dtypes.split(",") if d.strip()]
     rng = random.Random(ns.seed)
-    engines = {d: LLM(dtype=d, kv_cache_memory=2**30) for d in dtypes}
-    for llm in engines.values():  # warm-up: kernels built, buffers allocated
+    if any(d.endswith(NO_AMX) for d in dtypes) and not getattr(cpu_ops(), "has_amx_attention", lambda: False)():
+        p.error(f"{NO_AMX}: this CPU or build has no AMX decode attention to turn off")
+    engines = {d: LLM(dtype=d.removesuffix(NO_AMX), kv_cache_memory=2**30) for d in dtypes}
+    for d, llm in engines.items():  # warm-up: kernels built, buffers allocated
+        _amx_attention(not d.endswith(NO_AMX))
         measure(llm, rng, 2, ns.input_len, 4)
     runs: dict[str, list[dict[str, float]]] = {d: [] for d in dtypes}
     for r in range(ns.rounds):
         for d in dtypes:
+            _amx_attention(not d.endswith(NO_AMX))
             row = measure(engines[d], rng, ns.prompts, ns.input_len, ns.output_len)
             runs[d].append(row)
             print(f"round {r + 1} {d:>9}: prefill {row['prefill_s']:.3f} s, {row['tok_per_s']:.1f} out tok/s",
@@ -82,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios = result["summary"]["ratios"][d]
         print(f"{d:>9}: median prefill {m['prefill_s']:.3f} s ({', '.join(f'{x:.2f}x' for x in ratios['prefill_speedup'])}), "
               f"{m['tok_per_s']:.1f} tok/s ({', '.join(f'{x:.2f}x' for x in ratios['throughput'])})")
+    _amx_attention(True)
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -14,7 +14,8 @@
 // returns      [N, Hq, D]            the query's dtype
 //
 // bfloat16 tensors (the default dtype on CPUs with AVX512-BF16 / AMX) are computed in float32: each row
-// is widened as it is read and rounded to nearest-even once, when the result is stored.
+// is widened as it is read and rounded to nearest-even once, when the result is stored. On CPUs with AMX a
+// bfloat16 query and cache take the AMX path (see SLUICE_AMX below): scores by tile products.
 #include <torch/extension.h>
 #if defined(__AVX2__) && defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -709,7 +710,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 }
 
 // Whether this build and process can run bfloat16 decode attention on AMX tiles (built for a CPU with
-// AMX-BF16 and AVX512-BF16, and Linux granted the tile state).
+// AMX-BF16, and Linux granted the tile state).
 bool has_amx_attention() {
 #ifdef SLUICE_AMX
   return amx_permitted();
