@@ -219,11 +219,11 @@ inline void group_scores16(const float* q, int64_t head_dim, const T* k, int64_t
   }
 }
 
-// acc[g * head_dim + d] += sum_i p[g * p_head + i * p_token] * v_i[d] over one block's `stop` tokens for one kv head and its
+// acc[g * head_dim + d] += sum_i p[g * len + i] * v_i[d] over one block's `stop` tokens for one kv head and its
 // G query heads: each value row is widened once and the G x NV accumulators stay in registers.
 template <int G, int NV, typename T>
-inline void group_values16(const float* p, int64_t p_head, int64_t p_token, const T* v, int64_t token_stride,
-                           int64_t stop, float* acc, int64_t head_dim) {
+inline void group_values16(const float* p, int64_t len, const T* v, int64_t token_stride, int64_t stop, float* acc,
+                           int64_t head_dim) {
   __m512 a[G][NV];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) a[g][j] = _mm512_loadu_ps(acc + g * head_dim + 16 * j);
@@ -231,7 +231,7 @@ inline void group_values16(const float* p, int64_t p_head, int64_t p_token, cons
     __m512 vv[NV];
     for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
     for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(p[g * p_head + i * p_token]);
+      const __m512 w = _mm512_set1_ps(p[g * len + i]);
       for (int j = 0; j < NV; ++j) a[g][j] = _mm512_fmadd_ps(w, vv[j], a[g][j]);
     }
   }
@@ -244,7 +244,7 @@ inline void group_values16(const float* p, int64_t p_head, int64_t p_token, cons
 template <typename T>
 struct Group16 {
   void (*scores)(const float*, int64_t, const T*, int64_t, int64_t, float*, int64_t, float) = nullptr;
-  void (*values)(const float*, int64_t, int64_t, const T*, int64_t, int64_t, float*, int64_t) = nullptr;
+  void (*values)(const float*, int64_t, const T*, int64_t, int64_t, float*, int64_t) = nullptr;
 };
 
 template <typename T>
@@ -317,9 +317,10 @@ inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t
 #define SLUICE_AMX 1
 // Decode attention for a bfloat16 query and cache on CPUs with AMX (Sapphire Rapids on): the scores of 16 keys
 // by AMX tiles loaded straight from the cache rows (bfloat16 products summed in float32: the float32 loops'
-// result up to the order of the sums), the softmax on 16 query heads at once, the values by the AVX-512 group
-// loops. At 128 sequences of 192 tokens (SmolLM2's 3 kv heads, 16-token blocks) 2.28 -> 1.33 ms per layer
-// from memory; AVX512-BF16 dot products for the values (probabilities rounded to bfloat16) were slower.
+// result up to the order of the sums), the softmax on 16 query heads at once, the values by AVX-512 FMAs over
+// whole value rows (rows_values16). At 128 sequences of 192 tokens (SmolLM2's 3 kv heads, 16-token blocks)
+// about 2.1 -> 1.2 ms per layer from memory (benchmarks/decode_attention.py). Tried and slower: AVX512-BF16 dot
+// products for the values (probabilities rounded to bfloat16), value rows staged through AMX tiles.
 
 // exp_clamped on 16 lanes (the same polynomial and clamping).
 inline __m512 exp_clamped16(__m512 x) {
@@ -426,6 +427,60 @@ inline void softmax_token_major(float* sc, int64_t len, int64_t stride, float sc
   }
 }
 
+// acc[q * D + d] += sum_i p[i * p_token + q] * v_i[(q / G) * D + d] (D = 16 NV) over one block's `stop` tokens, for
+// H kv heads side by side in each row and G query heads each: token by token, so each value row is read front
+// to back (per kv head, a row's slices are 384 bytes apart and the loads waited on memory: 10 % slower at 128
+// sequences). The H x G x NV accumulators stay in registers, or nearly: at most 36 of them.
+template <int H, int G, int NV>
+void rows_values16(const float* p, int64_t p_token, const at::BFloat16* v, int64_t token_stride, int64_t stop,
+                   float* acc) {
+  constexpr int64_t D = 16 * NV;
+  __m512 a[H * G][NV];
+  for (int q = 0; q < H * G; ++q)
+    for (int j = 0; j < NV; ++j) a[q][j] = _mm512_loadu_ps(acc + q * D + 16 * j);
+  for (int64_t i = 0; i < stop; ++i, v += token_stride, p += p_token) {
+    for (int h = 0; h < H; ++h) {
+      __m512 vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = load16(v + h * D + 16 * j);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(p[h * G + g]);
+        for (int j = 0; j < NV; ++j) a[h * G + g][j] = _mm512_fmadd_ps(w, vv[j], a[h * G + g][j]);
+      }
+    }
+  }
+  for (int q = 0; q < H * G; ++q)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + q * D + 16 * j, a[q][j]);
+}
+
+using RowsValues = void (*)(const float*, int64_t, const at::BFloat16*, int64_t, int64_t, float*);
+
+constexpr int rows_heads(int g, int nv) { return std::min(8, 36 / (g * nv)); }  // kv heads per rows_values16 call
+
+template <int G, int NV, int H = 1>
+RowsValues rows_values_for(int64_t heads) {
+  if constexpr (H > rows_heads(G, NV)) {
+    return nullptr;
+  } else {
+    return heads == H ? &rows_values16<H, G, NV> : rows_values_for<G, NV, H + 1>(heads);
+  }
+}
+
+// rows_values16 for 1..most kv heads at once (most = 0: a shape it does not cover, see group16_for).
+struct RowsPlan {
+  int64_t most = 0;
+  RowsValues fns[9] = {};
+
+  RowsPlan(int64_t group, int64_t head_dim) {
+#define SLUICE_ROWS(G, NV)                                                       \
+    if (group == G && head_dim == 16 * NV) {                                   \
+      most = rows_heads(G, NV);                                                \
+      for (int64_t h = 1; h <= most; ++h) fns[h] = rows_values_for<G, NV>(h);  \
+    }
+    SLUICE_ROWS(1, 4) SLUICE_ROWS(2, 4) SLUICE_ROWS(3, 4) SLUICE_ROWS(4, 4) SLUICE_ROWS(1, 8) SLUICE_ROWS(2, 8)
+#undef SLUICE_ROWS
+  }
+};
+
 // Per-thread buffers of the AMX path.
 struct AmxScratch {
   std::vector<uint32_t> qt;   // the item's queries as B tiles, kv head by kv head
@@ -437,8 +492,8 @@ struct AmxScratch {
 // One work item (sequence n, kv heads h0..h1) of the AMX path; out gets its heads' rows (float32).
 void amx_decode_item(const at::BFloat16* keys, const at::BFloat16* values, const uint16_t* q, const int64_t* table,
                      int64_t len, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, int64_t block_size,
-                     int64_t token_stride, int64_t block_stride, float scale, const Group16<at::BFloat16>& g16,
-                     float* out, AmxScratch& s) {
+                     int64_t token_stride, int64_t block_stride, float scale, const RowsPlan& plan, float* out,
+                     AmxScratch& s) {
   const int64_t heads = (h1 - h0) * group;
   const int64_t stride = (heads + 15) / 16 * 16;       // token rows of whole 16-lane vectors
   const int64_t rows = (len + 15) / 16 * 16;           // scores are stored 16 keys at a time
@@ -463,12 +518,12 @@ void amx_decode_item(const at::BFloat16* keys, const at::BFloat16* values, const
   softmax_token_major(sc, len, stride, scale, s.sums.data());
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const int64_t stop = std::min(block_size, len - start);
-    for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t h = h0, hn = 1; h < h1; h += hn) {
       const at::BFloat16* vb = values + table[b] * block_stride + h * head_dim;
       const int64_t q0 = (h - h0) * group;
-      if (g16.values != nullptr) {
-        g16.values(sc + start * stride + q0, 1, stride, vb, token_stride, stop, s.acc.data() + q0 * head_dim,
-                   head_dim);
+      if (plan.most > 0) {
+        hn = std::min(plan.most, h1 - h);
+        plan.fns[hn](sc + start * stride + q0, stride, vb, token_stride, stop, s.acc.data() + q0 * head_dim);
         continue;
       }
       for (int64_t i = 0; i < stop; ++i) {
@@ -562,6 +617,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
       std::vector<float> sums;
 #ifdef SLUICE_AMX
       AmxScratch amx_scratch;
+      const RowsPlan rows(amx ? group : 0, head_dim);
       if (amx) {
         const ScoreTiles tiles(group);
         _tile_loadconfig(&tiles);
@@ -580,7 +636,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
           if (amx) {
             const int64_t first = (n * n_heads + h0 * group) * head_dim;
             amx_decode_item(keys, values, q16 + first, table, len, h0, h1, group, head_dim, block_size, token_stride,
-                            block_stride, fscale, g16, o + first, amx_scratch);
+                            block_stride, fscale, rows, o + first, amx_scratch);
             continue;
           }
         }
@@ -643,7 +699,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 #ifdef SLUICE_AVX512
             if (g16.values != nullptr) {
               const int64_t q0 = (h - h0) * group;
-              g16.values(sc + q0 * len + start, len, 1, vb, token_stride, stop, a + q0 * head_dim, head_dim);
+              g16.values(sc + q0 * len + start, len, vb, token_stride, stop, a + q0 * head_dim, head_dim);
               continue;
             }
 #endif

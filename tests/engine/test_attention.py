@@ -238,20 +238,23 @@ def test_decode_kernel_group_shapes_and_long_blocks(backend: TorchAttentionBacke
 def _native_ops():  # the -march=native build, or skip
     from engine.kernels import cpu_ops
     ops = cpu_ops()
-    if ops is None or not ops.has_amx_attention():
+    assert ops is not None, "the CPU kernels did not build (see the warning logged)"
+    if not ops.has_amx_attention():
         pytest.skip("needs a CPU with AMX-BF16 (and Linux granting the tile state)")
     return ops
 
 
 @pytest.mark.parametrize("lens", [[1, 17, 70], [1, 15, 16, 17, 31, 33, 64, 70, 100]], ids=["per-head", "per-seq"])
-@pytest.mark.parametrize("hkv, group, d, block_size", [(3, 3, 64, 16), (2, 4, 128, 32), (1, 8, 64, 16),
+@pytest.mark.parametrize("hkv, group, d, block_size", [(3, 3, 64, 16), (5, 3, 64, 16), (4, 2, 128, 16),
+                                                       (9, 1, 64, 32), (2, 4, 128, 32), (1, 8, 64, 16),
                                                        (2, 9, 64, 16), (4, 1, 32, 64), (1, 16, 96, 16)])
 def test_amx_decode_matches_the_vector_loops(hkv: int, group: int, d: int, block_size: int, lens: list[int]) -> None:
     # bfloat16 query and cache on an AMX CPU: scores of 16 keys per tile product, keys loaded straight from the
     # cache rows, in whole 16-row tiles. The same attention as the AVX-512 / AVX2 loops (the same bfloat16
     # inputs, float32 sums in another order), and the rows a tile loads past a sequence's end never count:
     # every cache slot no sequence reads is NaN. Three sequences give one work item per kv head, nine one per
-    # sequence (up to 18 query heads: two 16-lane softmax columns).
+    # sequence (up to 18 query heads: two 16-lane softmax columns). Values: whole rows of 3 kv heads at once
+    # (SmolLM2's shape), 3 + 2 of 5, 2 + 2 of 4 at head_dim 128, 8 + 1 of 9; the other shapes per kv head.
     ops = _native_ops()
     gen = torch.Generator().manual_seed(hkv * 1000 + group * 10 + d)
     n_blocks, per_seq = 64, (max(lens) + block_size - 1) // block_size
