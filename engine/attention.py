@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engine.kernels import PagedDecodeAttention
+    from engine.kernels import KVWriter, PagedDecodeAttention
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -84,15 +84,21 @@ class TorchAttentionBackend:
 
     ``decode_kernel`` (the CPU device passes ``engine.kernels.cpu_paged_decode_attention``) replaces the
     gather + SDPA of float32 and bfloat16 decodes (over a float32, float16 or bfloat16 cache) with one pass over
-    the blocks in place.
+    the blocks in place; ``kv_writer`` (``engine.kernels.cpu_write_kv_cache``) replaces ``write_kv_cache``'s two
+    ``index_copy_`` calls with row copies when keys and values already have the cache's dtype.
     """
 
-    def __init__(self, decode_kernel: PagedDecodeAttention | None = None) -> None:
+    def __init__(self, decode_kernel: PagedDecodeAttention | None = None, kv_writer: KVWriter | None = None) -> None:
         self.decode_kernel = decode_kernel
+        self.kv_writer = kv_writer
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        if (self.kv_writer is not None and key.dtype == kv_cache.dtype == value.dtype and kv_cache.is_contiguous()
+                and key.stride(-1) == value.stride(-1) == 1 and key.stride(-2) == value.stride(-2) == key.shape[-1]):
+            self.kv_writer(key, value, kv_cache, meta.slot_mapping)
+        else:
+            write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         outputs: list[torch.Tensor] = []
         if meta.num_decodes > 0:
             outputs.append(self._decode(query[:meta.num_decodes], kv_cache, meta, scale))

@@ -31,6 +31,7 @@ _SOURCES = Path(__file__).resolve().parent
 ENV_CPU_KERNELS = "SLUICE_CPU_KERNELS"
 
 PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+KVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def _cpu_digest() -> str:
@@ -120,6 +121,13 @@ def cpu_argmax_rows() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``argmax_rows(x)`` from ``cpu_ops``: ``torch.argmax(x, -1)`` of float32 rows, vectorised; or None."""
     ops = cpu_ops()
     return None if ops is None else ops.argmax_rows
+
+
+def cpu_write_kv_cache() -> KVWriter | None:
+    """``write_kv_cache(key, value, kv_cache, slot_mapping)`` from ``cpu_ops`` (row copies; the cache's own dtype,
+    each token's rows contiguous), or None."""
+    ops = cpu_ops()
+    return None if ops is None else ops.write_kv_cache
 
 
 def cpu_paged_decode_attention() -> PagedDecodeAttention | None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.attention import TorchAttentionBackend, kv_cache_shape, write_kv_cache
-from engine.kernels import cpu_paged_decode_attention, portable_cpu_ops
+from engine.kernels import cpu_paged_decode_attention, cpu_write_kv_cache, portable_cpu_ops
 from tests.engine.paged_factory import PagedKV
 
 
@@ -18,10 +18,11 @@ def backend(request: pytest.FixtureRequest) -> TorchAttentionBackend:
     if request.param == "torch":
         return TorchAttentionBackend()
     if request.param == "portable-kernel":  # the loops CPUs without AVX2 run
-        return TorchAttentionBackend(decode_kernel=portable_cpu_ops().paged_decode_attention)
-    kernel = cpu_paged_decode_attention()
-    assert kernel is not None, "the CPU paged-attention kernel did not build (see the warning logged)"
-    return TorchAttentionBackend(decode_kernel=kernel)
+        ops = portable_cpu_ops()
+        return TorchAttentionBackend(decode_kernel=ops.paged_decode_attention, kv_writer=ops.write_kv_cache)
+    kernel, writer = cpu_paged_decode_attention(), cpu_write_kv_cache()
+    assert kernel is not None and writer is not None, "the CPU kernels did not build (see the warning logged)"
+    return TorchAttentionBackend(decode_kernel=kernel, kv_writer=writer)
 
 
 @dataclass
@@ -164,6 +165,57 @@ def test_kv_cache_shape() -> None:
     assert cache[0, 2, 1, 0, 0] == 1.0 and cache[1, 2, 1, 0, 0] == 3.0
     assert cache[0, 0, 0, 0, 0] == 2.0 and cache[1, 0, 0, 0, 0] == 4.0
     assert cache.count_nonzero() == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_writer_copies_rows_like_write_kv_cache(dtype: torch.dtype) -> None:
+    # The CPU kv_writer against write_kv_cache (index_copy_): keys and values as the model hands them over,
+    # strided slices of one fused projection, into slots of different blocks; nothing else in the cache moves.
+    writer = cpu_write_kv_cache()
+    assert writer is not None
+    gen = torch.Generator().manual_seed(5)
+    fused = torch.randn(7, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)
+    key = fused[:, 9 * 64:12 * 64].view(7, 3, 64)
+    value = fused[:, 12 * 64:].view(7, 3, 64)
+    slots = torch.tensor([0, 5, 16, 17, 63, 40, 33])
+    expected = torch.randn(kv_cache_shape(4, 16, 3, 64), generator=gen).to(dtype)
+    cache = expected.clone()
+    write_kv_cache(key, value, expected, slots)
+    writer(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_kv_writer_rejects_what_it_cannot_copy() -> None:
+    writer = cpu_write_kv_cache()
+    assert writer is not None
+    cache = torch.zeros(kv_cache_shape(2, 4, 1, 8))
+    kv = torch.ones(2, 1, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        writer(kv, kv, cache, torch.tensor([0, 8]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        writer(kv, kv, cache, torch.tensor([-1, 0]))
+    with pytest.raises(RuntimeError, match="dtype"):
+        writer(kv.double(), kv.double(), cache, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="one slot per token"):
+        writer(kv, kv, cache, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        writer(torch.ones(2, 8, 1).transpose(1, 2), kv, cache, torch.tensor([0, 1]))
+    assert cache.count_nonzero() == 0  # nothing written by a rejected call
+    writer(kv, kv * 2, cache, torch.tensor([7, 0]))
+    assert cache[0, 1, 3].eq(1).all() and cache[1, 0, 0].eq(2).all() and cache.count_nonzero() == 32
+
+
+def test_backend_falls_back_to_index_copy_for_another_cache_dtype() -> None:
+    # A float16 cache under a float32 model: the writer cannot convert, write_kv_cache does (the writer is
+    # never called).
+    calls: list[int] = []
+    backend = TorchAttentionBackend(kv_writer=lambda *a: calls.append(1))
+    rng = random.Random(9)
+    seqs = _make_seqs(rng, 0, [(0, 5)], 4, 2, 16)
+    for s in seqs:
+        s.k, s.v = s.k.half().float(), s.v.half().float()
+    _check(backend, seqs, 0, 4, 2, 16, block_size=4, kv_dtype=torch.float16)
+    assert calls == []
 
 
 def test_decode_kernel_rejects_bad_tables_with_an_error() -> None:
