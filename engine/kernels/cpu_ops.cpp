@@ -161,6 +161,41 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// exp_clamped on 16 lanes (the same polynomial and clamping).
+inline __m512 exp_clamped16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// out[d] = silu(gate[d]) * up[d] for a bfloat16 row, 16 lanes at a time (the same arithmetic as silu_mul_row's),
+// widened as read and rounded once; returns how many of the n it did (a multiple of 16).
+inline int64_t silu_mul_row16(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t n) {
+  int64_t d = 0;
+#if defined(__AVX512BF16__)
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; d + 16 <= n; d += 16) {
+    const __m512 g = load16(gate + d);
+    const __m512 e = exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 r = _mm512_div_ps(_mm512_mul_ps(g, load16(up + d)), _mm512_add_ps(one, e));
+    const __m256bh b = _mm512_cvtneps_pbh(r);
+    std::memcpy(out + d, &b, sizeof(b));
+  }
+#endif
+  return d;
+}
+
 // Lane sums of 16 vectors: out[t] = sum of the 16 lanes of a[t], by a transpose-and-add tree (four rounds of
 // shuffles and adds, 16 -> 8 -> 4 -> 2 -> 1 vectors) instead of a horizontal reduction per vector.
 inline __m512 lane_sums16(__m512 a[16]) {
@@ -321,24 +356,6 @@ inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t
 // whole value rows (rows_values16). At 128 sequences of 192 tokens (SmolLM2's 3 kv heads, 16-token blocks)
 // about 2.1 -> 1.2 ms per layer from memory (benchmarks/decode_attention.py). Tried and slower: AVX512-BF16 dot
 // products for the values (probabilities rounded to bfloat16), value rows staged through AMX tiles.
-
-// exp_clamped on 16 lanes (the same polynomial and clamping).
-inline __m512 exp_clamped16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
 
 // Linux gives a process AMX tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA);
 // oneDNN asks too, but this kernel may run before any oneDNN GEMM has.
@@ -917,9 +934,17 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(3 * inter);  // gate | up | result
     for (int64_t r = begin; r < end; ++r) {
-      load_row(src + r * stride, buf.data(), 2 * inter);
-      silu_mul_row(buf.data(), buf.data() + inter, buf.data() + 2 * inter, inter);
-      store_row(buf.data() + 2 * inter, dst + r * inter, inter);
+      const at::BFloat16* g = src + r * stride;
+      int64_t d = 0;
+#ifdef SLUICE_AVX512
+      d = silu_mul_row16(g, g + inter, dst + r * inter, inter);  // AVX512-BF16: straight from and to bfloat16
+#endif
+      if (d < inter) {  // the rest through float32 rows
+        load_row(g + d, buf.data(), inter - d);
+        load_row(g + inter + d, buf.data() + inter, inter - d);
+        silu_mul_row(buf.data(), buf.data() + inter, buf.data() + 2 * inter, inter - d);
+        store_row(buf.data() + 2 * inter, dst + r * inter + d, inter - d);
+      }
     }
   });
   return out;

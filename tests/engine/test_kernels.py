@@ -171,9 +171,14 @@ def test_add_rms_norm_bfloat16_rounds_the_residual_then_normalises_it(ops: Any) 
     _close_to_rounded(out, F.rms_norm(expected_residual.float(), (96,), weight.float(), 1e-6))
 
 
-def test_silu_and_mul_bfloat16(ops: Any) -> None:
-    gate_up = (torch.randn(9, 2 * 1536, generator=_gen(26)) * 4).bfloat16()
-    gate, up = gate_up.float().split(1536, dim=-1)
+@pytest.mark.parametrize("inter", [1536, 23, 7])
+def test_silu_and_mul_bfloat16(ops: Any, inter: int) -> None:
+    # 16 lanes at a time straight from bfloat16 where the CPU has AVX512-BF16, the rest of a row (23: 16 + 7)
+    # through float32 rows; rows strided (a slice of a wider tensor); gates out to +-100 (exp clamped).
+    wide = (torch.randn(9, 2 * inter + 5, generator=_gen(26)) * 4).bfloat16()
+    wide[0, :inter] = torch.linspace(-100, 100, inter)
+    gate_up = wide[:, :2 * inter]
+    gate, up = gate_up.float().split(inter, dim=-1)
     _close_to_rounded(ops.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
