@@ -157,6 +157,23 @@ def test_prefill_chunk_after_context_and_fresh_prefill(backend: TorchAttentionBa
     _check(backend, seqs, 0, 6, 3, 8, block_size=4)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_fresh_prompts_of_one_length_batched_with_others_around(backend: TorchAttentionBackend,
+                                                                kv_dtype: torch.dtype) -> None:
+    # A wave of equal prompts goes through one batched SDPA call: three fresh 6-token prompts, then one of 6
+    # tokens after 9 cached (not fresh: its own call), two fresh ones of 6 again, one of 5, and decodes first.
+    prefills = [(0, 6), (0, 6), (0, 6), (9, 6), (0, 6), (0, 6), (0, 5)]
+    seqs = _make_seqs(random.Random(11), 2, prefills, 6, 3, 8)
+    if kv_dtype == torch.float16:  # what the cache holds is what attention sees
+        for s in seqs:
+            s.k, s.v = s.k.half().float(), s.v.half().float()
+    calls: list[int] = []
+    fresh = backend._fresh_prefills
+    backend._fresh_prefills = lambda q, *a: calls.append(a[-2]) or fresh(q, *a)  # type: ignore[method-assign]
+    _check(backend, seqs, 2, 6, 3, 8, block_size=4, kv_dtype=kv_dtype)
+    assert calls == [3, 2]
+
+
 def test_kv_cache_shape() -> None:
     assert kv_cache_shape(10, 16, 3, 64) == (2, 10, 16, 3, 64)
     cache = torch.zeros(kv_cache_shape(3, 2, 1, 1))
