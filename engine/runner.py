@@ -97,7 +97,7 @@ class ModelRunner:
             if not sampling:
                 return RunnerOutput()
             idx = torch.tensor(sample_idx, dtype=torch.int64, device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            logits = self.model.compute_logits(hidden.index_select(0, idx), dtype=None)
             row_of, rows, owners = self._sampling_rows(sampling)
             if len(row_of) != len(sampling):
                 logits = logits.index_select(0, torch.tensor(row_of, device=logits.device))

@@ -84,7 +84,7 @@ class Device(ABC):
         """Rewrite a loaded model's weights into this device's fastest layout (default: leave them)."""
 
     def row_argmax(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """A faster ``torch.argmax(x, -1)`` for float32 logits on this device, or None (use torch's)."""
+        """A faster ``torch.argmax(x, -1)`` for float32 (or bfloat16) logits on this device, or None (use torch's)."""
         return None
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

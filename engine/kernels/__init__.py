@@ -118,7 +118,7 @@ def portable_cpu_ops() -> Any:
 
 
 def cpu_argmax_rows() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``argmax_rows(x)`` from ``cpu_ops``: ``torch.argmax(x, -1)`` of float32 rows, vectorised; or None."""
+    """``argmax_rows(x)`` from ``cpu_ops``: ``torch.argmax(x, -1)`` of float32 or bfloat16 rows, vectorised; or None."""
     ops = cpu_ops()
     return None if ops is None else ops.argmax_rows
 

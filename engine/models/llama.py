@@ -274,15 +274,19 @@ class CausalLM(nn.Module):
             x = layer(x, positions, kv_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] logits in ``dtype``; ``None``: as the lm_head computes them (the model's
+        dtype, float32 on the quantized blocks). The engine passes None: its sampler widens what it must, and
+        greedy rows take the argmax of bfloat16 logits as they are (the same answer, no float32 copy)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self._tied_quant is not None and self._ops is not None and uses_blocks(hidden.shape[0], hidden.dtype):
-            return quant_linear(self._ops, hidden, self._tied_quant)
-        if self._tied_packed is not None:
-            return onednn_linear(hidden, self._tied_packed).float()
-        return linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head(hidden)
+        elif self._tied_quant is not None and self._ops is not None and uses_blocks(hidden.shape[0], hidden.dtype):
+            logits = quant_linear(self._ops, hidden, self._tied_quant)
+        elif self._tied_packed is not None:
+            logits = onednn_linear(hidden, self._tied_packed)
+        else:
+            logits = linear(hidden, self.embed_tokens.weight)
+        return logits if dtype is None else logits.to(dtype)
 
     def _require_kernel_dtype(self, what: str) -> torch.dtype:
         """The model's dtype, when it is a CPU float32 or bfloat16 model (what the CPU kernels take)."""

@@ -92,18 +92,41 @@ def test_bad_inputs_raise_instead_of_crashing(ops: Any) -> None:
         ops.rotary_(torch.zeros(1, 1, 4), torch.tensor([8]), cos, cos)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, width", [(1, 1), (3, 7), (4, 31), (5, 32), (6, 33), (9, 100), (128, 49152)])
-def test_argmax_rows_matches_torch(ops: Any, rows: int, width: int) -> None:
-    x = torch.randn(rows, width, generator=_gen(width)) * 5
+def test_argmax_rows_matches_torch(ops: Any, rows: int, width: int, dtype: torch.dtype) -> None:
+    x = (torch.randn(rows, width, generator=_gen(width)) * 5).to(dtype)
     assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
     # rows may be strided (logits trimmed to the vocabulary)
-    wide = torch.randn(rows, width + 5, generator=_gen(width + 1))
+    wide = torch.randn(rows, width + 5, generator=_gen(width + 1)).to(dtype)
     assert torch.equal(ops.argmax_rows(wide[:, :width]), wide[:, :width].argmax(dim=-1))
 
 
-def test_argmax_rows_ties_nan_and_infinities_as_torch(ops: Any) -> None:
+def test_argmax_rows_of_bfloat16_compares_the_widened_values(ops: Any) -> None:
+    # bfloat16 has 8 bits of mantissa: many equal values in a row, the first must win, in the vector loop
+    # (index 40 of 64) as in the scalar tail; and values one bfloat16 step apart must not compare equal.
+    x = torch.zeros(3, 67, dtype=torch.bfloat16)
+    x[0, [40, 8, 60]] = 1.0
+    x[0, 9] = torch.tensor(1.0).bfloat16().nextafter(torch.tensor(2.0).bfloat16())  # 1.0078125, the largest
+    x[1, [66, 65]] = -0.5
+    x[1, :65] = -1.0
+    x[2, [66, 5, 10]] = torch.tensor([255.0, 256.0, 257.0]).bfloat16()  # 257 rounds to 256 in bfloat16: a tie, 5 wins
+    expected = x.argmax(dim=-1)
+    assert expected.tolist() == [9, 65, 5]
+    assert torch.equal(ops.argmax_rows(x), expected)
+
+
+def test_argmax_rows_rejects_other_dtypes_and_strided_columns(ops: Any) -> None:
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.argmax_rows(torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops.argmax_rows(torch.zeros(2, 16)[:, ::2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_ties_nan_and_infinities_as_torch(ops: Any, dtype: torch.dtype) -> None:
     width = 200
-    x = torch.zeros(8, width)
+    x = torch.zeros(8, width, dtype=dtype)
     x[0, [5, 77, 150]] = 3.0                         # a tie: the first index wins, in any vector lane
     x[1, [40, 8]] = 2.0                              # lanes 0 of different vectors
     x[2, [199, 197]] = 1.0                           # in the scalar tail
@@ -136,6 +159,10 @@ def test_sampler_greedy_rows_use_the_device_argmax() -> None:
     rows = [SamplingRow(greedy, [1, 2], [], None) for _ in range(3)]
     out = Sampler(40, {2}, argmax=counted)(logits, rows)   # the vocabulary trims the 10 padding columns
     assert out.token_ids == logits[:, :40].argmax(dim=-1).tolist() and calls == [(3, 40)]
+    # a bfloat16 lm_head's logits go to the kernel as they are, with no float32 copy
+    calls.clear()
+    out = Sampler(40, {2}, argmax=counted)(logits.bfloat16(), rows)
+    assert out.token_ids == logits.bfloat16()[:, :40].argmax(dim=-1).tolist() and calls == [(3, 40)]
 
 
 # bfloat16 rows (the model dtype --dtype auto picks on AVX512-BF16 / AMX CPUs): computed in float32 from the
