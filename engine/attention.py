@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engine.kernels import KVWriter, PagedDecodeAttention
+    from engine.kernels import KVWriter, PagedDecodeAttention, PagedPrefillAttention
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -85,12 +85,17 @@ class TorchAttentionBackend:
     ``decode_kernel`` (the CPU device passes ``engine.kernels.cpu_paged_decode_attention``) replaces the
     gather + SDPA of float32 and bfloat16 decodes (over a float32, float16 or bfloat16 cache) with one pass over
     the blocks in place; ``kv_writer`` (``engine.kernels.cpu_write_kv_cache``) replaces ``write_kv_cache``'s two
-    ``index_copy_`` calls with row copies when keys and values already have the cache's dtype.
+    ``index_copy_`` calls with row copies when keys and values already have the cache's dtype; ``prefill_kernel``
+    (``engine.kernels.cpu_paged_prefill_attention``, CPUs with AMX) runs every prefill sequence of a step, with or
+    without cached context, in one call over the cache when query and cache are bfloat16 and blocks hold whole
+    16-row tiles.
     """
 
-    def __init__(self, decode_kernel: PagedDecodeAttention | None = None, kv_writer: KVWriter | None = None) -> None:
+    def __init__(self, decode_kernel: PagedDecodeAttention | None = None, kv_writer: KVWriter | None = None,
+                 prefill_kernel: PagedPrefillAttention | None = None) -> None:
         self.decode_kernel = decode_kernel
         self.kv_writer = kv_writer
+        self.prefill_kernel = prefill_kernel
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -102,6 +107,16 @@ class TorchAttentionBackend:
         outputs: list[torch.Tensor] = []
         if meta.num_decodes > 0:
             outputs.append(self._decode(query[:meta.num_decodes], kv_cache, meta, scale))
+        if meta.num_seqs > meta.num_decodes and self._prefill_kernel_takes(query, kv_cache, meta):
+            assert self.prefill_kernel is not None
+            first = meta.num_decodes
+            starts = [0]
+            for n in meta.query_lens[first:]:
+                starts.append(starts[-1] + n)
+            outputs.append(self.prefill_kernel(
+                query[first:].contiguous(), kv_cache, meta.block_tables[first:].contiguous(),
+                torch.tensor(starts, dtype=torch.int64), meta.seq_lens[first:].contiguous(), scale))
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
         start, i = meta.num_decodes, meta.num_decodes
         while i < meta.num_seqs:
             # Fresh prompts of one length side by side (a wave of equal requests): one SDPA call for all of them
@@ -121,6 +136,21 @@ class TorchAttentionBackend:
         if len(outputs) == 1:
             return outputs[0]
         return torch.cat(outputs, dim=0)
+
+    # The prefill kernel takes a step's prefills when they see this many keys per sequence on average (context
+    # and new tokens): per layer, against SDPA, 16 prompts x 128 tokens 1.81 vs 1.57 ms (slower: each 16-query
+    # tile has too few keys to amortise its setup), 4 x 512 2.77 vs 3.85, 1 x 2048 6.15 vs 11.3, 1 x 4096 24.4
+    # vs 36.7 (bfloat16, SmolLM2's 9/3 heads of 64, 2 Sapphire Rapids-class cores). Chunks after a long cached
+    # context (prefix caching, chunked prefill) see many keys too, and SDPA's path for them gathers the blocks.
+    PREFILL_KERNEL_MIN_KEYS = 256
+
+    def _prefill_kernel_takes(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        head_dim = query.shape[-1]
+        prefills = meta.num_seqs - meta.num_decodes
+        return (self.prefill_kernel is not None and query.dtype == kv_cache.dtype == torch.bfloat16
+                and query.device.type == "cpu" and kv_cache.is_contiguous() and meta.block_size % 16 == 0
+                and head_dim % 32 == 0 and head_dim <= 128
+                and sum(meta.seq_lens_host[meta.num_decodes:]) >= self.PREFILL_KERNEL_MIN_KEYS * prefills)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

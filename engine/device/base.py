@@ -198,9 +198,10 @@ class CpuDevice(Device):
 
     def attention_backend(self) -> AttentionBackend:
         from engine.attention import TorchAttentionBackend
-        from engine.kernels import cpu_paged_decode_attention, cpu_write_kv_cache
+        from engine.kernels import cpu_paged_decode_attention, cpu_paged_prefill_attention, cpu_write_kv_cache
 
-        return TorchAttentionBackend(decode_kernel=cpu_paged_decode_attention(), kv_writer=cpu_write_kv_cache())
+        return TorchAttentionBackend(decode_kernel=cpu_paged_decode_attention(), kv_writer=cpu_write_kv_cache(),
+                                     prefill_kernel=cpu_paged_prefill_attention())
 
     def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """float32: oneDNN prepacked linears (engine.kernels; ``SLUICE_CPU_KERNELS=0`` keeps F.linear)."""

@@ -29,9 +29,13 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).resolve().parent
 ENV_CPU_KERNELS = "SLUICE_CPU_KERNELS"
+ENV_AMX_PREFILL = "SLUICE_AMX_PREFILL"
 
 PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 KVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# (query, kv_cache, block_tables, query_start, seq_lens, scale) -> out
+PagedPrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                                 torch.Tensor]
 
 
 def _cpu_digest() -> str:
@@ -134,3 +138,13 @@ def cpu_paged_decode_attention() -> PagedDecodeAttention | None:
     """``paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)`` from ``cpu_ops``, or None."""
     ops = cpu_ops()
     return None if ops is None else ops.paged_decode_attention
+
+
+def cpu_paged_prefill_attention() -> PagedPrefillAttention | None:
+    """``paged_prefill_attention(query, kv_cache, block_tables, query_start, seq_lens, scale)`` from ``cpu_ops``
+    where this CPU runs it (AMX tiles: bfloat16 query and cache, block_size % 16 == 0, head_dim a multiple of
+    32 up to 128), or None. ``SLUICE_AMX_PREFILL=0``: None (the SDPA paths)."""
+    if os.environ.get(ENV_AMX_PREFILL, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    ops = cpu_ops()
+    return None if ops is None or not ops.has_amx_attention() else ops.paged_prefill_attention

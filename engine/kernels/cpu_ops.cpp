@@ -348,7 +348,7 @@ inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t
 }
 
 
-#if defined(SLUICE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(SLUICE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define SLUICE_AMX 1
 // Decode attention for a bfloat16 query and cache on CPUs with AMX (Sapphire Rapids on): the scores of 16 keys
 // by AMX tiles loaded straight from the cache rows (bfloat16 products summed in float32: the float32 loops'
@@ -558,6 +558,163 @@ void amx_decode_item(const at::BFloat16* keys, const at::BFloat16* values, const
     const float* a = s.acc.data() + qi * head_dim;
     const float inv = 1.f / s.sums[qi];
     for (int64_t d = 0; d < head_dim; ++d) out[qi * head_dim + d] = a[d] * inv;
+  }
+}
+
+// Prefill attention (the new tokens of a sequence, with or without cached context before them) for a bfloat16
+// query and cache on AMX. The values of each (sequence, kv head) are packed once as V^T tiles; then, per 16
+// query positions of one query head: S^T = K Q^T by tile products (16 keys x 16 queries, the key rows loaded
+// from the cache as in decode), the causal mask, the softmax down each query's column (token-major, as in
+// decode), the probabilities as bfloat16 pairs and O^T = V^T P^T by tile products. Every tile is 16 rows x 64
+// bytes (ScoreTiles(16)): tmm0-6 for the scores as in amx_scores16, then tmm0-3 O^T, tmm4 V^T, tmm5 P^T.
+
+// vt[((kc * (D / 16) + dc) * 16 + d) * 32 + k] = v[32 kc + k][16 dc + d] of kv head h: A tiles of 16 dims x 32
+// keys, zero past the sequence's `len` keys (whatever the cache holds there never reaches a product).
+void pack_values_t(const at::BFloat16* values, const int64_t* table, int64_t len, int64_t h, int64_t head_dim,
+                   int64_t block_size, int64_t token_stride, int64_t block_stride, uint16_t* vt) {
+  const int64_t kchunks = (len + 31) / 32, dchunks = head_dim / 16;
+  std::fill(vt, vt + kchunks * dchunks * 512, uint16_t{0});
+  for (int64_t key = 0; key < len; ++key) {
+    const auto* row = reinterpret_cast<const uint16_t*>(values + table[key / block_size] * block_stride +
+                                                        (key % block_size) * token_stride + h * head_dim);
+    uint16_t* dst = vt + (key / 32) * dchunks * 512 + key % 32;
+    for (int64_t d = 0; d < head_dim; ++d) dst[(d / 16) * 512 + (d % 16) * 32] = row[d];
+  }
+}
+
+// 2^y for y <= 0 (clamped at -126), a degree-4 fit of 2^f on f in [-0.5, 0.5] (relative error 2.7e-6) scaled
+// by 2^n: 8 vector operations against exp_clamped16's 17. For probabilities that are rounded to bfloat16
+// (relative error 2^-9) right after.
+inline __m512 exp2_nonpositive16(__m512 y) {
+  y = _mm512_max_ps(y, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.00956051021f), f, _mm512_set1_ps(0.0559170392f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240249811f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693121968f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999999191f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct PrefillScratch {
+  std::vector<uint32_t> qt;   // the tile's queries as B tiles
+  std::vector<float> scores;  // token-major [keys][16], then the probabilities
+  std::vector<uint16_t> pt;   // P^T as B tiles: [32-key chunk][16 key pairs][16 queries x 2]
+  float ot[4][16][16];        // O^T tiles of one pass
+  float sums[16];
+};
+
+// One query head's `valid` (<= 16) queries at positions p0.. of a sequence over kv head h: out rows (bfloat16,
+// `out_stride` apart) get softmax(q k^T * scale) v over keys 0..position.
+void amx_prefill_tile(const at::BFloat16* keys, const int64_t* table, const uint16_t* q, int64_t q_stride,
+                      int64_t valid, int64_t p0, int64_t h, int64_t head_dim, int64_t block_size, int64_t token_stride,
+                      int64_t block_stride, float scale, const uint16_t* vt, at::BFloat16* out, int64_t out_stride,
+                      PrefillScratch& s) {
+  const int64_t chunks = head_dim / 32, dchunks = head_dim / 16;
+  const int64_t last = p0 + valid - 1;              // the tile's last position: it sees keys 0..last
+  const int64_t kend = (last + 16) / 16 * 16;       // score rows, whole tiles of 16 keys
+  const int64_t kchunks = (kend + 31) / 32;         // 32-key chunks of the values
+  s.qt.assign(chunks * 256, 0u);                    // queries past `valid` stay zero
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t r = 0; r < 16; ++r)
+      for (int64_t j = 0; j < valid; ++j) {
+        const uint16_t* x = q + j * q_stride + 32 * c + 2 * r;
+        s.qt[(c * 16 + r) * 16 + j] = static_cast<uint32_t>(x[0]) | static_cast<uint32_t>(x[1]) << 16;
+      }
+  s.scores.resize(kend * 16);
+  float* sc = s.scores.data();
+  // Lane j sits at position p0 + j (a padding lane past `valid` at the last one) and sees keys up to it. Rows
+  // up to p0 are seen by every lane; later ones (including rows past the sequence, whatever the cache held
+  // there) are masked before the maximum and zeroed after the exponential.
+  const __m512i lane_pos = _mm512_min_epi32(
+      _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(p0)),
+                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+      _mm512_set1_epi32(static_cast<int32_t>(last)));
+  const auto visible = [&](int64_t t) {
+    return _mm512_cmp_epi32_mask(lane_pos, _mm512_set1_epi32(static_cast<int32_t>(t)), _MM_CMPINT_NLT);
+  };
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // Scores, 16 keys per tile product, and each lane's maximum while the rows are in L1: over the rows of the
+  // tile before, whose store has completed (a vector load of a tile store still in flight waits for it).
+  __m512 m = minus_inf;
+  const auto mask_and_max = [&](int64_t t) {
+    float* rows = sc + t * 16;
+    for (int64_t i = 0; i < 16; ++i) {
+      __m512 x = _mm512_loadu_ps(rows + i * 16);
+      if (t + i > p0) {
+        x = _mm512_mask_mov_ps(minus_inf, visible(t + i), x);
+        _mm512_storeu_ps(rows + i * 16, x);
+      }
+      m = _mm512_max_ps(m, x);
+    }
+  };
+  for (int64_t t = 0; t < kend; t += 16) {  // 16 keys never straddle a block: block_size % 16 == 0
+    const at::BFloat16* k = keys + table[t / block_size] * block_stride + (t % block_size) * token_stride +
+                            h * head_dim;
+    amx_scores16(k, token_stride * 2, s.qt.data(), 16, chunks, sc + t * 16, 16);
+    if (t > 0) mask_and_max(t - 16);
+  }
+  mask_and_max(kend - 16);
+  // exp((s - max) * scale), summed per lane and written as P^T bfloat16 pairs in one pass:
+  // pt[(kc * 16 + r) * 32 + 2 j + e] = p[32 kc + 2 r + e][j]; rows past kend are zero.
+  s.pt.resize(kchunks * 512);
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  // exp((s - max) * scale) = 2^(s * c - max * c) with c = scale * log2(e): one fused multiply-subtract.
+  const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f), mc = _mm512_mul_ps(m, c);
+  __m512 sum = _mm512_setzero_ps();
+  const auto prob = [&](int64_t t) {
+    if (t >= kend) return _mm512_setzero_ps();
+    const __m512 e = exp2_nonpositive16(_mm512_fmsub_ps(_mm512_loadu_ps(sc + t * 16), c, mc));
+    return t > p0 ? _mm512_maskz_mov_ps(visible(t), e) : e;
+  };
+  for (int64_t i = 0; i < kchunks * 16; ++i) {
+    const __m512 e0 = prob(2 * i), e1 = prob(2 * i + 1);
+    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+    _mm512_storeu_si512(s.pt.data() + i * 32, _mm512_permutexvar_epi16(pairs, both));
+  }
+  _mm512_storeu_ps(s.sums, sum);
+  for (int64_t d0 = 0; d0 < dchunks; d0 += 4) {
+    const int64_t nd = std::min<int64_t>(4, dchunks - d0);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kc = 0; kc < kchunks; ++kc) {
+      _tile_loadd(5, s.pt.data() + kc * 512, 64);
+      const uint16_t* v = vt + (kc * dchunks + d0) * 512;
+      _tile_loadd(4, v, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (nd > 1) {
+        _tile_loadd(4, v + 512, 64);
+        _tile_dpbf16ps(1, 4, 5);
+      }
+      if (nd > 2) {
+        _tile_loadd(4, v + 1024, 64);
+        _tile_dpbf16ps(2, 4, 5);
+      }
+      if (nd > 3) {
+        _tile_loadd(4, v + 1536, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+    _tile_stored(0, s.ot[0], 64);
+    _tile_stored(1, s.ot[1], 64);
+    _tile_stored(2, s.ot[2], 64);
+    _tile_stored(3, s.ot[3], 64);
+    // out[j][16 (d0 + i) + d] = ot[i][d][j] / sum_j: query j's column of each O^T tile, gathered.
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    for (int64_t j = 0; j < valid; ++j) {
+      const __m512 inv = _mm512_set1_ps(1.f / s.sums[j]);
+      at::BFloat16* o = out + j * out_stride + 16 * d0;
+      for (int64_t i = 0; i < nd; ++i) {
+        const __m512 x = _mm512_i32gather_ps(column, &s.ot[i][0][j], 4);
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(x, inv));
+        std::memcpy(o + 16 * i, &b, sizeof(b));
+      }
+    }
   }
 }
 #endif
@@ -803,6 +960,106 @@ bool set_amx_attention(bool on) {
   return amx_attention_on.exchange(on);
 #else
   return false;
+#endif
+}
+
+// Causal attention of prefill tokens over a bfloat16 paged KV cache on AMX (see amx_prefill_tile): query
+// [T, Hq, D] bfloat16, the tokens of sequence i at rows query_start[i]..query_start[i + 1] and positions
+// seq_lens[i] - n_i.., their keys and values already in the cache (block_tables[i]). Returns [T, Hq, D].
+// Needs has_amx_attention(), block_size % 16 == 0 and head_dim a multiple of 32 up to 128 (the caller checks).
+torch::Tensor paged_prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache,
+                                      const torch::Tensor& block_tables, const torch::Tensor& query_start,
+                                      const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill_attention: CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention: bfloat16 query and KV cache");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong, "paged_prefill_attention: int64 tables, starts and lengths");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 && block_tables.dim() == 2 &&
+                  query_start.dim() == 1 && seq_lens.dim() == 1, "paged_prefill_attention: bad ranks");
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
+                  query_start.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_prefill_attention: contiguous tensors only");
+  const int64_t tokens = query.size(0), n_heads = query.size(1), head_dim = query.size(2);
+  const int64_t n_blocks = kv_cache.size(1), block_size = kv_cache.size(2), n_kv_heads = kv_cache.size(3);
+  const int64_t n_seqs = seq_lens.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(kv_cache.size(4) == head_dim, "paged_prefill_attention: head_dim differs");
+  TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "paged_prefill_attention: Hq % Hkv != 0");
+  TORCH_CHECK(block_size % 16 == 0 && head_dim % 32 == 0 && head_dim <= 128,
+              "paged_prefill_attention: block_size % 16 == 0 and head_dim a multiple of 32 up to 128");
+  TORCH_CHECK(block_tables.size(0) == n_seqs && query_start.size(0) == n_seqs + 1,
+              "paged_prefill_attention: one block table and length per sequence, n + 1 starts");
+#ifdef SLUICE_AMX
+  TORCH_CHECK(amx_permitted(), "paged_prefill_attention: no AMX tile state on this CPU");
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[n_seqs] == tokens, "paged_prefill_attention: starts must run 0..tokens");
+  const int64_t group = n_heads / n_kv_heads, dchunks = head_dim / 16;
+  std::vector<int64_t> vt_offset(n_seqs + 1, 0);
+  for (int64_t i = 0; i < n_seqs; ++i) {  // validate before any thread reads through them
+    const int64_t n = starts[i + 1] - starts[i];
+    TORCH_CHECK(n >= 1 && lens[i] >= n && lens[i] <= max_blocks * block_size,
+                "paged_prefill_attention: bad query_start or seq_len");
+    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
+      const int64_t id = tables[i * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < n_blocks, "paged_prefill_attention: block id out of range");
+    }
+    vt_offset[i + 1] = vt_offset[i] + n_kv_heads * ((lens[i] + 31) / 32) * dchunks * 512;
+  }
+  const int64_t token_stride = n_kv_heads * head_dim, block_stride = block_size * token_stride;
+  const auto* keys = kv_cache.data_ptr<at::BFloat16>();
+  const at::BFloat16* values = keys + n_blocks * block_stride;
+  std::vector<uint16_t> vt(vt_offset[n_seqs]);
+  const int64_t threads = at::get_num_threads();
+  // The values of every (sequence, kv head) as V^T tiles, once: every query head of the group and every tile
+  // of the sequence's queries reads them.
+  at::parallel_for(0, n_seqs * n_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / n_kv_heads, h = item % n_kv_heads;
+      const int64_t per_head = (lens[i] + 31) / 32 * dchunks * 512;
+      pack_values_t(values, tables + i * max_blocks, lens[i], h, head_dim, block_size, token_stride, block_stride,
+                    vt.data() + vt_offset[i] + h * per_head);
+    }
+  });
+  // Work items: 16 queries of one query head; within a (sequence, head) the last tiles (the most keys) first,
+  // taken from a shared counter so that threads even out.
+  struct Item {
+    int64_t seq, head, tile;
+  };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < n_seqs; ++i) {
+    const int64_t tiles = (starts[i + 1] - starts[i] + 15) / 16;
+    for (int64_t t = tiles - 1; t >= 0; --t)
+      for (int64_t hq = 0; hq < n_heads; ++hq) items.push_back({i, hq, t});
+  }
+  auto out = torch::empty_like(query);
+  auto* o = out.data_ptr<at::BFloat16>();
+  const auto* q16 = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
+  const float fscale = static_cast<float>(scale);
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min<int64_t>(threads, n_items), 1, [&](int64_t, int64_t) {
+    const ScoreTiles tiles(16);
+    _tile_loadconfig(&tiles);
+    PrefillScratch scratch;
+    for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < n_items;
+         k = next.fetch_add(1, std::memory_order_relaxed)) {
+      const Item& it = items[k];
+      const int64_t n = starts[it.seq + 1] - starts[it.seq], ctx = lens[it.seq] - n;
+      const int64_t first = starts[it.seq] + 16 * it.tile, valid = std::min<int64_t>(16, n - 16 * it.tile);
+      const int64_t h = it.head / group;
+      const int64_t per_head = (lens[it.seq] + 31) / 32 * dchunks * 512;
+      amx_prefill_tile(keys, tables + it.seq * max_blocks, q16 + (first * n_heads + it.head) * head_dim,
+                       n_heads * head_dim, valid, ctx + 16 * it.tile, h, head_dim, block_size, token_stride,
+                       block_stride, fscale, vt.data() + vt_offset[it.seq] + h * per_head,
+                       o + (first * n_heads + it.head) * head_dim, n_heads * head_dim, scratch);
+    }
+    _tile_release();
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "paged_prefill_attention: built without AMX");
 #endif
 }
 
@@ -1169,6 +1426,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention, release(),
         "Paged decode attention over a [2, blocks, block_size, kv_heads, head_dim] KV cache (CPU)");
+  m.def("paged_prefill_attention", &paged_prefill_attention, release(),
+        "Causal prefill attention over a bfloat16 [2, blocks, block_size, kv_heads, head_dim] KV cache (CPU, AMX)");
   m.def("has_amx_attention", &has_amx_attention, "Whether bfloat16 decode attention can use AMX tiles here");
   m.def("set_amx_attention", &set_amx_attention,
         "Allow (default) or forbid AMX in bfloat16 decode attention; returns the previous setting");

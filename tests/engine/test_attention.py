@@ -351,3 +351,96 @@ def test_amx_decode_matches_the_vector_loops(hkv: int, group: int, d: int, block
         scores = torch.einsum("hd,lhd->hl", query[n].float(), keys) * d ** -0.5
         dense = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
         torch.testing.assert_close(out[n].float(), dense, rtol=2.0 ** -7, atol=2e-3)
+
+
+@pytest.mark.parametrize("hkv, group, d, block_size", [(3, 3, 64, 16), (2, 4, 128, 32), (1, 8, 32, 64),
+                                                       (4, 1, 96, 16), (1, 16, 64, 16)])
+def test_amx_prefill_matches_dense_causal_attention(hkv: int, group: int, d: int, block_size: int) -> None:
+    # bfloat16 query and cache on an AMX CPU: every prefill sequence of a step in one call over the paged cache,
+    # fresh prompts and chunks after cached context alike. Query tiles of 16 positions, full and partial (1, 15,
+    # 16, 17, 31, 100 new tokens), contexts that put a tile's first position anywhere in a 16-key tile (5, 33,
+    # 17); every cache slot no sequence owns is NaN (tiles load whole 16-row tiles past a sequence's end).
+    ops = _native_ops()
+    gen = torch.Generator().manual_seed(hkv * 1000 + group * 10 + d)
+    chunks = [(0, 1), (0, 15), (0, 16), (0, 17), (5, 20), (33, 31), (0, 100), (17, 1), (3, 45)]  # (context, new)
+    lens = [c + n for c, n in chunks]
+    n_blocks, per_seq = 128, (max(lens) + block_size - 1) // block_size
+    cache = torch.randn(kv_cache_shape(n_blocks, block_size, hkv, d), generator=gen).bfloat16()
+    tables = torch.randperm(n_blocks, generator=gen)[:len(lens) * per_seq].view(len(lens), per_seq)
+    used = torch.zeros(n_blocks, block_size, dtype=torch.bool)
+    for n, length in enumerate(lens):
+        for t in range(length):
+            used[tables[n, t // block_size], t % block_size] = True
+    cache[:, ~used] = float("nan")
+    tokens = sum(n for _, n in chunks)
+    query = (torch.randn(tokens, hkv * group, d, generator=gen) * 2).bfloat16()
+    starts = torch.tensor([0] + [sum(n for _, n in chunks[:i + 1]) for i in range(len(chunks))])
+    out = ops.paged_prefill_attention(query, cache, tables, starts, torch.tensor(lens), d ** -0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == query.shape and torch.isfinite(out).all()
+    for i, (context, new) in enumerate(chunks):
+        length = context + new
+        keys = cache[0][tables[i]].reshape(-1, hkv, d)[:length].float().repeat_interleave(group, dim=1)
+        values = cache[1][tables[i]].reshape(-1, hkv, d)[:length].float().repeat_interleave(group, dim=1)
+        q = query[starts[i]:starts[i + 1]].float()
+        scores = torch.einsum("qhd,lhd->hql", q, keys) * d ** -0.5
+        visible = torch.arange(length)[None, :] <= torch.arange(context, length)[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        dense = torch.einsum("hql,lhd->qhd", probs, values)
+        torch.testing.assert_close(out[starts[i]:starts[i + 1]].float(), dense, rtol=2.0 ** -6, atol=1e-2)
+
+
+def test_amx_prefill_rejects_what_it_cannot_run() -> None:
+    ops = _native_ops()
+    cache = torch.zeros(kv_cache_shape(4, 16, 1, 64), dtype=torch.bfloat16)
+    q = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    tables, starts, lens = torch.tensor([[0, 1]]), torch.tensor([0, 3]), torch.tensor([3])
+    with pytest.raises(RuntimeError, match="bfloat16 query and KV cache"):
+        ops.paged_prefill_attention(q.float(), cache, tables, starts, lens, 0.125)
+    with pytest.raises(RuntimeError, match="bad query_start or seq_len"):
+        ops.paged_prefill_attention(q, cache, tables, starts, torch.tensor([2]), 0.125)  # fewer keys than queries
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_prefill_attention(q, cache, torch.tensor([[7, 1]]), starts, lens, 0.125)
+    with pytest.raises(RuntimeError, match="starts must run"):
+        ops.paged_prefill_attention(q, cache, tables, torch.tensor([0, 2]), lens, 0.125)
+    with pytest.raises(RuntimeError, match="block_size % 16"):
+        ops.paged_prefill_attention(q, torch.zeros(kv_cache_shape(8, 8, 1, 64), dtype=torch.bfloat16), tables,
+                                    starts, lens, 0.125)
+
+
+def test_backend_takes_long_prefills_to_the_amx_kernel_and_leaves_short_ones_to_sdpa() -> None:
+    # bfloat16 query and cache: a step whose prefills see >= PREFILL_KERNEL_MIN_KEYS keys on average (a fresh
+    # 300-token prompt, 20 tokens after 260 cached, a fresh 230) goes to the kernel in one call, decodes beside
+    # it to the decode kernel; a step of short prompts stays on SDPA. Both equal dense attention.
+    _native_ops()
+    from engine.kernels import cpu_paged_prefill_attention
+    kernel = cpu_paged_prefill_attention()
+    assert kernel is not None
+    calls: list[list[int]] = []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(args[3].tolist())  # query_start
+        return kernel(*args)
+
+    backend = TorchAttentionBackend(decode_kernel=cpu_paged_decode_attention(), kv_writer=cpu_write_kv_cache(),
+                                    prefill_kernel=counted)
+    hq, hkv, d, rng = 9, 3, 64, random.Random(11)
+    for prefills, taken in (([(0, 300), (260, 20), (0, 230)], True), ([(0, 40), (0, 40), (5, 12)], False)):
+        calls.clear()
+        seqs = _make_seqs(rng, 2, prefills, hq, hkv, d)
+        for s in seqs:
+            s.q, s.k, s.v = s.q.bfloat16(), s.k.bfloat16(), s.v.bfloat16()
+        kv = PagedKV(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=96, block_size=16, seed=3,
+                     dtype=torch.bfloat16)
+        cache = kv.kv_caches[0]
+        with_context = [s for s in seqs if s.context]
+        ctx = kv.step([(s.name, [0] * s.context) for s in with_context], num_decodes=0)
+        write_kv_cache(torch.cat([s.k[:s.context] for s in with_context]),
+                       torch.cat([s.v[:s.context] for s in with_context]), cache, ctx.meta.slot_mapping)
+        step = kv.step([(s.name, [0] * s.new) for s in seqs], num_decodes=2)
+        out = backend.forward(torch.cat([s.q for s in seqs]), torch.cat([s.k[s.context:] for s in seqs]),
+                              torch.cat([s.v[s.context:] for s in seqs]), cache, step.meta, d ** -0.5)
+        assert out.dtype == torch.bfloat16 and out.shape == (sum(s.new for s in seqs), hq, d)
+        expected = [[0] + [sum(n for _, n in prefills[:i + 1]) for i in range(len(prefills))]]
+        assert calls == (expected if taken else [])
+        torch.testing.assert_close(out.float(), torch.cat([_reference(s, d ** -0.5) for s in seqs]),
+                                   rtol=2.0 ** -6, atol=1e-2)
