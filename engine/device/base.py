@@ -137,12 +137,12 @@ def tune_malloc() -> bool:
     each) again. Whether that happens depends on the process's allocation history: measured in-process
     (``LLM.generate`` on the main thread, bfloat16 on 2 cores), some processes took 230,000-580,000 minor
     faults per prefill of 128 prompts x 128 tokens (2.9-3.4 s) and others almost none; with the thresholds
-    raised, every process took none (2.5-2.7 s; BENCHMARKS.md, "Page faults of in-process steps"). The
-    served engine, which steps on its own thread with THP_MEM_ALLOC_ENABLE, showed few faults either way.
-    Raising the mmap and trim thresholds is what ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``
-    (or tcmalloc, which vLLM's CPU docs suggest preloading) would do; the memory kept is what one step's
-    activations peak at. ``SLUICE_MALLOC_TUNING=0`` leaves malloc as it is; other C libraries are left
-    alone. Returns whether the thresholds are set."""
+    raised, every process took none (2.5-2.7 s; BENCHMARKS.md, "Prefill attention on AMX tiles; page faults
+    of in-process steps"). The served engine, which steps on its own thread with THP_MEM_ALLOC_ENABLE,
+    showed few faults either way. Raising the mmap and trim thresholds is what ``MALLOC_MMAP_THRESHOLD_`` /
+    ``MALLOC_TRIM_THRESHOLD_`` (or tcmalloc, which vLLM's CPU docs suggest preloading) would do; the memory
+    kept is what one step's activations peak at. ``SLUICE_MALLOC_TUNING=0`` leaves malloc as it is; other C
+    libraries are left alone. Returns whether the thresholds are set."""
     global _malloc_tuned
     if _malloc_tuned is not None:
         return _malloc_tuned

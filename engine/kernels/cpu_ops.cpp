@@ -348,7 +348,8 @@ inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t
 }
 
 
-#if defined(SLUICE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(SLUICE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
 #define SLUICE_AMX 1
 // Decode attention for a bfloat16 query and cache on CPUs with AMX (Sapphire Rapids on): the scores of 16 keys
 // by AMX tiles loaded straight from the cache rows (bfloat16 products summed in float32: the float32 loops'
