@@ -192,6 +192,48 @@ def test_bfloat16_cpu_kernels_stay_as_close_to_float32_as_transformers_bfloat16(
     assert ours_err <= 1.15 * hf_err, (ours_err, hf_err)
 
 
+def test_long_bfloat16_prefills_on_the_amx_kernel_stay_as_close_as_transformers_bfloat16(tmp_path: Path) -> None:
+    # Prefills that see >= 256 keys on average run the AMX prefill kernel (CPUs with AMX): a fresh 300-token
+    # prompt beside a 280-token one, then 40 more tokens after each (a chunk over 300 / 280 cached keys). The
+    # last positions' logits stay as close to transformers' float32 as transformers' own bfloat16 run.
+    from engine.kernels import cpu_paged_prefill_attention
+    if cpu_paged_prefill_attention() is None:
+        pytest.skip("needs a CPU with AMX-BF16 (and the CPU kernels built)")
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**_COMMON, "hidden_size": 128, "max_position_embeddings": 512},
+                         tie_word_embeddings=False)  # 4 heads of 32, 2 kv heads
+    hf = LlamaForCausalLM(config).eval()
+    _randomize(hf, seed=3)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), torch.bfloat16)
+    CpuDevice().prepare_model(ours, torch.bfloat16)
+    hf16 = LlamaForCausalLM(config).eval()
+    hf16.load_state_dict(hf.state_dict())
+    hf16 = hf16.to(torch.bfloat16)
+    cfg = ours.config
+    kv = PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=64, block_size=16,
+                 dtype=torch.bfloat16, backend=_backend(ours))
+    backend = kv.backend
+    assert isinstance(backend, TorchAttentionBackend) and backend.prefill_kernel is not None
+    kernel, calls = backend.prefill_kernel, []
+    backend.prefill_kernel = lambda *args: calls.append(args[3].tolist()) or kernel(*args)
+    a, b = _prompt(300, 11), _prompt(280, 12)
+    got, expected32, expected16 = [], [], []
+    logits = _run(ours, kv, [("a", a), ("b", b)])
+    got += [logits[299], logits[579]]
+    a2, b2 = _prompt(40, 13), _prompt(40, 14)
+    logits = _run(ours, kv, [("a", a2), ("b", b2)])
+    got += [logits[39], logits[79]]
+    a, b = a + a2, b + b2
+    for ids, n in ((a[:300], -1), (b[:280], -1), (a, -1), (b, -1)):
+        expected32.append(_hf_logits(hf, ids)[n])
+        expected16.append(_hf_logits(hf16, ids)[n])
+    layers = cfg.num_layers  # both steps, each in one call per layer
+    assert calls == [[0, 300, 580]] * layers + [[0, 40, 80]] * layers
+    ours_err, hf_err = _rel_err(got, expected32), _rel_err(expected16, expected32)
+    assert ours_err <= 1.15 * hf_err, (ours_err, hf_err)
+
+
 def test_mixed_step_declares_two_decodes() -> None:
     kv = PagedKV(num_layers=1, num_kv_heads=1, head_dim=2)
     kv.step([("a", [1, 2]), ("b", [3])])
