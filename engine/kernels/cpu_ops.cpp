@@ -574,12 +574,28 @@ void amx_decode_item(const at::BFloat16* keys, const at::BFloat16* values, const
 void pack_values_t(const at::BFloat16* values, const int64_t* table, int64_t len, int64_t h, int64_t head_dim,
                    int64_t block_size, int64_t token_stride, int64_t block_stride, uint16_t* vt) {
   const int64_t kchunks = (len + 31) / 32, dchunks = head_dim / 16;
-  std::fill(vt, vt + kchunks * dchunks * 512, uint16_t{0});
-  for (int64_t key = 0; key < len; ++key) {
-    const auto* row = reinterpret_cast<const uint16_t*>(values + table[key / block_size] * block_stride +
-                                                        (key % block_size) * token_stride + h * head_dim);
-    uint16_t* dst = vt + (key / 32) * dchunks * 512 + key % 32;
-    for (int64_t d = 0; d < head_dim; ++d) dst[(d / 16) * 512 + (d % 16) * 32] = row[d];
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int32_t>(token_stride / 2)));
+  // 16 keys at a time (never straddling a block): dims (2p, 2p + 1) of each as one gathered 32-bit lane, whose
+  // low halves are row 2p of the tile and high halves row 2p + 1; keys past `len` are masked to zero.
+  for (int64_t kc = 0; kc < kchunks; ++kc) {
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t key = 32 * kc + 16 * half;
+      const int64_t count = std::clamp<int64_t>(len - key, 0, 16);
+      const __mmask16 live = static_cast<__mmask16>((1u << count) - 1);
+      const auto* row = count == 0 ? nullptr
+                                   : reinterpret_cast<const int*>(values + table[key / block_size] * block_stride +
+                                                                  (key % block_size) * token_stride + h * head_dim);
+      for (int64_t pair = 0; pair < head_dim / 2; ++pair) {
+        const __m512i both = count == 0 ? _mm512_setzero_si512()
+                                        : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows,
+                                                                      row + pair, 4);
+        const int64_t d = 2 * pair;
+        uint16_t* dst = vt + ((kc * dchunks + d / 16) * 16 + d % 16) * 32 + 16 * half;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(both));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), _mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 16)));
+      }
+    }
   }
 }
 
@@ -615,13 +631,16 @@ void amx_prefill_tile(const at::BFloat16* keys, const int64_t* table, const uint
   const int64_t last = p0 + valid - 1;              // the tile's last position: it sees keys 0..last
   const int64_t kend = (last + 16) / 16 * 16;       // score rows, whole tiles of 16 keys
   const int64_t kchunks = (kend + 31) / 32;         // 32-key chunks of the values
-  s.qt.assign(chunks * 256, 0u);                    // queries past `valid` stay zero
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int64_t r = 0; r < 16; ++r)
-      for (int64_t j = 0; j < valid; ++j) {
-        const uint16_t* x = q + j * q_stride + 32 * c + 2 * r;
-        s.qt[(c * 16 + r) * 16 + j] = static_cast<uint32_t>(x[0]) | static_cast<uint32_t>(x[1]) << 16;
-      }
+  // qt[(c * 16 + r) * 16 + j] = dims (32 c + 2 r, + 1) of query j as one 32-bit lane, gathered; zero past `valid`.
+  s.qt.resize(chunks * 256);
+  const __m512i query_rows = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(q_stride / 2)));
+  const __mmask16 live = static_cast<__mmask16>((1u << valid) - 1);
+  for (int64_t r = 0; r < chunks * 16; ++r) {
+    _mm512_storeu_si512(s.qt.data() + r * 16, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, query_rows,
+                                                                          reinterpret_cast<const int*>(q) + r, 4));
+  }
   s.scores.resize(kend * 16);
   float* sc = s.scores.data();
   // Lane j sits at position p0 + j (a padding lane past `valid` at the last one) and sees keys up to it. Rows
