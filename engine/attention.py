@@ -137,20 +137,16 @@ class TorchAttentionBackend:
             return outputs[0]
         return torch.cat(outputs, dim=0)
 
-    # The prefill kernel takes a step's prefills when they see this many keys per sequence on average (context
-    # and new tokens): per layer, against SDPA, 16 prompts x 128 tokens 1.81 vs 1.57 ms (slower: each 16-query
-    # tile has too few keys to amortise its setup), 4 x 512 2.77 vs 3.85, 1 x 2048 6.15 vs 11.3, 1 x 4096 24.4
-    # vs 36.7 (bfloat16, SmolLM2's 9/3 heads of 64, 2 Sapphire Rapids-class cores). Chunks after a long cached
-    # context (prefix caching, chunked prefill) see many keys too, and SDPA's path for them gathers the blocks.
-    PREFILL_KERNEL_MIN_KEYS = 256
-
     def _prefill_kernel_takes(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether the prefill kernel runs this step's prefills: bfloat16 query and cache, blocks of whole 16-row
+        tiles, head_dim a multiple of 32 up to 128. Per layer against SDPA on contiguous keys (bfloat16, 9/3 heads
+        of 64, 2 Sapphire Rapids-class cores): 1.6-1.9x faster from 16 prompts x 32 tokens to 32 x 128, 2.1-2.3x
+        at 512 tokens, 1.4x at 4096 (BENCHMARKS.md, "Prefill attention on AMX tiles"); chunks after cached
+        context skip the block gather and the masked SDPA call."""
         head_dim = query.shape[-1]
-        prefills = meta.num_seqs - meta.num_decodes
         return (self.prefill_kernel is not None and query.dtype == kv_cache.dtype == torch.bfloat16
                 and query.device.type == "cpu" and kv_cache.is_contiguous() and meta.block_size % 16 == 0
-                and head_dim % 32 == 0 and head_dim <= 128
-                and sum(meta.seq_lens_host[meta.num_decodes:]) >= self.PREFILL_KERNEL_MIN_KEYS * prefills)
+                and head_dim % 32 == 0 and head_dim <= 128)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

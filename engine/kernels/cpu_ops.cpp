@@ -599,11 +599,13 @@ void pack_values_t(const at::BFloat16* values, const int64_t* table, int64_t len
   }
 }
 
-// 2^y for y <= 0 (clamped at -126), a degree-4 fit of 2^f on f in [-0.5, 0.5] (relative error 2.7e-6) scaled
+// 2^y for y <= 0 (clamped at -100), a degree-4 fit of 2^f on f in [-0.5, 0.5] (relative error 2.7e-6) scaled
 // by 2^n: 8 vector operations against exp_clamped16's 17. For probabilities that are rounded to bfloat16
-// (relative error 2^-9) right after.
+// (relative error 2^-9) right after. The clamp keeps results normal: at -126 the masked entries came out
+// denormal, and each such vscalefps took a microcode assist (a third of the kernel's samples at 128-token
+// prompts, where many entries are masked).
 inline __m512 exp2_nonpositive16(__m512 y) {
-  y = _mm512_max_ps(y, _mm512_set1_ps(-126.f));
+  y = _mm512_max_ps(y, _mm512_set1_ps(-100.f));
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.00956051021f), f, _mm512_set1_ps(0.0559170392f));
@@ -617,6 +619,7 @@ struct PrefillScratch {
   std::vector<uint32_t> qt;   // the tile's queries as B tiles
   std::vector<float> scores;  // token-major [keys][16], then the probabilities
   std::vector<uint16_t> pt;   // P^T as B tiles: [32-key chunk][16 key pairs][16 queries x 2]
+  std::vector<uint16_t> pt_lo;  // what rounding P^T to bfloat16 left out, as B tiles too
   float ot[4][16][16];        // O^T tiles of one pass
   float sums[16];
 };
@@ -678,6 +681,7 @@ void amx_prefill_tile(const at::BFloat16* keys, const int64_t* table, const uint
   // exp((s - max) * scale), summed per lane and written as P^T bfloat16 pairs in one pass:
   // pt[(kc * 16 + r) * 32 + 2 j + e] = p[32 kc + 2 r + e][j]; rows past kend are zero.
   s.pt.resize(kchunks * 512);
+  s.pt_lo.resize(kchunks * 512);
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   // exp((s - max) * scale) = 2^(s * c - max * c) with c = scale * log2(e): one fused multiply-subtract.
@@ -688,11 +692,19 @@ void amx_prefill_tile(const at::BFloat16* keys, const int64_t* table, const uint
     const __m512 e = exp2_nonpositive16(_mm512_fmsub_ps(_mm512_loadu_ps(sc + t * 16), c, mc));
     return t > p0 ? _mm512_maskz_mov_ps(visible(t), e) : e;
   };
+  // The probabilities as two bfloat16 parts, p = hi + lo to about 2^-17: P^T V then sums float32 products of
+  // float32-exact probabilities with the bfloat16 values (rounding p itself to bfloat16, as SDPA's flash kernel
+  // does, moved the default model's first answer token off a near-tie with float32).
+  const auto widen = [](__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); };
   for (int64_t i = 0; i < kchunks * 16; ++i) {
     const __m512 e0 = prob(2 * i), e1 = prob(2 * i + 1);
     sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
-    _mm512_storeu_si512(s.pt.data() + i * 32, _mm512_permutexvar_epi16(pairs, both));
+    const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+    const __m512 lo0 = _mm512_sub_ps(e0, widen(_mm512_castsi512_si256(hi)));
+    const __m512 lo1 = _mm512_sub_ps(e1, widen(_mm512_extracti64x4_epi64(hi, 1)));
+    _mm512_storeu_si512(s.pt.data() + i * 32, _mm512_permutexvar_epi16(pairs, hi));
+    _mm512_storeu_si512(s.pt_lo.data() + i * 32,
+                        _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(lo1, lo0)));
   }
   _mm512_storeu_ps(s.sums, sum);
   for (int64_t d0 = 0; d0 < dchunks; d0 += 4) {
@@ -703,20 +715,25 @@ void amx_prefill_tile(const at::BFloat16* keys, const int64_t* table, const uint
     _tile_zero(3);
     for (int64_t kc = 0; kc < kchunks; ++kc) {
       _tile_loadd(5, s.pt.data() + kc * 512, 64);
+      _tile_loadd(6, s.pt_lo.data() + kc * 512, 64);
       const uint16_t* v = vt + (kc * dchunks + d0) * 512;
       _tile_loadd(4, v, 64);
       _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(0, 4, 6);
       if (nd > 1) {
         _tile_loadd(4, v + 512, 64);
         _tile_dpbf16ps(1, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
       }
       if (nd > 2) {
         _tile_loadd(4, v + 1024, 64);
         _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(2, 4, 6);
       }
       if (nd > 3) {
         _tile_loadd(4, v + 1536, 64);
         _tile_dpbf16ps(3, 4, 5);
+        _tile_dpbf16ps(3, 4, 6);
       }
     }
     _tile_stored(0, s.ot[0], 64);

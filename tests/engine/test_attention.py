@@ -408,10 +408,10 @@ def test_amx_prefill_rejects_what_it_cannot_run() -> None:
                                     starts, lens, 0.125)
 
 
-def test_backend_takes_long_prefills_to_the_amx_kernel_and_leaves_short_ones_to_sdpa() -> None:
-    # bfloat16 query and cache: a step whose prefills see >= PREFILL_KERNEL_MIN_KEYS keys on average (a fresh
-    # 300-token prompt, 20 tokens after 260 cached, a fresh 230) goes to the kernel in one call, decodes beside
-    # it to the decode kernel; a step of short prompts stays on SDPA. Both equal dense attention.
+def test_backend_takes_a_steps_prefills_to_the_amx_kernel_in_one_call() -> None:
+    # bfloat16 query and cache, 16-token blocks: every prefill of the step (a fresh 300-token prompt, 20 tokens
+    # after 260 cached, a fresh 17) goes to the kernel in one call, the decodes beside it to the decode kernel.
+    # 8-token blocks (not whole 16-row tiles) stay on SDPA. Both equal dense attention.
     _native_ops()
     from engine.kernels import cpu_paged_prefill_attention
     kernel = cpu_paged_prefill_attention()
@@ -425,13 +425,14 @@ def test_backend_takes_long_prefills_to_the_amx_kernel_and_leaves_short_ones_to_
     backend = TorchAttentionBackend(decode_kernel=cpu_paged_decode_attention(), kv_writer=cpu_write_kv_cache(),
                                     prefill_kernel=counted)
     hq, hkv, d, rng = 9, 3, 64, random.Random(11)
-    for prefills, taken in (([(0, 300), (260, 20), (0, 230)], True), ([(0, 40), (0, 40), (5, 12)], False)):
+    prefills = [(0, 300), (260, 20), (0, 17)]
+    for block_size, taken in ((16, True), (8, False)):
         calls.clear()
         seqs = _make_seqs(rng, 2, prefills, hq, hkv, d)
         for s in seqs:
             s.q, s.k, s.v = s.q.bfloat16(), s.k.bfloat16(), s.v.bfloat16()
-        kv = PagedKV(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=96, block_size=16, seed=3,
-                     dtype=torch.bfloat16)
+        kv = PagedKV(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=192 // (block_size // 8),
+                     block_size=block_size, seed=3, dtype=torch.bfloat16)
         cache = kv.kv_caches[0]
         with_context = [s for s in seqs if s.context]
         ctx = kv.step([(s.name, [0] * s.context) for s in with_context], num_decodes=0)
@@ -441,7 +442,6 @@ def test_backend_takes_long_prefills_to_the_amx_kernel_and_leaves_short_ones_to_
         out = backend.forward(torch.cat([s.q for s in seqs]), torch.cat([s.k[s.context:] for s in seqs]),
                               torch.cat([s.v[s.context:] for s in seqs]), cache, step.meta, d ** -0.5)
         assert out.dtype == torch.bfloat16 and out.shape == (sum(s.new for s in seqs), hq, d)
-        expected = [[0] + [sum(n for _, n in prefills[:i + 1]) for i in range(len(prefills))]]
-        assert calls == (expected if taken else [])
+        assert calls == ([[0, 300, 320, 337]] if taken else [])
         torch.testing.assert_close(out.float(), torch.cat([_reference(s, d ** -0.5) for s in seqs]),
                                    rtol=2.0 ** -6, atol=1e-2)
