@@ -16,6 +16,10 @@
 // bfloat16 tensors (the default dtype on CPUs with AVX512-BF16 / AMX) are computed in float32: each row
 // is widened as it is read and rounded to nearest-even once, when the result is stored. On CPUs with AMX a
 // bfloat16 query and cache take the AMX path (see SLUICE_AMX below): scores by tile products.
+//
+// paged_prefill_attention (AMX only): the new tokens of each prefill sequence, causal over the keys of its
+// cached context and of themselves, all of a step's sequences in one call over the paged cache; query
+// [T, Hq, D] bfloat16 with query_start [S + 1] marking each sequence's rows, seq_lens [S] its keys.
 #include <torch/extension.h>
 #if defined(__AVX2__) && defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
