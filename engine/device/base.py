@@ -10,7 +10,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
-import os
 import platform
 import sys
 from abc import ABC, abstractmethod
@@ -18,6 +17,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from engine.env import switched_on
 
 if TYPE_CHECKING:
     from engine.attention import AttentionBackend
@@ -85,7 +86,7 @@ class Device(ABC):
         """Rewrite a loaded model's weights into this device's fastest layout (default: leave them)."""
 
     def row_argmax(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """A faster ``torch.argmax(x, -1)`` for float32 (or bfloat16) logits on this device, or None (use torch's)."""
+        """A faster ``torch.argmax(x, -1)`` for float32 (or bfloat16) logits on this device, or None (torch's)."""
         return None
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -147,7 +148,7 @@ def tune_malloc() -> bool:
     if _malloc_tuned is not None:
         return _malloc_tuned
     _malloc_tuned = False
-    if os.environ.get(ENV_MALLOC_TUNING, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switched_on(ENV_MALLOC_TUNING):
         return False
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return False
@@ -220,6 +221,6 @@ class CpuDevice(Device):
         cache of tens of MiB per layer: on 4 KiB pages nearly every block is a TLB miss. On the AMX machine
         (BENCHMARKS.md, "bfloat16 on AMX") cold attention took 14 % less time per layer."""
         cache = torch.empty(shape, dtype=dtype)
-        if os.environ.get(ENV_KV_HUGE_PAGES, "1").strip().lower() not in ("0", "false", "no", "off"):
+        if switched_on(ENV_KV_HUGE_PAGES):
             advise_huge_pages(cache)  # before the first write: zeroing faults the pages in
         return cache.zero_()

@@ -17,13 +17,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.env import switched_on
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def _cpu_digest() -> str:
 
 def cpu_kernels_enabled() -> bool:
     """False when ``SLUICE_CPU_KERNELS`` is 0 / false / no / off."""
-    return os.environ.get(ENV_CPU_KERNELS, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(ENV_CPU_KERNELS)
 
 
 # Model dtypes the CPU kernels take. float16 models run the PyTorch path.
@@ -144,7 +145,7 @@ def cpu_paged_prefill_attention() -> PagedPrefillAttention | None:
     """``paged_prefill_attention(query, kv_cache, block_tables, query_start, seq_lens, scale)`` from ``cpu_ops``
     where this CPU runs it (AMX tiles: bfloat16 query and cache, block_size % 16 == 0, head_dim a multiple of
     32 up to 128), or None. ``SLUICE_AMX_PREFILL=0``: None (the SDPA paths)."""
-    if os.environ.get(ENV_AMX_PREFILL, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switched_on(ENV_AMX_PREFILL):
         return None
     ops = cpu_ops()
     return None if ops is None or not ops.has_amx_attention() else ops.paged_prefill_attention

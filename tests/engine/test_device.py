@@ -179,3 +179,16 @@ def test_cpu_device_keeps_freed_step_memory_mapped_unless_turned_off() -> None:
     # glibc's defaults: each block mmap'd (or the heap top trimmed) and its 11,264 pages faulted in again
     tuned, faults = _python(_MALLOC_STEPS, **{ENV_MALLOC_TUNING: "0"}).split()
     assert tuned == "False" and int(faults) > 20000, faults
+
+
+def test_env_switches_default_on_and_read_the_usual_offs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.env import switched_on
+
+    monkeypatch.delenv("SLUICE_TEST_SWITCH", raising=False)
+    assert switched_on("SLUICE_TEST_SWITCH")
+    for off in ("0", "false", " No ", "OFF"):
+        monkeypatch.setenv("SLUICE_TEST_SWITCH", off)
+        assert not switched_on("SLUICE_TEST_SWITCH")
+    for on in ("1", "yes", "true", ""):
+        monkeypatch.setenv("SLUICE_TEST_SWITCH", on)
+        assert switched_on("SLUICE_TEST_SWITCH")
