@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 _SOURCES = Path(__file__).resolve().parent
 ENV_CPU_KERNELS = "SLUICE_CPU_KERNELS"
 ENV_AMX_PREFILL = "SLUICE_AMX_PREFILL"
+# Off: bfloat16 decode-sized linears stay on oneDNN and no tile-packed weight copies are made.
+ENV_AMX_LINEAR = "SLUICE_AMX_LINEAR"
 
 PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 KVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -87,13 +89,19 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     if torch.backends.mkldnn.is_available() and hasattr(model, "pack_onednn"):
         model.pack_onednn()
         changed = True
+    if (ops is not None and dtype == torch.bfloat16 and hasattr(model, "pack_amx") and switched_on(ENV_AMX_LINEAR)
+            and ops.has_amx_linear()):
+        from engine.models.llama import AMX_LINEAR_MAX_ROWS
+
+        logger.info("%d projections run steps of <= %d rows on AMX tiles (amx_linear)",
+                    model.pack_amx(ops), AMX_LINEAR_MAX_ROWS)
     return changed
 
 
 def _build(name: str, cflags: list[str]) -> Any:
     from torch.utils.cpp_extension import load
 
-    sources = [str(_SOURCES / "cpu_ops.cpp"), str(_SOURCES / "quant_linear.cpp")]
+    sources = [str(_SOURCES / name) for name in ("cpu_ops.cpp", "quant_linear.cpp", "amx_linear.cpp")]
     return load(name=name, sources=sources, extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
 

@@ -39,6 +39,9 @@
 #include <type_traits>
 #include <vector>
 
+// amx_linear.cpp: whether Linux gave this process AMX tile state (asked for once); AMX builds only.
+bool amx_permitted();
+
 namespace {
 
 constexpr int64_t kLanes = 8;  // one AVX2 register of floats; the compiler vectorises the lane loops
@@ -362,15 +365,6 @@ inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t
 // about 2.1 -> 1.2 ms per layer from memory (benchmarks/decode_attention.py). Tried and slower: AVX512-BF16 dot
 // products for the values (probabilities rounded to bfloat16), value rows staged through AMX tiles.
 
-// Linux gives a process AMX tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA);
-// oneDNN asks too, but this kernel may run before any oneDNN GEMM has.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
 
 std::atomic<bool> amx_attention_on{true};
 
@@ -1460,6 +1454,10 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 // quant_linear.cpp
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            const torch::Tensor& mins, const std::string& format);
+// amx_linear.cpp
+bool has_amx_linear();
+torch::Tensor amx_pack_linear(const torch::Tensor& weight);
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs (arguments are converted before, results after): the
@@ -1479,6 +1477,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache", &write_kv_cache, release(),
         "Copy keys and values [T, Hkv, D] into their slots of a [2, blocks, block_size, Hkv, D] cache (CPU)");
   m.def("argmax_rows", &argmax_rows, release(), "torch.argmax(x, -1) of float32 or bfloat16 [N, V] rows (CPU)");
+  m.def("has_amx_linear", &has_amx_linear, "Whether amx_linear runs here (AMX-BF16 build, tiles granted)");
+  m.def("amx_pack_linear", &amx_pack_linear, release(), "A bfloat16 [N, K] weight in amx_linear's tile layout");
+  m.def("amx_linear", &amx_linear, release(), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
+        "x @ W.T (+ bias) for bfloat16 x of a few rows, W packed by amx_pack_linear (CPU, AMX)");
   m.def("quant_linear", &quant_linear, release(),
         "x @ dequant(W).T over llama.cpp-style block-quantized weights ('u4': Q4_0/Q4_1, 's8': Q8_0), float32 CPU");
 }

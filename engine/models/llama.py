@@ -110,16 +110,44 @@ def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Ten
     return out if bias is None else out.add_(bias)
 
 
+# A bfloat16 linear of a decode-sized step (at most AMX_LINEAR_MAX_ROWS rows, and more than the quantized
+# blocks take) runs cpu_ops.amx_linear on its own tile-packed copy of the weight where the CPU has AMX: bound
+# by reading the weights, it streams them ~1.5x faster than oneDNN's GEMM does at these sizes (the default
+# model's projections and lm_head: 11.5-12 ms against 17-18 ms per step at 32 rows; BENCHMARKS.md "Decode
+# linears on AMX tiles"). Larger steps (prefill) run oneDNN, which blocks for the products that bound them.
+# The copy costs the weights' size again in memory; ``SLUICE_AMX_LINEAR=0`` does without it.
+AMX_LINEAR_MAX_ROWS = 64
+
+
+def amx_packable(weight: torch.Tensor | None) -> bool:
+    """Whether ``cpu_ops.amx_pack_linear`` takes this [out, in] weight (bfloat16, both sides multiples of 32)."""
+    return (weight is not None and weight.dim() == 2 and weight.dtype == torch.bfloat16
+            and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0)
+
+
 class Linear(nn.Linear):
-    """nn.Linear with three CPU paths: the small-batch one of ``linear``, oneDNN on a prepacked
-    weight once ``pack_onednn`` ran (what vLLM's CPU backend and inductor's freezing use too), and
+    """nn.Linear with four CPU paths: the small-batch one of ``linear``, oneDNN on a prepacked
+    weight once ``pack_onednn`` ran (what vLLM's CPU backend and inductor's freezing use too),
     the ``quant_linear`` kernel on the checkpoint's block-quantized weight when it had one (``quant``,
-    used once ``quant_ops`` is set, for the steps ``uses_blocks`` allows)."""
+    used once ``quant_ops`` is set, for the steps ``uses_blocks`` allows), and ``amx_linear`` on a
+    tile-packed bfloat16 copy (``amx_packed``, once ``pack_amx`` ran) for steps of up to
+    ``AMX_LINEAR_MAX_ROWS`` rows."""
 
     packed: torch.Tensor | None = None
     quant: QuantWeight | None = None
     quant_ops: Any = None
     model_dtype: torch.dtype = torch.float32  # set by CausalLM.use_cpu_ops: picks the row limit of the blocks
+    amx_packed: torch.Tensor | None = None
+    amx_ops: Any = None
+
+    def pack_amx(self, ops: Any) -> bool:
+        """Keep a copy of the bfloat16 weight in ``amx_linear``'s tile layout; False when it does not fit one."""
+        weight = self.dense_weight() if self.weight is not None or self.packed is not None else None
+        if not amx_packable(weight):
+            return False
+        self.amx_packed = ops.amx_pack_linear(weight)
+        self.amx_ops = ops
+        return True
 
     def pack_onednn(self) -> None:
         """Swap the weight for oneDNN's prepacked copy; the plain weight is freed (``weight`` is None)."""
@@ -148,6 +176,11 @@ class Linear(nn.Linear):
             if uses_blocks(rows.shape[0], self.model_dtype):
                 out = quant_linear(self.quant_ops, rows, self.quant, self.bias)  # type: ignore[arg-type]
                 out = out if out.dtype == x.dtype else out.to(x.dtype)
+                return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+        if self.amx_packed is not None and x.dtype == torch.bfloat16:
+            rows = x.reshape(-1, x.shape[-1])
+            if rows.shape[0] <= AMX_LINEAR_MAX_ROWS:
+                out = self.amx_ops.amx_linear(rows, self.amx_packed, self.bias)
                 return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
         if self.packed is not None:
             return onednn_linear(x, self.packed, self.bias)
@@ -248,6 +281,7 @@ class CausalLM(nn.Module):
     onednn_packed = False
     _tied_packed: torch.Tensor | None = None  # oneDNN copy of the tied embedding, for the lm_head
     _tied_quant: QuantWeight | None = None  # the tied embedding's block-quantized form, for the lm_head
+    _tied_amx: torch.Tensor | None = None  # the tied embedding in amx_linear's tile layout, for the lm_head
     _ops: Any = None
 
     def __init__(self, config: ModelConfig) -> None:
@@ -282,6 +316,8 @@ class CausalLM(nn.Module):
             logits = self.lm_head(hidden)
         elif self._tied_quant is not None and self._ops is not None and uses_blocks(hidden.shape[0], hidden.dtype):
             logits = quant_linear(self._ops, hidden, self._tied_quant)
+        elif self._tied_amx is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] <= AMX_LINEAR_MAX_ROWS:
+            logits = self._ops.amx_linear(hidden, self._tied_amx)
         elif self._tied_packed is not None:
             logits = onednn_linear(hidden, self._tied_packed)
         else:
@@ -379,6 +415,18 @@ class CausalLM(nn.Module):
                                          and quant_max_rows(dtype) is None):
             self._tied_packed = onednn_pack(self.embed_tokens.weight)
         self.onednn_packed = True
+
+    def pack_amx(self, ops: Any) -> int:
+        """Give every bfloat16 projection (and a tied lm_head) a copy in ``amx_linear``'s tile layout, for
+        steps of up to ``AMX_LINEAR_MAX_ROWS`` rows (after ``use_cpu_ops``: the lm_head runs through its ops).
+        Returns how many got one; those whose sides are not multiples of 32 keep oneDNN."""
+        if self._require_kernel_dtype("pack_amx") != torch.bfloat16:
+            raise ValueError("pack_amx: bfloat16 models only")
+        count = sum(module.pack_amx(ops) for module in self.modules() if isinstance(module, Linear))
+        if self.lm_head is None and self._ops is not None and amx_packable(self.embed_tokens.weight):
+            self._tied_amx = ops.amx_pack_linear(self.embed_tokens.weight)
+            count += 1
+        return count
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies tensors named as in a Hugging Face checkpoint into this model's fused layout.
