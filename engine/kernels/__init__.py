@@ -1,7 +1,8 @@
 """Native CPU kernels for float32 and bfloat16 models: oneDNN prepacked linears (AMX on CPUs that have it,
 for bfloat16), and ``cpu_ops.cpp`` (paged decode attention, RMSNorm with the residual add, SiLU-and-mul,
-rotary embedding, and the block-quantized linear, which computes in float32) compiled on first use with
-``torch.utils.cpp_extension`` (g++ and ninja).
+rotary embedding, the block-quantized linear, which computes in float32, and ``amx_linear.cpp``: bfloat16
+linears of decode-sized steps on AMX tiles) compiled on first use with ``torch.utils.cpp_extension`` (g++ and
+ninja).
 
 The build lands in torch's extension cache (``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``)
 and is reused by every later process; the first engine start on a machine pays for it (about 30 s
@@ -11,6 +12,7 @@ one. When anything fails (no compiler, no ninja), the engine logs why and runs t
 
 ``SLUICE_CPU_KERNELS=0`` turns all of it off (``F.linear``, PyTorch element-wise ops, gather + SDPA), for
 comparison or when a kernel misbehaves on some CPU; ``1`` (the default) uses them when available.
+``SLUICE_AMX_LINEAR=0`` keeps bfloat16 decode steps' linears on oneDNN (and saves the tile-packed weight copy).
 """
 from __future__ import annotations
 
@@ -107,9 +109,9 @@ def _build(name: str, cflags: list[str]) -> Any:
 
 @functools.cache
 def cpu_ops() -> Any | None:
-    """The compiled ``cpu_ops.cpp`` + ``quant_linear.cpp`` extension (``paged_decode_attention``, ``rms_norm``,
-    ``add_rms_norm``, ``silu_and_mul``, ``rotary_``, ``argmax_rows``, ``quant_linear``), or None when CPU kernels are turned
-    off or it cannot be built."""
+    """The compiled ``cpu_ops.cpp`` + ``quant_linear.cpp`` + ``amx_linear.cpp`` extension (``paged_decode_attention``,
+    ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_``, ``argmax_rows``, ``quant_linear``, ``amx_linear``),
+    or None when CPU kernels are turned off or it cannot be built."""
     if not cpu_kernels_enabled():
         return None
     try:
