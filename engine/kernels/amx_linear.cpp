@@ -62,14 +62,21 @@ struct alignas(64) LinearTiles {
   }
 };
 
-// Prefetch distance in tile steps (2 KB each) into L2: 8 KB ahead of the loads.
+// Prefetch distance in tile steps (2 KB each) into L2 for one-pass blocks (up to 32 rows): 8 KB ahead.
 constexpr int64_t kPrefetchSteps = 4;
 
-// Output columns [n0, n0 + 32) for every row: w is the block's K/32 pairs of B tiles.
+// Output columns [n0, n0 + 32) for every row: w is the block's K/32 pairs of B tiles. Up to 32 rows the block
+// is read once (from memory, prefetched a few steps ahead); with more rows, one pass per 32 rows reads it again
+// from L1/L2, and every step of every pass prefetches a share of the next block (the thread's next one: its
+// blocks are contiguous), so the next block's first pass does not wait on memory (at 64 rows 19.4-20.7 ms ->
+// 17.7-18.6 per model step, at 128 rows 34-35 -> 29 in a prototype).
 void amx_block(const uint16_t* x, int64_t x_stride, int64_t rows_padded, int64_t rows, int64_t depth,
                const uint16_t* w, const float* bias, int64_t n0, uint16_t* out, int64_t out_stride, float* c) {
   const int64_t steps = depth / kDepth;
-  for (int64_t m0 = 0; m0 < rows_padded; m0 += 32) {
+  const int64_t passes = (rows_padded + 31) / 32;
+  const int64_t share = (2 * 16 + passes - 1) / passes;  // cache lines of the next block per step (32 per pair)
+  const char* next = reinterpret_cast<const char*>(w + steps * kPairElems);
+  for (int64_t m0 = 0, pass = 0; m0 < rows_padded; m0 += 32, ++pass) {
     const bool two = m0 + 16 < rows_padded;  // a second row tile in this pass
     _tile_zero(0);
     _tile_zero(1);
@@ -78,9 +85,12 @@ void amx_block(const uint16_t* x, int64_t x_stride, int64_t rows_padded, int64_t
     const uint16_t* a = x + m0 * x_stride;
     for (int64_t s = 0; s < steps; ++s) {
       const uint16_t* b = w + s * kPairElems;
-      if (m0 == 0) {  // the first pass reads the weight from memory; later ones find it in L1/L2
+      if (passes == 1) {
         const char* ahead = reinterpret_cast<const char*>(b + kPrefetchSteps * kPairElems);
         for (int i = 0; i < 2 * 16 * 64; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T1);
+      } else {
+        const char* lines = next + (pass * steps + s) * share * 64;
+        for (int64_t i = 0; i < share; ++i) _mm_prefetch(lines + i * 64, _MM_HINT_T1);
       }
       _tile_loadd(6, b, 64);
       _tile_loadd(7, b + 512, 64);
