@@ -6,7 +6,9 @@ benchmark sweep against it, stop it; then write one markdown table and one plot.
 Peers come from their own virtualenvs (benchmarks/install_peers.sh). Command templates may use
 {python} (this interpreter), {port} (the HTTP port benchmarked), {engine_port} and {tokenizer_port}
 (more free ports, for Sluice's internal gRPC services), {gguf} (default model file), {hf_dir} and {peers}.
-A system named BASE-VARIANT (e.g. sluice-t2) runs BASE's command plus its --extra-args.
+A system named BASE-VARIANT (e.g. sluice-t2) runs BASE's command plus its --extra-args, with its --env
+variables: ``--systems sluice,sluice-onednn --env sluice-onednn=SLUICE_AMX_LINEAR=0`` compares an engine switch
+served, in one run.
 """
 
 from __future__ import annotations
@@ -75,12 +77,12 @@ def base_name(name: str) -> str:
 
 
 def build_system(name: str, template: str, port: int, *, gguf: str, hf_dir: str,
-                 extra_args: str = "") -> SystemSpec:
+                 extra_args: str = "", env: Mapping[str, str] | None = None) -> SystemSpec:
     command = template.format(python=sys.executable, port=port, engine_port=free_port(),
                               tokenizer_port=free_port(), gguf=gguf, hf_dir=hf_dir, peers=PEERS_DIR)
     base = base_name(name)
     return SystemSpec(name=name, command=(*shlex.split(command), *shlex.split(extra_args)), port=port,
-                      env=DEFAULT_ENV.get(base, {}), bench_args=DEFAULT_BENCH_ARGS.get(base, ()),
+                      env={**DEFAULT_ENV.get(base, {}), **(env or {})}, bench_args=DEFAULT_BENCH_ARGS.get(base, ()),
                       ready_path=READY_PATHS.get(base, "/v1/models"))
 
 
@@ -92,6 +94,18 @@ def parse_name_values(items: Sequence[str], flag: str) -> dict[str, str]:
         if not sep or not name:
             raise ValueError(f"{flag} expects NAME=VALUE, got {item!r}")
         out[name.strip()] = value
+    return out
+
+
+def parse_env(items: Sequence[str]) -> dict[str, dict[str, str]]:
+    """``["sluice-x=SLUICE_AMX_LINEAR=0", "sluice-x=OMP_NUM_THREADS=1"]`` -> {system: {variable: value}}."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        name, sep, assignment = item.partition("=")
+        var, sep2, value = assignment.partition("=")
+        if not (sep and sep2 and name.strip() and var.strip()):
+            raise ValueError(f"--env expects NAME=VARIABLE=VALUE, got {item!r}")
+        out.setdefault(name.strip(), {})[var.strip()] = value
     return out
 
 
@@ -157,7 +171,8 @@ def run_system(spec: SystemSpec, bench_argv: Sequence[str], out_dir: Path, ready
         return None
     log_path = out_dir / f"{spec.name}.log"
     result = out_dir / f"{spec.name}.json"
-    print(f"[{spec.name}] starting: {shlex.join(spec.command)} (log {log_path})", flush=True)
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
+    print(f"[{spec.name}] starting: {env + ' ' if env else ''}{shlex.join(spec.command)} (log {log_path})", flush=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(spec.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **spec.env})
@@ -219,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for each server")
     p.add_argument("--extra-args", action="append", default=[], metavar="NAME=ARGS",
                    help="more arguments for one system's command, e.g. 'sluice-t2=--num-threads 2' (repeatable)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VARIABLE=VALUE",
+                   help="an environment variable for one system's server, e.g. 'sluice-onednn=SLUICE_AMX_LINEAR=0' "
+                        "(repeatable)")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--num-prompts", default="64",
                    help="measured requests per step: one number, or one per --concurrency step")
@@ -248,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         extra = parse_name_values(args.extra_args, "--extra-args")
+        envs = parse_env(args.env)
         caps = {k: int(v) for k, v in parse_name_values(args.max_prompts, "--max-prompts").items()}
         plans = {n: step_plan(args.concurrency, args.num_prompts, caps.get(n)) for n in names}
     except ValueError as e:
@@ -258,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Path] = []
     for name in names:
         spec = build_system(name, getattr(args, f"{base_name(name)}_cmd"), free_port(), gguf=args.gguf,
-                            hf_dir=args.hf_dir, extra_args=extra.get(name, ""))
+                            hf_dir=args.hf_dir, extra_args=extra.get(name, ""), env=envs.get(name))
         path = run_system(spec, bench_argv, out_dir, args.ready_timeout, plans[name])
         if path is not None:
             results.append(path)

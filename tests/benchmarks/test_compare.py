@@ -23,6 +23,9 @@ def test_build_system_fills_the_template() -> None:
     assert spec.base_url == "http://127.0.0.1:8123/v1"
     vllm = compare.build_system("vllm", compare.DEFAULT_COMMANDS["vllm"], 1, gguf="g", hf_dir="/m/hf")
     assert "/m/hf" in vllm.command and vllm.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and vllm.bench_args == ()
+    vllm_env = compare.build_system("vllm", compare.DEFAULT_COMMANDS["vllm"], 1, gguf="g", hf_dir="/m/hf",
+                                    env={"VLLM_CPU_KVCACHE_SPACE": "4", "X": "1"})
+    assert vllm_env.env == {**vllm.env, "VLLM_CPU_KVCACHE_SPACE": "4", "X": "1"}  # given values win
     sluice = compare.build_system("sluice", "{python} -m services.cli serve --port {port}", 9, gguf="g", hf_dir="h")
     assert sluice.command == (sys.executable, "-m", "services.cli", "serve", "--port", "9")
     assert sluice.ready_path == "/ready"
@@ -108,7 +111,8 @@ def test_main_routes_counts_caps_and_extra_args_to_each_system(tmp_path: Path,
                        "--llamacpp-cmd", "ll --port {port}", "--gguf", "g", "--out-dir", str(tmp_path),
                        "--concurrency", "1,8,64", "--num-prompts", "8,16,64", "--max-prompts", "llamacpp=12",
                        "--max-prompts", "sluice-t2=10",
-                       "--extra-args", "sluice-t2=--num-threads 2"])
+                       "--extra-args", "sluice-t2=--num-threads 2", "--env", "sluice-t2=SLUICE_AMX_LINEAR=0",
+                       "--env", "sluice-t2=OMP_X=a=b", "--env", "llamacpp=LLAMA_Y="])
     assert rc == 1  # nothing produced results
     by_name = {spec.name: (spec, steps) for spec, steps in calls}
     assert list(by_name) == ["sluice", "sluice-t2", "llamacpp"]
@@ -121,6 +125,8 @@ def test_main_routes_counts_caps_and_extra_args_to_each_system(tmp_path: Path,
     assert by_name["sluice-t2"][0].command == ("sl", "--port", str(ports["sluice-t2"]), "--num-threads", "2")
     assert by_name["llamacpp"][0].command == ("ll", "--port", str(ports["llamacpp"]))
     assert by_name["sluice-t2"][0].ready_path == "/ready"
+    assert by_name["sluice-t2"][0].env == {"SLUICE_AMX_LINEAR": "0", "OMP_X": "a=b"}  # a value may hold "="
+    assert by_name["sluice"][0].env == {} and by_name["llamacpp"][0].env == {"LLAMA_Y": ""}
 
 
 def test_main_rejects_bad_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,6 +139,8 @@ def test_main_rejects_bad_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert compare.main(["--systems", "sluice", "--concurrency", "1,8", "--num-prompts", "8,16,64", *base]) == 2
     assert compare.main(["--systems", "sluice", "--max-prompts", "sluice", *base]) == 2
     assert compare.main(["--systems", "sluice", "--max-prompts", "sluice=x", *base]) == 2
+    assert compare.main(["--systems", "sluice", "--env", "sluice=NOVALUE", *base]) == 2
+    assert compare.main(["--systems", "sluice", "--env", "sluice==1", *base]) == 2
 
 
 def _record_bench(monkeypatch: pytest.MonkeyPatch) -> list[argparse.Namespace]:
