@@ -22,6 +22,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Optional.h>
 
+#include "amx.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     defined(__linux__)
 #include <immintrin.h>
@@ -48,12 +50,7 @@ constexpr int64_t kPairElems = 2 * 16 * 32;  // one (block, step) pair of B tile
 
 #ifdef SLUICE_AMX_LINEAR
 // tmm0-3: C (16 x 16 float32); tmm4, tmm5: A (16 rows x 32 bfloat16); tmm6, tmm7: B (16 pair rows x 32).
-struct alignas(64) LinearTiles {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
+struct LinearTiles : AmxTileConfig {
   LinearTiles() {
     for (int t = 0; t < 8; ++t) {
       colsb[t] = 64;

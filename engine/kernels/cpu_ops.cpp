@@ -25,10 +25,6 @@
 #include <immintrin.h>
 #endif
 #include <ATen/Parallel.h>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <algorithm>
 #include <atomic>
@@ -39,8 +35,7 @@
 #include <type_traits>
 #include <vector>
 
-// amx_linear.cpp: whether Linux gave this process AMX tile state (asked for once); AMX builds only.
-bool amx_permitted();
+#include "amx.h"
 
 namespace {
 
@@ -370,13 +365,7 @@ std::atomic<bool> amx_attention_on{true};
 
 // The tiles of the scores: tmm0 C = 16 keys x G scores (float32); tmm1, tmm2 A = 16 key rows x 32 dims, taken
 // in turn; tmm3.. B = 32 dims x G query heads as bfloat16 pairs (VNNI), one per 32 dims of head_dim (<= 4).
-struct alignas(64) ScoreTiles {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-
+struct ScoreTiles : AmxTileConfig {
   explicit ScoreTiles(int64_t group) {
     for (int t = 0; t < 7; ++t) {
       rows[t] = 16;
@@ -384,7 +373,6 @@ struct alignas(64) ScoreTiles {
     }
   }
 };
-static_assert(sizeof(ScoreTiles) == 64, "an AMX tile configuration is 64 bytes");
 
 // One kv head's group of G queries (rows of head_dim, `q_stride` apart) as B tiles:
 // qt[(c * 16 + r) * G + g] = (q_g[32c + 2r], q_g[32c + 2r + 1]).
