@@ -18,10 +18,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 
+from benchmarks.report import alternate
 from engine.kernels import cpu_ops
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) per layer
@@ -56,12 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             "amx": lambda: [ops.amx_linear(inputs[k], w) for (_, k), w in zip(shapes, amx)],
         }
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(paths["amx"](), paths["onednn"]()))
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        for _ in range(ns.rounds):
-            for name, fn in paths.items():
-                t = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - t) * 1e3)
+        times = alternate(paths, ns.rounds)
         med = {name: statistics.median(v) for name, v in times.items()}
         gbps = {name: weight_bytes / ms / 1e6 for name, ms in med.items()}
         result["rows"][str(rows)] = {"median_ms": med, "rounds_ms": times, "weight_gb_per_s": gbps,

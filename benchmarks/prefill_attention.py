@@ -17,11 +17,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.report import alternate
 from engine.attention import kv_cache_shape
 from engine.kernels import cpu_ops
 
@@ -68,12 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             "amx": lambda: ops.paged_prefill_attention(query, cache, tables, starts, lens, d ** -0.5),
         }
         diff = (paths["amx"]().float() - paths["sdpa"]().float()).abs().max().item()
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        for _ in range(ns.rounds):
-            for name, fn in paths.items():
-                t = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - t) * 1e3)
+        times = alternate(paths, ns.rounds)
         med = {name: statistics.median(v) for name, v in times.items()}
         result["shapes"][text] = {"median_ms": med, "rounds_ms": times, "sdpa_over_amx": med["sdpa"] / med["amx"],
                                   "max_abs_diff": diff}

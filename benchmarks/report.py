@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -14,6 +15,18 @@ from benchmarks.metrics import LatencyStats, RequestResult, RunSummary
 
 def utc_timestamp() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def alternate(paths: Mapping[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Each path's wall time in ms, ``rounds`` times, the paths taking turns within each round (so a slow
+    spell of a shared machine falls on all of them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return times
 
 
 def machine_info() -> dict[str, Any]:
