@@ -205,10 +205,11 @@ class CpuDevice(Device):
                                      prefill_kernel=cpu_paged_prefill_attention())
 
     def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        """float32: oneDNN prepacked linears (engine.kernels; ``SLUICE_CPU_KERNELS=0`` keeps F.linear)."""
+        """oneDNN prepacked linears and the CPU kernels (``engine.kernels.prepare_cpu_model``; ``SLUICE_CPU_KERNELS=0``
+        keeps F.linear); the memory available now bounds the copies that AMX linears would add."""
         from engine.kernels import prepare_cpu_model
 
-        prepare_cpu_model(model, dtype)
+        prepare_cpu_model(model, dtype, memory_available=self.memory_info()[0])
 
     def row_argmax(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         from engine.kernels import cpu_argmax_rows

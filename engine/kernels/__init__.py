@@ -64,7 +64,12 @@ def cpu_kernels_enabled() -> bool:
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+# The tile-packed weight copies of amx_linear are made only when they take at most this share of the memory
+# available at load time (they double the weights' memory; a large model keeps oneDNN alone).
+AMX_LINEAR_MAX_MEMORY_SHARE = 0.25
+
+
+def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, memory_available: int | None = None) -> bool:
     """float32 and bfloat16 models: prepack the linears for oneDNN (when torch has it) and hand the model
     the fused elementwise ops and paged decode attention (when ``cpu_ops`` builds); float32 models also
     the quantized linear. True when anything changed.
@@ -95,8 +100,14 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype) -> bool:
             and ops.has_amx_linear()):
         from engine.models.llama import AMX_LINEAR_MAX_ROWS
 
-        logger.info("%d projections run steps of <= %d rows on AMX tiles (amx_linear)",
-                    model.pack_amx(ops), AMX_LINEAR_MAX_ROWS)
+        need = model.amx_pack_bytes()
+        if memory_available is not None and need > AMX_LINEAR_MAX_MEMORY_SHARE * memory_available:
+            logger.info("amx_linear off: its weight copies (%.0f MiB) would take more than %.0f%% of the %.0f MiB "
+                        "available; decode steps' linears stay on oneDNN", need / 2**20,
+                        100 * AMX_LINEAR_MAX_MEMORY_SHARE, memory_available / 2**20)
+        else:
+            logger.info("%d projections run steps of <= %d rows on AMX tiles (amx_linear; %.0f MiB of weight copies)",
+                        model.pack_amx(ops), AMX_LINEAR_MAX_ROWS, need / 2**20)
     return changed
 
 

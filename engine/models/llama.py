@@ -416,6 +416,15 @@ class CausalLM(nn.Module):
             self._tied_packed = onednn_pack(self.embed_tokens.weight)
         self.onednn_packed = True
 
+    def amx_pack_bytes(self) -> int:
+        """How much memory ``pack_amx`` would add: the tile-packed copies of the weights it can pack."""
+        sizes = [m.out_features * m.in_features for m in self.modules()
+                 if isinstance(m, Linear) and m.out_features % 32 == 0 and m.in_features % 32 == 0
+                 and (m.weight is not None or m.packed is not None)]
+        if self.lm_head is None and amx_packable(self.embed_tokens.weight):
+            sizes.append(self.embed_tokens.weight.numel())
+        return 2 * sum(sizes)
+
     def pack_amx(self, ops: Any) -> int:
         """Give every bfloat16 projection (and a tied lm_head) a copy in ``amx_linear``'s tile layout, for
         steps of up to ``AMX_LINEAR_MAX_ROWS`` rows (after ``use_cpu_ops``: the lm_head runs through its ops).

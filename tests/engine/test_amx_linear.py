@@ -141,6 +141,21 @@ def test_amx_linear_switched_off_keeps_onednn_only(tmp_path: Path, monkeypatch: 
     assert all(m.amx_packed is None for m in model.modules() if isinstance(m, llama.Linear))
 
 
+def test_amx_copies_count_their_bytes_and_are_skipped_when_memory_is_short(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _amx_ops()
+    model = _tiny_bf16_model(tmp_path / "a", tied=True)
+    copies = [m.amx_packed for m in model.modules() if isinstance(m, llama.Linear)] + [model._tied_amx]
+    assert model.amx_pack_bytes() == sum(c.numel() * c.element_size() for c in copies)
+    # Copies over a quarter of the memory available at load: none are made, oneDNN runs every step.
+    monkeypatch.setattr(CpuDevice, "memory_info", lambda self: (3 * model.amx_pack_bytes(), 2**34))
+    short = _tiny_bf16_model(tmp_path / "b", tied=True)
+    assert short.onednn_packed and short._tied_amx is None
+    assert all(m.amx_packed is None for m in short.modules() if isinstance(m, llama.Linear))
+    monkeypatch.setattr(CpuDevice, "memory_info", lambda self: (4 * model.amx_pack_bytes(), 2**34))
+    assert _tiny_bf16_model(tmp_path / "c", tied=True)._tied_amx is not None
+
+
 def test_amx_and_onednn_steps_agree_on_a_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The same 20-row step through the tiny model's layers on both paths: each linear's output is the float32
     # product rounded once either way, so the final hidden states agree to a few bfloat16 steps.
