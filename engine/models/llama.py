@@ -115,7 +115,8 @@ def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Ten
 # by reading the weights, it streams them ~1.5x faster than oneDNN's GEMM does at these sizes (the default
 # model's projections and lm_head: 11.5-12 ms against 17-18 ms per step at 32 rows; BENCHMARKS.md "Decode
 # linears on AMX tiles"). Larger steps (prefill) run oneDNN, which blocks for the products that bound them.
-# The copy costs the weights' size again in memory; ``SLUICE_AMX_LINEAR=0`` does without it.
+# The copy costs the weights' size again in memory: it is made only when it takes at most a quarter of the memory
+# available at load (engine.kernels.AMX_LINEAR_MAX_MEMORY_SHARE); ``SLUICE_AMX_LINEAR=0`` does without it.
 AMX_LINEAR_MAX_ROWS = 64
 
 
