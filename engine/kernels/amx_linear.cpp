@@ -4,8 +4,9 @@
 // Why: a decode step of a few dozen sequences reads every weight once and does little with it: it is bound
 // by how fast the weights stream from memory. oneDNN's bfloat16 GEMM streamed the default model's 269 MB of
 // projections at ~15 GB/s at 8-32 rows (14-18 ms per step, the larger part of a 32-sequence decode step) on 2
-// Sapphire Rapids-class cores that read ~29 GB/s; this kernel streams them at ~23 (11-12 ms). From ~128 rows
-// on the products, not the reads, bound a step and oneDNN's blocking wins (the caller sends those to it).
+// Sapphire Rapids-class cores that read ~29 GB/s; this kernel streams them at 23-25 (10.7-11.8 ms, 1.3-1.5x).
+// With more rows the products, not the reads, bound a step: 1.17x at 64 rows, even with oneDNN from ~96 on
+// (the caller sends steps of more than 64 rows to oneDNN; benchmarks/amx_linear.py).
 //
 // Layout (amx_pack_linear): the weight [N, K] as [N/32][K/32][2][16][32] bfloat16: per 32 output columns and
 // 32 inputs, two AMX B tiles of 16 columns each, in VNNI pairs (row r of a tile holds, for each of its 16
