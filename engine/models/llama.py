@@ -112,8 +112,8 @@ def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Ten
 
 # A bfloat16 linear of a decode-sized step (at most AMX_LINEAR_MAX_ROWS rows, and more than the quantized
 # blocks take) runs cpu_ops.amx_linear on its own tile-packed copy of the weight where the CPU has AMX: bound
-# by reading the weights, it streams them ~1.5x faster than oneDNN's GEMM does at these sizes (the default
-# model's projections and lm_head: 11.5-12 ms against 17-18 ms per step at 32 rows; BENCHMARKS.md "Decode
+# by reading the weights, it streams them 1.3-1.5x faster than oneDNN's GEMM does at these sizes (the default
+# model's projections and lm_head: 11.8 ms against 17.5 ms per step at 32 rows; BENCHMARKS.md "Decode
 # linears on AMX tiles"). Larger steps (prefill) run oneDNN, which blocks for the products that bound them.
 # The copy costs the weights' size again in memory: it is made only when it takes at most a quarter of the memory
 # available at load (engine.kernels.AMX_LINEAR_MAX_MEMORY_SHARE); ``SLUICE_AMX_LINEAR=0`` does without it.
