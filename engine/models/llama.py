@@ -181,6 +181,8 @@ class Linear(nn.Linear):
         if self.amx_packed is not None and x.dtype == torch.bfloat16:
             rows = x.reshape(-1, x.shape[-1])
             if rows.shape[0] <= AMX_LINEAR_MAX_ROWS:
+                if rows.stride(-1) != 1:  # the kernel reads whole rows
+                    rows = rows.contiguous()
                 out = self.amx_ops.amx_linear(rows, self.amx_packed, self.bias)
                 return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
         if self.packed is not None:

@@ -133,6 +133,17 @@ def test_bfloat16_model_runs_decode_sized_steps_on_amx_and_larger_ones_on_onednn
         assert all(o.dtype == torch.bfloat16 and o.shape == (rows, m.out_features) for o, m in zip(out, linears))
 
 
+def test_linear_hands_the_kernel_whole_rows(tmp_path: Path) -> None:
+    _amx_ops()
+    model = _tiny_bf16_model(tmp_path, tied=False)
+    proj = model.layers[0].mlp.gate_up_proj
+    x = torch.randn(64, 5).bfloat16().T  # 5 rows whose elements lie 5 apart
+    with torch.no_grad():
+        got = proj(x)
+    ref = x.float() @ proj.dense_weight().float().T
+    _assert_rounded_from(got, ref)
+
+
 def test_amx_linear_switched_off_keeps_onednn_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _amx_ops()
     monkeypatch.setenv(ENV_AMX_LINEAR, "0")
