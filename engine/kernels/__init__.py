@@ -75,8 +75,9 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, memory_availab
     the quantized linear. True when anything changed.
 
     bfloat16 linears run oneDNN's bfloat16 GEMM, which uses AMX tiles or AVX512-BF16 where the CPU has
-    them (``--dtype auto`` picks bfloat16 only there), except small steps, which read the checkpoint's
-    quantized blocks (``engine.models.llama.quant_max_rows``)."""
+    them (``--dtype auto`` picks bfloat16 only there), except small steps: on AMX CPUs steps of up to
+    ``AMX_LINEAR_MAX_ROWS`` rows run ``amx_linear`` (whose weight copies replace the quantized blocks), elsewhere
+    steps of up to ``quant_max_rows`` rows read the checkpoint's quantized blocks."""
     from engine.models.llama import quant_max_rows
 
     ops = cpu_ops() if dtype in KERNEL_DTYPES and cpu_kernels_enabled() else None
@@ -88,11 +89,6 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, memory_availab
     if ops is not None and hasattr(model, "use_cpu_ops"):  # first: layers that will only read blocks free
         model.use_cpu_ops(ops)                              # their float32 weights instead of packing them
         changed = True
-        if getattr(model, "quantized_linears", 0):
-            rows = quant_max_rows(dtype)
-            limit = "every step" if rows is None else f"steps of <= {rows} rows"
-            logger.info("%d projections run from the checkpoint's quantized blocks (%s)",
-                        model.quantized_linears, limit)
     if torch.backends.mkldnn.is_available() and hasattr(model, "pack_onednn"):
         model.pack_onednn()
         changed = True
@@ -108,6 +104,10 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, memory_availab
         else:
             logger.info("%d projections run steps of <= %d rows on AMX tiles (amx_linear; %.0f MiB of weight copies)",
                         model.pack_amx(ops), AMX_LINEAR_MAX_ROWS, need / 2**20)
+    if ops is not None and getattr(model, "quantized_linears", 0):
+        rows = quant_max_rows(dtype)
+        limit = "every step" if rows is None else f"steps of <= {rows} rows"
+        logger.info("%d projections run from the checkpoint's quantized blocks (%s)", model.quantized_linears, limit)
     return changed
 
 

@@ -115,6 +115,9 @@ def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Ten
 # by reading the weights, it streams them 1.3-1.5x faster than oneDNN's GEMM does at these sizes (the default
 # model's projections and lm_head: 11.8 ms against 17.5 ms per step at 32 rows; BENCHMARKS.md "Decode
 # linears on AMX tiles"). Larger steps (prefill) run oneDNN, which blocks for the products that bound them.
+# Such a layer drops its quantized blocks: a 1-sequence decode step took 13.4-14.0 ms on amx_linear against
+# 14.4-16.0 ms on the blocks (2 sequences: 13.8-14.1 against 15.6-18.5), so BF16_QUANT_MAX_ROWS only
+# applies where amx_linear does not run.
 # The copy costs the weights' size again in memory: it is made only when it takes at most a quarter of the memory
 # available at load (engine.kernels.AMX_LINEAR_MAX_MEMORY_SHARE); ``SLUICE_AMX_LINEAR=0`` does without it.
 AMX_LINEAR_MAX_ROWS = 64
@@ -142,12 +145,15 @@ class Linear(nn.Linear):
     amx_ops: Any = None
 
     def pack_amx(self, ops: Any) -> bool:
-        """Keep a copy of the bfloat16 weight in ``amx_linear``'s tile layout; False when it does not fit one."""
+        """Keep a copy of the bfloat16 weight in ``amx_linear``'s tile layout; False when it does not fit one.
+        The block-quantized copy, if any, is dropped: from 1 row on ``amx_linear`` is the faster of the two."""
         weight = self.dense_weight() if self.weight is not None or self.packed is not None else None
         if not amx_packable(weight):
             return False
         self.amx_packed = ops.amx_pack_linear(weight)
         self.amx_ops = ops
+        self.quant = None
+        self.quant_ops = None
         return True
 
     def pack_onednn(self) -> None:
@@ -430,13 +436,15 @@ class CausalLM(nn.Module):
 
     def pack_amx(self, ops: Any) -> int:
         """Give every bfloat16 projection (and a tied lm_head) a copy in ``amx_linear``'s tile layout, for
-        steps of up to ``AMX_LINEAR_MAX_ROWS`` rows (after ``use_cpu_ops``: the lm_head runs through its ops).
-        Returns how many got one; those whose sides are not multiples of 32 keep oneDNN."""
+        steps of up to ``AMX_LINEAR_MAX_ROWS`` rows (after ``use_cpu_ops``: the lm_head runs through its ops),
+        in place of their block-quantized copies. Returns how many got one; those whose sides are not
+        multiples of 32 keep oneDNN (and their blocks for the smallest steps)."""
         if self._require_kernel_dtype("pack_amx") != torch.bfloat16:
             raise ValueError("pack_amx: bfloat16 models only")
         count = sum(module.pack_amx(ops) for module in self.modules() if isinstance(module, Linear))
         if self.lm_head is None and self._ops is not None and amx_packable(self.embed_tokens.weight):
             self._tied_amx = ops.amx_pack_linear(self.embed_tokens.weight)
+            self._tied_quant = None
             count += 1
         return count
 

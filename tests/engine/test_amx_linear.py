@@ -144,6 +144,52 @@ def test_linear_hands_the_kernel_whole_rows(tmp_path: Path) -> None:
     _assert_rounded_from(got, ref)
 
 
+def test_amx_copies_replace_the_quantized_blocks_of_a_bfloat16_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GGUF-style model with block-quantized weights in bfloat16: on AMX CPUs even 1-row steps run amx_linear
+    # (faster than the blocks), so the blocks are dropped and no step reads them.
+    from gguf import GGMLQuantizationType
+
+    from tests.engine.paged_factory import PagedKV
+    from tests.engine.test_models import _backend, _run
+    from tests.engine.test_quant import _counting_quant_linear, _quantized_tiny_model
+
+    ops = _amx_ops()
+    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", None)
+    model = _quantized_tiny_model(GGMLQuantizationType.Q4_1).to(torch.bfloat16)
+    assert model.quantized_linears == 9
+    CpuDevice().prepare_model(model, torch.bfloat16)
+    assert model.quantized_linears == 0 and model._tied_amx is not None
+    assert all(m.amx_packed is not None and m.quant is None for m in model.modules() if isinstance(m, llama.Linear))
+    reference = _quantized_tiny_model(GGMLQuantizationType.Q4_1).to(torch.bfloat16)
+    reference.drop_quantized()
+    monkeypatch.setenv(ENV_AMX_LINEAR, "0")
+    CpuDevice().prepare_model(reference, torch.bfloat16)
+    quant_calls = _counting_quant_linear(monkeypatch)
+    amx_rows: list[int] = []
+    real = ops.amx_linear
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(ops, name)
+
+        def amx_linear(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+            amx_rows.append(x.shape[0])
+            return real(x, *args)
+
+    for m in model.modules():
+        if isinstance(m, llama.Linear):
+            m.amx_ops = Spy()
+    model._ops = Spy()
+    cfg = model.config
+    kv_a, kv_r = (PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=4,
+                          dtype=torch.bfloat16, backend=_backend(m)) for m in (model, reference))
+    for chunks in ([("a", list(range(3, 16)))], [("a", [5])], [("a", [9]), ("b", [7, 8])]):
+        got, expected = _run(model, kv_a, chunks), _run(reference, kv_r, chunks)
+        assert float((got - expected).norm() / expected.norm()) < 0.02
+    assert quant_calls == []
+    assert amx_rows == [rows for rows in (13, 1, 3) for _ in range(9)]  # 4 projections x 2 layers + the lm_head
+
+
 def test_amx_linear_switched_off_keeps_onednn_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _amx_ops()
     monkeypatch.setenv(ENV_AMX_LINEAR, "0")

@@ -382,7 +382,8 @@ def test_default_gguf_matches_transformers(default_gguf: tuple[Path, CausalLM]) 
 def test_default_gguf_in_bfloat16_answers_as_float32_does() -> None:
     # The default model as --dtype auto runs it on AVX512-BF16 / AMX CPUs: bfloat16 weights (dequantized
     # from the file's blocks) on oneDNN for the prompt, the file's Q4_1 / Q8_0 blocks for the one-row decode
-    # steps, the cpu_ops kernels, a bfloat16 KV cache. The greedy answer is transformers' float32 one up to
+    # steps (on AMX CPUs amx_linear on the bfloat16 weights instead, the blocks dropped), the cpu_ops kernels,
+    # a bfloat16 KV cache. The greedy answer is transformers' float32 one up to
     # the first near-tie (vLLM's check_logprobs_close: where the two part, each token is in the other's top 3;
     # the first token here is one: "The" 25.33 against "L" 25.24 in float32, a margin bfloat16 rounding can
     # flip), and its logits are about as far from float32's as transformers' own bfloat16 run.
@@ -394,7 +395,11 @@ def test_default_gguf_in_bfloat16_answers_as_float32_does() -> None:
     ours = load_model(str(path), torch.bfloat16)
     CpuDevice().prepare_model(ours, torch.bfloat16)
     cfg = ours.config
-    assert ours.onednn_packed and ours.uses_cpu_ops and ours.quantized_linears == 4 * cfg.num_layers + 1
+    from engine.kernels import cpu_ops
+    amx = cpu_ops() is not None and cpu_ops().has_amx_linear()
+    assert ours.onednn_packed and ours.uses_cpu_ops
+    assert ours.quantized_linears == (0 if amx else 4 * cfg.num_layers + 1)
+    assert (ours._tied_amx is not None) == amx
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]

@@ -312,9 +312,11 @@ def test_quant_max_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_bfloat16_model_reads_its_blocks_for_small_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    # --dtype auto on AVX512-BF16 / AMX CPUs: the prompt's steps run oneDNN's bfloat16 GEMM on the dense
-    # weights, steps of up to BF16_QUANT_MAX_ROWS rows read the blocks (widened to float32 for the kernel).
+    # --dtype auto on AVX512-BF16 CPUs without amx_linear: the prompt's steps run oneDNN's bfloat16 GEMM on the
+    # dense weights, steps of up to BF16_QUANT_MAX_ROWS rows read the blocks (widened to float32 for the kernel).
+    # (Where amx_linear runs it replaces the blocks: tests/engine/test_amx_linear.py.)
     monkeypatch.setattr(llama, "QUANT_MAX_ROWS", None)  # SLUICE_QUANT_MAX_ROWS unset
+    monkeypatch.setenv("SLUICE_AMX_LINEAR", "0")
     model = _quantized_tiny_model(GGMLQuantizationType.Q4_1).to(torch.bfloat16)
     CpuDevice().prepare_model(model, torch.bfloat16)
     assert model.uses_cpu_ops and model.onednn_packed and model.quantized_linears == 9
