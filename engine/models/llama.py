@@ -110,11 +110,11 @@ def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Ten
     return out if bias is None else out.add_(bias)
 
 
-# A bfloat16 linear of a decode-sized step (at most AMX_LINEAR_MAX_ROWS rows, and more than the quantized
-# blocks take) runs cpu_ops.amx_linear on its own tile-packed copy of the weight where the CPU has AMX: bound
-# by reading the weights, it streams them 1.3-1.5x faster than oneDNN's GEMM does at these sizes (the default
-# model's projections and lm_head: 11.8 ms against 17.5 ms per step at 32 rows; BENCHMARKS.md "Decode
-# linears on AMX tiles"). Larger steps (prefill) run oneDNN, which blocks for the products that bound them.
+# A bfloat16 linear of a decode-sized step (at most AMX_LINEAR_MAX_ROWS rows) runs cpu_ops.amx_linear on its
+# own tile-packed copy of the weight where the CPU has AMX: bound by reading the weights, it streams them
+# 1.3-1.5x faster than oneDNN's GEMM does at these sizes (the default model's projections and lm_head: 11.8 ms
+# against 17.5 ms per step at 32 rows; BENCHMARKS.md "Decode linears on AMX tiles"). Larger steps (prefill)
+# run oneDNN, which blocks for the products that bound them.
 # Such a layer drops its quantized blocks: a 1-sequence decode step took 13.4-14.0 ms on amx_linear against
 # 14.4-16.0 ms on the blocks (2 sequences: 13.8-14.1 against 15.6-18.5), so BF16_QUANT_MAX_ROWS only
 # applies where amx_linear does not run.
