@@ -26,7 +26,7 @@ run: $(STAMP)
 
 # The offline API in one process: a chat through LLM.
 demo: $(STAMP)
-	$(BIN)/python -m engine.demo
+	$(BIN)/python -m engine.entrypoints.demo
 
 NODE_DEPS := tests/node/node_modules/.installed
 

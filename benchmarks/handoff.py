@@ -104,8 +104,8 @@ class RecordingEngine:
     async def generate(self, request_id: str, prompt_token_ids: Any, params: Any,
                        *, priority: int = 0) -> AsyncIterator[Any]:
         t = time.perf_counter()  # first thing: the ids are in the engine in the form its core takes
-        from engine.outputs import EngineCoreOutput
-        from engine.request import FinishReason
+        from engine.core.outputs import EngineCoreOutput
+        from engine.core.request import FinishReason
 
         yield EngineCoreOutput(request_id, [], finish_reason=FinishReason.LENGTH,
                                num_prompt_tokens=len(prompt_token_ids))
@@ -121,8 +121,8 @@ async def serve(keep_ids: bool) -> None:
     then prints what arrived. JSON lines over its own pipes: no pickle across the process boundary."""
     import grpc
 
-    from engine.grpc_errors import ErrorMappingInterceptor
-    from engine.server import EngineServicer
+    from common.grpc_errors import ErrorMappingInterceptor
+    from engine.entrypoints.grpc_servicer import EngineServicer
     from proto.sluice.v1 import engine_pb2_grpc
 
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],

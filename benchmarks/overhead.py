@@ -382,7 +382,7 @@ def run_grpc(addr: str, prompts: list[str], workload: Workload, round_: int, rep
 
 # -- the in-process side ----------------------------------------------------------------------------------
 def run_in_process(llm: Any, prompts: list[str], workload: Workload, round_: int, repeat: int) -> RunResult:
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -451,7 +451,7 @@ def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repe
                 else:
                     raise EngineDied(f"round {r}: the engine died in {max_attempts} attempts")
             else:
-                from engine.llm import LLM
+                from engine.entrypoints.llm import LLM
 
                 llm = LLM(**settings.llm_kwargs())
                 measure(side, r, lambda p, w, r_, k: run_in_process(llm, p, w, r_, k))

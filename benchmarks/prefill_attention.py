@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.report import alternate
-from engine.attention import kv_cache_shape
+from engine.attention.torch_backend import kv_cache_shape
 from engine.kernels import cpu_ops
 
 

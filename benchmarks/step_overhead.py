@@ -14,8 +14,8 @@ import statistics
 import sys
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
+from engine.core.engine_core import EngineCore
+from engine.core.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:

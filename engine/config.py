@@ -70,7 +70,7 @@ class EngineConfig:
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
     num_threads: int | None = None           # torch intra-op threads on CPU; None = torch's default
-    disable_log_stats: bool = False          # no periodic status line (engine.stats_logger)
+    disable_log_stats: bool = False          # no periodic status line (engine.entrypoints.stats_logger)
     stream_interval: int = 1                 # tokens per streamed group of a sequence (vLLM's --stream-interval)
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ import math
 import logging
 import os
 
-from engine.parent_watch import die_with_parent
+from common.procs import die_with_parent
 from gateway.settings import GatewaySettings
 
 

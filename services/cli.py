@@ -14,7 +14,7 @@ import sys
 
 _COMMANDS = {
     "serve": "services.supervisor",
-    "engine": "engine.__main__",
+    "engine": "engine.entrypoints.cli",
     "tokenizer": "services.tokenizer.__main__",
     "gateway": "gateway.__main__",
     "bench": "benchmarks.bench",

@@ -20,9 +20,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.args import add_engine_args, config_from_args
+from engine.entrypoints.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
-from engine.parent_watch import ENV_PARENT_PID
+from common.procs import ENV_PARENT_PID
 from services.mindie_config import ConfigFileError, load_mindie_config
 
 logger = logging.getLogger("sluice.serve")
@@ -43,7 +43,7 @@ class Child:
     log: list[str] = field(default_factory=list)
 
     def start(self) -> None:
-        # The child arms its own parent-death signal (engine.parent_watch): no preexec_fn in a threaded parent.
+        # The child arms its own parent-death signal (common.procs): no preexec_fn in a threaded parent.
         self.proc = subprocess.Popen(self.argv, env={**os.environ, ENV_PARENT_PID: str(os.getpid())})
         logger.info("started %s (pid %d)", self.name, self.proc.pid)
 

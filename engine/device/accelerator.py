@@ -12,7 +12,7 @@ import torch
 from engine.device.base import Device
 
 if TYPE_CHECKING:
-    from engine.attention import AttentionBackend
+    from engine.attention.torch_backend import AttentionBackend
 
 
 class AcceleratorDevice(Device):
@@ -70,6 +70,6 @@ class AcceleratorDevice(Device):
         self._mod.manual_seed_all(seed)
 
     def attention_backend(self) -> AttentionBackend:
-        from engine.attention import TorchAttentionBackend
+        from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()

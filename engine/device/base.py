@@ -21,7 +21,7 @@ import torch
 from engine.env import switched_on
 
 if TYPE_CHECKING:
-    from engine.attention import AttentionBackend
+    from engine.attention.torch_backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class CpuDevice(Device):
         return info.get("MemAvailable", 0), info.get("MemTotal", 0)
 
     def attention_backend(self) -> AttentionBackend:
-        from engine.attention import TorchAttentionBackend
+        from engine.attention.torch_backend import TorchAttentionBackend
         from engine.kernels import cpu_paged_decode_attention, cpu_paged_prefill_attention, cpu_write_kv_cache
 
         return TorchAttentionBackend(decode_kernel=cpu_paged_decode_attention(), kv_writer=cpu_write_kv_cache(),

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata
+from engine.attention.torch_backend import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.quant import QuantWeight, cat_rows
-from engine.models.rope import RotaryEmbedding
+from engine.models.layers.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from engine.parent_watch import die_with_parent
+from common.procs import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,7 @@ import logging
 import grpc
 
 from engine.config import DEFAULT_SERVED_NAME, default_model_path
-from engine.grpc_server import CHANNEL_OPTIONS, Health, bind, new_server, stop_event
+from common.grpc_server import CHANNEL_OPTIONS, Health, bind, new_server, stop_event
 from engine.text import Tokenizer
 from proto.sluice.v1 import generation_pb2_grpc
 from services.tokenizer.service import GenerationServicer

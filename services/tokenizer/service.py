@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 
 from engine.errors import InvalidRequestError
-from engine.grpc_errors import status_for
+from common.grpc_errors import status_for
 from engine.text import IncrementalDetokenizer, Tokenizer
 from proto.shm import ShmRing
 from services.tokenizer.engine_stream import EngineStream

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-import engine.__main__
+import engine.entrypoints.cli
 import gateway.__main__
 import services.tokenizer.__main__
 from gateway.auth import PUBLIC_PATHS
@@ -60,7 +60,7 @@ def _parser_built_by(main: Callable[[list[str]], None]) -> argparse.ArgumentPars
 
 
 PARSERS: dict[str, argparse.ArgumentParser] = {
-    "engine": _parser_built_by(engine.__main__.main),
+    "engine": _parser_built_by(engine.entrypoints.cli.main),
     "services.tokenizer": _parser_built_by(services.tokenizer.__main__.main),
     "gateway": gateway.__main__.build_parser(),
     "services.supervisor": supervisor.build_parser(),

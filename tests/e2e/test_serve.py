@@ -291,7 +291,7 @@ def test_mindie_config_is_accepted_as_is(tmp_path: Path) -> None:
 
 def test_children_end_when_the_supervisor_is_killed(tmp_path: Path) -> None:
     """SIGKILL leaves `sluice serve` no chance to stop its children: each armed PR_SET_PDEATHSIG itself
-    (engine.parent_watch) and drains on the SIGTERM the kernel sends when the supervisor dies."""
+    (common.procs) and drains on the SIGTERM the kernel sends when the supervisor dies."""
     stack = ServeStack(tmp_path, "--dtype", "float32", "--kv-cache-memory", "256MiB", "--shutdown-timeout", "2").start()
     assert stack.proc is not None
     children = stack.child_pids()

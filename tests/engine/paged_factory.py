@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, kv_cache_shape
+from engine.attention.torch_backend import AttentionBackend, AttentionMetadata, TorchAttentionBackend, kv_cache_shape
 
 
 @dataclass

@@ -1,0 +1,284 @@
+"""Paged KV blocks: a fixed pool with reference counts, verified prefix caching and copy-on-write.
+
+A block holds the KV of ``block_size`` consecutive tokens. A request's block
+table (``request.block_ids``) maps its token positions to blocks; the block
+manager is the only writer of that table.
+
+Prefix caching: every FULL block of a request gets a chained hash
+``hash((parent_hash, block_tokens, extra_keys))`` (kept on
+``request.block_hashes``). Once its KV is computed the block is registered under
+that hash; a later request whose prefix has the same hash chain reuses it, after
+comparing the stored key (parent hash, tokens, extra keys) so that a hash
+collision can never serve wrong KV. A freed block that is registered is not
+wiped: it waits on an LRU list and is only reused (and unregistered) when no
+plain free block is left.
+
+Copy-on-write: ``fork`` gives a child the parent's table with every refcount
+raised. A request about to write into a block it shares (the partly filled last
+block after a fork) gets a private block instead, and the (src, dst) copy is
+queued for the runner to perform before the forward pass.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+
+from engine.core.request import Request
+
+ExtraKeys = tuple[object, ...] | None
+# What a cached block is verified against on a hit: (parent hash, its tokens, extra keys).
+BlockKey = tuple[int | None, tuple[int, ...], ExtraKeys]
+HashFn = Callable[[int | None, tuple[int, ...], ExtraKeys], int]
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: ExtraKeys = None) -> int:
+    """Chained hash of one full block (vLLM ``hash_block_tokens``). Valid within one process only."""
+    return hash((parent_hash, token_ids, extra_keys))
+
+
+class BlockManager:
+    """A pool of ``num_blocks`` KV blocks shared by all requests.
+
+    Call pattern of the scheduler: ``get_computed_blocks`` (lookup, changes
+    nothing) → ``can_allocate`` / ``allocate`` (claims cached blocks and new
+    ones atomically) → after the step ``cache_blocks`` → ``free`` when done.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+                 hash_fn: HashFn = hash_block_tokens) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_fn = hash_fn
+        self._ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))        # refcount 0, holding nothing reusable
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, cached; front = least recent
+        self._hash_of_block: list[int | None] = [None] * num_blocks
+        self._key_of_block: list[BlockKey | None] = [None] * num_blocks
+        self._block_of_hash: dict[int, int] = {}
+        # How many leading blocks of each request cache_blocks has already looked at (keeps it O(new blocks)).
+        self._num_seen_blocks: dict[str, int] = {}
+        self._copies: list[tuple[int, int]] = []
+        self.prefix_cache_queries = 0   # tokens looked up, counted when a request is first given blocks
+        self.prefix_cache_hits = 0      # of those, tokens served from the cache
+
+    # ----- stats -----------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a request could get now: plain free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    def usage(self) -> float:
+        """Fraction of the pool held by requests (evictable cached blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def evictable_blocks(self) -> list[int]:
+        """Cached free blocks, least recently freed (next to be evicted) first."""
+        return list(self._evictable)
+
+    def cached_block(self, block_hash: int) -> int | None:
+        return self._block_of_hash.get(block_hash)
+
+    # ----- prefix cache ------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks that hold a prefix of ``request`` (it must hold no blocks yet).
+
+        A lookup only: nothing is claimed until ``allocate(request, n, computed_blocks)``.
+        ``len(result) * block_size`` tokens are served; the hit stops one token
+        short of the whole sequence because a request must compute at least one
+        token to get logits.
+        """
+        if not self.enable_prefix_caching or request.block_ids:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        tokens = request.all_token_ids
+        bs = self.block_size
+        blocks: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            block_id = self._block_of_hash.get(hashes[i])
+            if block_id is None or self._key_of_block[block_id] != (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None):
+                break
+            blocks.append(block_id)
+            parent = hashes[i]
+        return blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the blocks of ``request`` that are full and computed, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(request.block_ids))
+        start = self._num_seen_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i in range(start, num_full):
+            block_id = request.block_ids[i]
+            # Already registered (a prefix hit, or shared by a fork), or the same content is cached in
+            # another block (two requests computed it at once; or a true collision): leave it plain.
+            if self._hash_of_block[block_id] is not None or hashes[i] in self._block_of_hash:
+                continue
+            parent = hashes[i - 1] if i > 0 else None
+            self._hash_of_block[block_id] = hashes[i]
+            self._key_of_block[block_id] = (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None)
+            self._block_of_hash[hashes[i]] = block_id
+        self._num_seen_blocks[request.request_id] = num_full
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """request.block_hashes, extended to cover its first ``num_blocks`` (full) blocks."""
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(self._hash_fn(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None))
+        return hashes
+
+    # ----- allocation --------------------------------------------------------------
+
+    def _plan(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> tuple[int, list[int]]:
+        """(number of fresh blocks needed, table indices that need copy-on-write)."""
+        if computed_blocks and (request.block_ids or request.num_computed_tokens):
+            raise ValueError(f"{request.request_id}: computed blocks are only for a request holding none")
+        num_computed = len(computed_blocks) * self.block_size if computed_blocks else request.num_computed_tokens
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_fresh = max(0, num_needed - len(request.block_ids) - len(computed_blocks))
+        # Blocks written this step that someone else also holds: only the partly filled last block after a fork.
+        first_written = num_computed // self.block_size
+        cow = [i for i in range(first_written, min(num_needed, len(request.block_ids)))
+               if self._ref_counts[request.block_ids[i]] > 1]
+        return num_fresh, cow
+
+    def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Whether ``allocate`` with the same arguments would succeed. Changes nothing."""
+        num_fresh, cow = self._plan(request, num_new_tokens, computed_blocks)
+        # Claiming a cached block that sits on the evictable list uses up one of the free ones.
+        num_revived = sum(1 for b in computed_blocks if self._ref_counts[b] == 0)
+        return num_fresh + len(cow) + num_revived <= self.num_free_blocks
+
+    def allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Give ``request`` blocks for ``num_computed + num_new_tokens`` tokens; False (nothing changed) if short.
+
+        ``num_computed`` is ``len(computed_blocks) * block_size`` when cached
+        blocks from ``get_computed_blocks`` are passed (the request then holds
+        none), else ``request.num_computed_tokens``. The caller sets
+        ``request.num_computed_tokens`` to the cached count after success.
+        """
+        if not self.can_allocate(request, num_new_tokens, computed_blocks):
+            return False
+        num_fresh, cow = self._plan(request, num_new_tokens, computed_blocks)
+        if not request.block_ids and self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed_blocks) * self.block_size
+        for block_id in computed_blocks:
+            self._claim(block_id)
+        if computed_blocks:
+            request.block_ids.extend(computed_blocks)
+            self._num_seen_blocks[request.request_id] = len(computed_blocks)
+        for i in cow:
+            src = request.block_ids[i]
+            dst = self._pop_free_block()
+            self._ref_counts[src] -= 1   # was > 1: the other holders keep it
+            self._ref_counts[dst] = 1
+            request.block_ids[i] = dst
+            self._copies.append((src, dst))
+        for _ in range(num_fresh):
+            block_id = self._pop_free_block()
+            self._ref_counts[block_id] = 1
+            request.block_ids.append(block_id)
+        return True
+
+    def _claim(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            del self._evictable[block_id]   # a hit revives an evictable block
+        self._ref_counts[block_id] += 1
+
+    def _pop_free_block(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        block_id, _ = self._evictable.popitem(last=False)   # evict the least recently freed cached block
+        block_hash = self._hash_of_block[block_id]
+        assert block_hash is not None
+        del self._block_of_hash[block_hash]
+        self._hash_of_block[block_id] = None
+        self._key_of_block[block_id] = None
+        return block_id
+
+    def free(self, request: Request) -> None:
+        """Drop the request's hold on its blocks and clear its table.
+
+        The table is walked from its end so a sequence's tail is evicted before
+        its head (a cached tail is useless without the head before it).
+        """
+        for block_id in reversed(request.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                if self._hash_of_block[block_id] is not None:
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
+        request.block_ids = []
+        self._num_seen_blocks.pop(request.request_id, None)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's blocks (shared, refcount + 1); the first write to a shared block copies it."""
+        if child.block_ids:
+            raise ValueError(f"{child.request_id} already holds blocks")
+        for block_id in parent.block_ids:
+            self._ref_counts[block_id] += 1
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
+        if parent.request_id in self._num_seen_blocks:
+            self._num_seen_blocks[child.request_id] = self._num_seen_blocks[parent.request_id]
+
+    def pop_block_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies recorded since the last call; the runner does them before the forward pass.
+
+        A src block may be freed and handed to another request in the same
+        step, which is safe only because the copies run before anything writes.
+        """
+        copies, self._copies = self._copies, []
+        return copies
+
+    # ----- test support --------------------------------------------------------------
+
+    def check_invariants(self, holders: Iterable[Request]) -> None:
+        """Raise AssertionError unless the pool is consistent with the block tables of ``holders``.
+
+        ``holders`` must be every request that holds blocks.
+        """
+        held: Counter[int] = Counter()
+        for request in holders:
+            if len(set(request.block_ids)) != len(request.block_ids):
+                raise AssertionError(f"{request.request_id} holds a block twice: {request.block_ids}")
+            held.update(request.block_ids)
+        free, evictable = list(self._free), list(self._evictable)
+        if len(set(free)) != len(free) or set(free) & set(evictable):
+            raise AssertionError(f"a block is listed twice: free={free} evictable={evictable}")
+        if set(free) & held.keys() or set(evictable) & held.keys():
+            raise AssertionError("a held block is also on a free list")
+        if len(free) + len(evictable) + len(held) != self.num_blocks:
+            raise AssertionError(f"free {len(free)} + evictable {len(evictable)} + held {len(held)} "
+                                 f"!= total {self.num_blocks}")
+        for block_id in range(self.num_blocks):
+            if self._ref_counts[block_id] != held[block_id]:
+                raise AssertionError(f"block {block_id}: refcount {self._ref_counts[block_id]} "
+                                     f"but held by {held[block_id]} tables")
+        if any(self._hash_of_block[b] is not None for b in free):
+            raise AssertionError("a plain free block still carries a hash")
+        if any(self._hash_of_block[b] is None for b in evictable):
+            raise AssertionError("an evictable block carries no hash")
+        registered = {b: h for b, h in enumerate(self._hash_of_block) if h is not None}
+        if {h: b for b, h in registered.items()} != self._block_of_hash or len(registered) != len(self._block_of_hash):
+            raise AssertionError("hash map and per-block hashes disagree")

@@ -1,0 +1,122 @@
+"""The engine's one owner of per-request state (token ids, progress, blocks, status)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.core.sampling_params import SamplingParams
+
+TOKEN_DTYPE = np.int32
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence ended. Text-level reasons (stop strings) live outside the core."""
+
+    EOS = "eos"              # the model's end-of-sequence token
+    STOP = "stop"            # one of ``stop_token_ids``
+    LENGTH = "length"        # max_tokens or max_model_len reached
+    ABORT = "abort"          # cancelled by the caller
+    ERROR = "error"          # the engine failed while running it
+
+
+class Request:
+    """One sequence the engine schedules.
+
+    ``num_computed_tokens`` catches up with ``num_tokens`` (chunked prefill and
+    decode are the same thing); ``block_ids`` is the block table, written only
+    by the block manager.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        sampling_params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        parent_id: str | None = None,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        # Token ids live in one growable int32 buffer: prompts arrive as arrays from the engine servicer
+        # (shared memory or protobuf, never as Python ints), and the runner copies slices of it as is.
+        prompt = np.asarray(prompt_token_ids, dtype=TOKEN_DTYPE)
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt_token_ids: one-dimensional ids expected, got shape {prompt.shape}")
+        self._tokens = np.empty(len(prompt) + min(sampling_params.max_tokens or 16, 4096), dtype=TOKEN_DTYPE)
+        self._tokens[:len(prompt)] = prompt
+        self._num_tokens = len(prompt)
+        self.prompt_token_ids: np.ndarray = self._tokens[:len(prompt)]  # a view: the prompt never changes
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        # For n > 1: children forked from a parent share its blocks; index orders the n outputs.
+        self.parent_id = parent_id
+        self.index = index
+        self.output_token_ids: list[int] = []
+        # Each entry: (sampled token logprob, {token id: logprob} of the top-k) when logprobs asked.
+        self.output_logprobs: list[tuple[float, dict[int, float]]] = []
+        self.num_reported_tokens = 0         # output tokens already in an EngineCoreOutput (stream interval)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0           # prompt tokens served from the prefix cache (first schedule)
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []    # chained hashes of full blocks, filled by the block manager
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> np.ndarray:
+        """Prompt then output ids, int32 (a view of the buffer; valid until the next append)."""
+        return self._tokens[:self._num_tokens]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        if self._num_tokens == len(self._tokens):
+            grown = np.empty(2 * len(self._tokens), dtype=TOKEN_DTYPE)
+            grown[:self._num_tokens] = self._tokens[:self._num_tokens]
+            self._tokens = grown
+            self.prompt_token_ids = grown[:len(self.prompt_token_ids)]
+        self._tokens[self._num_tokens] = token_id
+        self._num_tokens += 1
+        self.output_token_ids.append(token_id)
+
+    def copy_tokens_from(self, other: Request) -> None:
+        """Take ``other``'s ids and outputs (a fork: the child continues from the parent's state)."""
+        self._tokens = other._tokens.copy()
+        self._num_tokens = other._num_tokens
+        self.prompt_token_ids = self._tokens[:len(other.prompt_token_ids)]
+        self.output_token_ids = list(other.output_token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_ids}, {self.status.value})")

@@ -1,0 +1,304 @@
+"""EngineCore on its own thread, fed and drained through queues, for asyncio servers.
+
+The core's busy loop runs on a dedicated thread (torch releases the GIL in its
+kernels); the event loop talks to it only through a command queue. Each request
+is added with an :class:`OutputGroup`; a step's outputs are handed back grouped,
+with one ``call_soon_threadsafe`` per event loop per step (not one per output:
+each wakes the loop through a pipe, and at 32 running sequences that was 32 wake-ups
+a step on the cores the model runs on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from engine.core.engine_core import EngineCore
+from engine.errors import EngineDeadError
+from engine.core.outputs import EngineCoreOutput
+from engine.core.request import FinishReason
+from engine.core.sampling_params import SamplingParams
+from engine.entrypoints.stats_logger import StatsLogger
+
+logger = logging.getLogger(__name__)
+
+
+class OutputGroup(Protocol):
+    """Where the outputs of a set of requests go: ``deliver`` runs on ``loop`` with all of one step's
+    outputs of the group's requests, in step order."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def deliver(self, outputs: list[EngineCoreOutput]) -> None: ...
+
+
+class _RequestQueue:
+    """The group of one :meth:`AsyncEngine.generate` call: its outputs into an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+
+    def deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            self.queue.put_nowait(out)
+
+
+def _deliver_all(batches: list[tuple[OutputGroup, list[EngineCoreOutput]]]) -> None:
+    for group, outputs in batches:
+        try:
+            group.deliver(outputs)
+        except Exception:  # one broken consumer never keeps the step's other outputs from theirs
+            logger.exception("delivering engine outputs failed")
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: Sequence[int] | np.ndarray
+    params: SamplingParams
+    priority: int
+    group: OutputGroup
+    done: Future[None]
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[EngineCore], Any]
+    done: Future[Any]
+
+
+class _Stop:
+    pass
+
+
+class Terminals:
+    """Counts terminal outputs of one request: 1, or n once an ``n > 1`` request has forked."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.expected = 1
+        self.seen = 0
+        self.failed = False
+
+    def see(self, out: EngineCoreOutput, parent_id: str) -> None:
+        if self.n > 1 and self.expected == 1 and (out.request_id != parent_id or out.new_token_ids):
+            self.expected = self.n  # the first sample forked the children
+        if out.finished:
+            self.seen += 1
+            if out.finish_reason is FinishReason.ERROR and out.request_id == parent_id:
+                self.failed = True
+
+    @property
+    def done(self) -> bool:
+        return self.failed or self.seen >= self.expected
+
+
+class AsyncEngine:
+    """Asyncio face of an :class:`EngineCore` running on a background thread."""
+
+    core: EngineCore
+
+    def __init__(self, core: EngineCore | Callable[[], EngineCore], *,
+                 log_stats_interval: float | None = None) -> None:
+        """``core``: an :class:`EngineCore`, or a function that builds one (loads the model, warms up).
+
+        A function runs first thing on the engine thread, so that loading, warm-up and every step run on one
+        thread: libgomp gives each thread that opens a parallel region its own worker pool, kept until that
+        thread exits, and once it manages more threads than there are CPUs it cuts its spin-wait to ~100
+        iterations, so the step's workers sleep and are woken at every region (≈ 30 000 times for 2 048
+        decoded tokens, against ≈ 100 with one pool). ``started`` is done once the core exists (or holds
+        the function's exception; the engine is then dead). Requests sent before that wait in the queue.
+        ``log_stats_interval``: seconds between vLLM-style status lines (engine.entrypoints.stats_logger); None: none.
+        """
+        self._build = None if isinstance(core, EngineCore) else core
+        if isinstance(core, EngineCore):
+            self.core = core
+        self._log_stats_interval = log_stats_interval
+        self._stats: StatsLogger | None = None
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[OutputGroup, Terminals]] = {}
+        self._dead: BaseException | None = None
+        self.started: Future[None] = Future()
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def launch(cls, build: Callable[[], EngineCore], *,
+                     log_stats_interval: float | None = None) -> AsyncEngine:
+        """Start an engine whose core ``build()`` makes on the engine thread; returns once it is built, and
+        raises what ``build`` raised."""
+        engine = cls(build, log_stats_interval=log_stats_interval)
+        await asyncio.wrap_future(engine.started)
+        return engine
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    # -- event-loop side ----------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
+                       *, priority: int = 0) -> AsyncIterator[EngineCoreOutput]:
+        """Add a request and yield its per-step outputs until the terminal one.
+
+        Raises InvalidRequestError / QueueFullError before yielding anything if it is refused.
+        Leaving the iteration early (cancellation, a client that went away) aborts the request.
+        """
+        group = _RequestQueue(asyncio.get_running_loop())
+        outputs = group.queue
+        done = self.submit(request_id, prompt_token_ids, params, group, priority=priority)
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            # Cancelled while queued: if the engine thread had already taken the request, abort it.
+            self.abort([request_id])
+            raise
+        tracker = Terminals(params.n)
+        try:
+            while not tracker.done:
+                out = await outputs.get()
+                tracker.see(out, request_id)
+                yield out
+        finally:
+            if not tracker.done:
+                self.abort([request_id])
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
+               group: OutputGroup, *, priority: int = 0) -> Future[None]:
+        """Queue a request whose outputs go to ``group``; the future fails with InvalidRequestError /
+        QueueFullError if the core refuses it (then nothing reaches ``group`` for it). Many requests may
+        share a group: each step then reaches it as one ``deliver`` call (what the gRPC ``Stream`` uses)."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop has stopped")
+        done: Future[None] = Future()
+        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, group, done))
+        return done
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._commands.put(_Abort(list(request_ids)))
+
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run ``fn(core)`` on the engine thread between steps (e.g. ``EngineCore.info``)."""
+        done: Future[Any] = Future()
+        self._commands.put(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._commands.put(_Stop())
+        self._thread.join(timeout)
+
+    # -- engine thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        if self._build is not None:
+            try:
+                self.core = self._build()
+            except BaseException as e:
+                logger.error("building the engine core failed: %s", e)  # the traceback goes with `started`
+                self._dead = e
+                self.started.set_exception(e)
+                self._refuse_queued(EngineDeadError(f"the engine core could not be built: {e}"))
+                return
+        core = self.core
+        if self._log_stats_interval:
+            self._stats = StatsLogger(core, self._log_stats_interval)
+        self.started.set_result(None)
+        while True:
+            block = not core.has_unfinished_requests()
+            try:
+                # Idle: wake up at the stats interval so the last busy interval still gets its line.
+                cmd = self._commands.get(block=block, timeout=self._stats.interval_s if block and self._stats else None)
+            except queue.Empty:
+                cmd = None
+            if self._stats is not None:
+                self._stats.maybe_log()
+            while cmd is not None:
+                if isinstance(cmd, _Stop):
+                    self._fail_all(EngineDeadError("engine stopped"))
+                    return
+                try:
+                    self._handle(cmd)
+                except Exception:  # a bad command never ends the loop
+                    logger.exception("engine command failed")
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if not core.has_unfinished_requests():
+                continue
+            try:
+                outputs = core.step()
+            except Exception as e:  # a failed step ends the requests in it, never the process
+                logger.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            if self._stats is not None and core.last_step is not None:
+                self._stats.record_step(core.last_step.duration_s)
+            self._hand_back(outputs)
+
+    def _hand_back(self, outputs: list[EngineCoreOutput]) -> None:
+        """One step's outputs to their groups: one ``call_soon_threadsafe`` per event loop."""
+        groups: dict[int, tuple[OutputGroup, list[EngineCoreOutput]]] = {}
+        for out in outputs:
+            parent = out.request_id.partition("#")[0]
+            entry = self._sinks.get(parent)
+            if entry is None:
+                continue
+            group, tracker = entry
+            groups.setdefault(id(group), (group, []))[1].append(out)
+            tracker.see(out, parent)
+            if tracker.done:
+                del self._sinks[parent]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputGroup, list[EngineCoreOutput]]]] = {}
+        for group, outs in groups.values():
+            by_loop.setdefault(group.loop, []).append((group, outs))
+        for loop, batches in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, batches)
+            except RuntimeError:  # that loop is closed: nobody is left to read these outputs
+                pass
+
+    def _handle(self, cmd: _Add | _Abort | _Call) -> None:
+        # A caller that gave up (cancelled, deadline) before we got here has a cancelled future: skip it.
+        if isinstance(cmd, (_Add, _Call)) and not cmd.done.set_running_or_notify_cancel():
+            return
+        if isinstance(cmd, _Add):
+            try:
+                self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority)
+            except BaseException as e:
+                cmd.done.set_exception(e)
+            else:
+                self._sinks[cmd.request_id] = (cmd.group, Terminals(cmd.params.n))
+                cmd.done.set_result(None)
+        elif isinstance(cmd, _Abort):
+            self.core.abort_requests(cmd.request_ids)
+        else:
+            try:
+                cmd.done.set_result(cmd.fn(self.core))
+            except BaseException as e:
+                cmd.done.set_exception(e)
+
+    def _refuse_queued(self, error: BaseException) -> None:
+        """The core never came up: fail every command, queued now or later, until shutdown."""
+        while not isinstance(cmd := self._commands.get(), _Stop):
+            if isinstance(cmd, (_Add, _Call)) and cmd.done.set_running_or_notify_cancel():
+                cmd.done.set_exception(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every in-flight request with an ERROR output and free its blocks."""
+        ids = list(self._sinks)
+        self.core.abort_requests(ids)
+        self.core.step()  # drains the abort outputs; they are replaced by ERROR below
+        self._hand_back([EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR) for rid in ids])

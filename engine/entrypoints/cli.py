@@ -1,0 +1,39 @@
+"""``python -m engine`` / ``sluice engine``: the engine process (token-level gRPC)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from common.procs import die_with_parent
+from engine.entrypoints.args import add_engine_args, config_from_args
+from engine.entrypoints.process import set_openmp_defaults, use_huge_pages
+
+
+def main(argv: list[str] | None = None) -> None:
+    set_openmp_defaults()  # first: nothing has loaded torch yet
+    use_huge_pages()
+    die_with_parent()  # under `sluice serve`: end with it
+    parser = argparse.ArgumentParser(prog="sluice engine", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0)
+    parser.add_argument("--log-level", default="info")
+    add_engine_args(parser)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s engine: %(message)s")
+    config = config_from_args(ns)
+    from engine.entrypoints.grpc_servicer import serve
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(config, ns.host, ns.port, shutdown_grace=ns.shutdown_timeout))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""The engine's token-level gRPC server (``sluice.v1.Engine``): wire types in, domain types out.
+
+Protobuf messages are converted here and nowhere else; the core behind the
+AsyncEngine sees only token ids and SamplingParams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+import numpy as np
+
+from engine.entrypoints.async_engine import AsyncEngine, Terminals
+from engine.entrypoints.stats_logger import DEFAULT_INTERVAL_S
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.errors import EngineDeadError, InvalidRequestError
+from common.grpc_errors import status_for
+from common.grpc_server import bind, new_server, stop_event
+from engine.core.outputs import EngineCoreOutput
+from engine.core.request import FinishReason
+from engine.core.sampling_params import SamplingParams
+from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "sluice.v1.Engine"
+_FINISH_TO_PB = {
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORTED,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+
+# -- wire ↔ domain --------------------------------------------------------------------------------------------
+def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest) -> SamplingParams:
+    s, st = req.sampling, req.stopping
+    kw: dict[str, Any] = {"n": req.n or 1}
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if s.HasField(name):
+            kw[name] = getattr(s, name)
+    if s.HasField("top_k"):
+        kw["top_k"] = s.top_k or None
+    if s.HasField("seed"):
+        kw["seed"] = s.seed
+    if s.logit_bias:
+        kw["logit_bias"] = dict(s.logit_bias)
+    kw["max_tokens"] = st.max_tokens if st.HasField("max_tokens") else None
+    kw["min_tokens"] = st.min_tokens
+    kw["stop_token_ids"] = list(st.stop_token_ids)
+    kw["ignore_eos"] = st.ignore_eos
+    if req.HasField("logprobs"):
+        kw["logprobs"] = req.logprobs
+    if req.HasField("stream_interval"):
+        kw["stream_interval"] = req.stream_interval  # 0 is refused by SamplingParams as INVALID_ARGUMENT
+    return SamplingParams(**kw)
+
+
+def output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineGenerateResponse:
+    _, _, child = out.request_id.partition("#")
+    msg = engine_pb2.EngineGenerateResponse(
+        index=int(child or 0), token_ids=out.new_token_ids, prompt_tokens=out.num_prompt_tokens,
+        cached_tokens=out.num_cached_tokens,
+        finish_reason=_FINISH_TO_PB[out.finish_reason] if out.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED)
+    for lp, top in out.new_logprobs or ():
+        msg.logprobs.add(logprob=lp, top_logprobs=[engine_pb2.TokenIdLogprob(token_id=t, logprob=v)
+                                                   for t, v in top.items()])
+    return msg
+
+
+# -- the servicer ---------------------------------------------------------------------------------------------
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    """Registered before the server starts; answers UNAVAILABLE until the engine is attached (warm-up)."""
+
+    def __init__(self, engine: AsyncEngine | None = None) -> None:
+        self._engine = engine
+        self.counters = {"shm_handoffs": 0, "inline_handoffs": 0, "finished_requests": 0, "stream_calls": 0}
+        self._shm: Any = None  # ShmReader, created on first registration
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None or not self._engine.is_alive:
+            raise EngineDeadError("the engine is starting or stopped")
+        return self._engine
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def read_prompt(self, request: engine_pb2.EngineGenerateRequest) -> tuple[np.ndarray, int | None]:
+        """The prompt ids of a request, and the shared-memory slot to acknowledge when they came that way."""
+        if not request.request_id:
+            raise InvalidRequestError("request_id", "is required")
+        released_slot: int | None = None
+        which = request.WhichOneof("prompt")
+        if which == "prompt_shm":
+            from proto.shm import ShmRef, ShmRefError
+
+            ref = request.prompt_shm
+            if self._shm is None or not self._shm.is_registered(ref.segment):
+                raise InvalidRequestError("prompt_shm", f"segment {ref.segment!r} is not registered")
+            try:
+                ids = self._shm.read(ShmRef(ref.segment, ref.offset, ref.length, ref.slot))
+            except ShmRefError as e:
+                raise InvalidRequestError(f"prompt_shm.{e.field}", str(e)) from e
+            prompt = ids  # the int32 copy out of the segment is what the engine core keeps
+            released_slot = ref.slot
+            self.counters["shm_handoffs"] += 1
+        elif which == "prompt_token_ids":
+            # upb's repeated field exports __array__: one C copy, no Python ints (47 µs at 128k).
+            prompt = np.asarray(request.prompt_token_ids.ids)
+            self.counters["inline_handoffs"] += 1
+        else:
+            raise InvalidRequestError("prompt", "one of prompt_token_ids or prompt_shm is required")
+        return prompt, released_slot
+
+    async def Generate(self, request: engine_pb2.EngineGenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        engine = self.engine
+        prompt, released_slot = self.read_prompt(request)
+        params = sampling_params_from_pb(request)
+        first = True
+        async for out in engine.generate(request.request_id, prompt, params, priority=request.priority):
+            msg = output_to_pb(out)
+            if first and released_slot is not None:
+                msg.released_shm_slot = released_slot
+            first = False
+            if out.finished:
+                self.counters["finished_requests"] += 1
+            yield msg
+
+    async def Stream(self, request_iterator: AsyncIterator[engine_pb2.EngineStreamRequest],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineStreamResponse]:
+        call = _StreamCall(self, self.engine)
+        self.counters["stream_calls"] += 1
+        await context.send_initial_metadata(())  # the caller sends nothing before this (EngineStream)
+        reader = asyncio.ensure_future(call.read(request_iterator))
+        try:
+            while (msg := await call.next_message()) is not None:
+                yield msg
+        finally:
+            reader.cancel()
+            call.abort_unfinished()
+        await reader  # re-raises what ended the reading (nothing, when the caller closed its side)
+
+    async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> engine_pb2.AbortResponse:
+        self.engine.abort(list(request.request_ids))
+        return engine_pb2.AbortResponse()
+
+    async def GetInfo(self, request: engine_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+                      ) -> engine_pb2.GetInfoResponse:
+        info, stats = await self.engine.call(lambda core: (core.info(), core.scheduler_stats()))
+        return engine_pb2.GetInfoResponse(
+            model_name=info["model"], max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
+            eos_token_ids=info["eos_token_ids"], bos_token_id=info["bos_token_id"],
+            block_size=info["block_size"], total_kv_blocks=info["total_kv_blocks"],
+            free_kv_blocks=info["free_kv_blocks"], num_running=info["num_running"],
+            num_waiting=info["num_waiting"], device=info["device"], dtype=info["dtype"],
+            counters=engine_pb2.EngineCounters(
+                shm_handoffs=self.counters["shm_handoffs"], inline_handoffs=self.counters["inline_handoffs"],
+                finished_requests=self.counters["finished_requests"], stream_calls=self.counters["stream_calls"],
+                prefix_cache_query_tokens=stats["prefix_cache_queries"],
+                prefix_cache_hit_tokens=stats["prefix_cache_hits"], preemptions=stats["num_preemptions"]))
+
+    async def RegisterSharedMemory(self, request: engine_pb2.RegisterSharedMemoryRequest,
+                                   context: grpc.aio.ServicerContext) -> engine_pb2.RegisterSharedMemoryResponse:
+        from proto.shm import ShmReader
+
+        if self._shm is None:
+            self._shm = ShmReader()
+        try:
+            self._shm.register(request.segment, request.size_bytes)
+        except (OSError, ValueError) as e:
+            # The caller falls back to inline ids (another host, no shared /dev/shm).
+            return engine_pb2.RegisterSharedMemoryResponse(ok=False, error=f"cannot open segment: {e}")
+        return engine_pb2.RegisterSharedMemoryResponse(ok=True)
+
+
+class _StreamCall:
+    """The requests of one ``Stream`` call: added as they are read, their outputs gathered into one
+    message per engine step (the call's :class:`~engine.entrypoints.async_engine.OutputGroup`), and aborted when
+    the call ends unfinished."""
+
+    def __init__(self, servicer: EngineServicer, engine: AsyncEngine) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._servicer = servicer
+        self._engine = engine
+        # Live requests: id -> (terminal counter, shm slot to acknowledge with the first output).
+        self._live: dict[str, tuple[Terminals, int | None]] = {}
+        self._messages: asyncio.Queue[engine_pb2.EngineStreamResponse | None] = asyncio.Queue()
+        self._reading = True
+
+    async def read(self, requests: AsyncIterator[engine_pb2.EngineStreamRequest]) -> None:
+        try:
+            async for msg in requests:
+                if msg.HasField("generate"):
+                    self._add(msg.generate)
+                elif msg.HasField("abort"):
+                    ids = [rid for rid in msg.abort.request_ids if rid in self._live]
+                    if ids:
+                        self._engine.abort(ids)
+        finally:
+            self._reading = False
+            self._maybe_end()
+
+    def _add(self, request: engine_pb2.EngineGenerateRequest) -> None:
+        rid = request.request_id
+        try:
+            if rid in self._live:
+                raise InvalidRequestError("request_id", f"request {rid!r} is already running")
+            prompt, released_slot = self._servicer.read_prompt(request)
+            params = sampling_params_from_pb(request)
+            done = self._engine.submit(rid, prompt, params, self, priority=request.priority)
+        except Exception as e:  # noqa: BLE001 — refused: the error entry is its terminal event
+            self._refuse(rid, e)
+            return
+        self._live[rid] = (Terminals(params.n), released_slot)
+        done.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._added, rid, f))
+
+    def _added(self, rid: str, done: Future[None]) -> None:
+        if (error := done.exception()) is not None:
+            self._live.pop(rid, None)
+            self._refuse(rid, error)
+            self._maybe_end()
+
+    def _refuse(self, rid: str, error: BaseException) -> None:
+        code, message = status_for(error)
+        if code is grpc.StatusCode.INTERNAL:
+            logger.error("request %s refused: %r", rid, error)
+        msg = engine_pb2.EngineStreamResponse()
+        msg.errors.add(request_id=rid, code=code.value[0], message=message)
+        self._messages.put_nowait(msg)
+
+    def deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        """One step's outputs of this call's requests (OutputGroup; runs on the event loop)."""
+        msg = engine_pb2.EngineStreamResponse()
+        counters = self._servicer.counters
+        for out in outputs:
+            rid = out.request_id.partition("#")[0]
+            entry = self._live.get(rid)
+            if entry is None:
+                continue
+            tracker, slot = entry
+            pb = output_to_pb(out)
+            pb.request_id = rid
+            if slot is not None:
+                pb.released_shm_slot = slot
+                self._live[rid] = (tracker, None)
+            tracker.see(out, rid)
+            if out.finished:
+                counters["finished_requests"] += 1
+            if tracker.done:
+                pb.request_done = True
+                del self._live[rid]
+            msg.outputs.append(pb)
+        if msg.outputs:
+            self._messages.put_nowait(msg)
+        self._maybe_end()
+
+    def _maybe_end(self) -> None:
+        """The caller closed its side and every request ended: the call ends after what is queued."""
+        if not self._reading and not self._live:
+            self._messages.put_nowait(None)
+
+    async def next_message(self) -> engine_pb2.EngineStreamResponse | None:
+        return await self._messages.get()
+
+    def abort_unfinished(self) -> None:
+        if self._live:
+            self._engine.abort(list(self._live))
+            self._live.clear()
+
+
+def warm_up(core: EngineCore) -> None:
+    """One short request through the whole step path before the server reports SERVING."""
+    core.add_request("__warmup__", [core.model.config.bos_token_id or 1] * 8,
+                     SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while core.has_unfinished_requests():
+        core.step()
+
+
+async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: float = 10.0,
+                ready: asyncio.Event | None = None) -> None:
+    server, health_service = new_server(SERVICE_NAME)
+    await health_service.set_serving(False)
+    servicer = EngineServicer()
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    bound = bind(server, host, port)
+    await server.start()
+    logger.info("engine gRPC listening on %s:%d (loading model)", host, bound)
+    stop = stop_event()
+
+    def build() -> EngineCore:
+        core = EngineCore(config)
+        warm_up(core)
+        return core
+
+    # Loaded, warmed up and stepped on the engine's own thread: one OpenMP pool (see AsyncEngine).
+    engine = await AsyncEngine.launch(build, log_stats_interval=None if config.disable_log_stats else DEFAULT_INTERVAL_S)
+    servicer.attach(engine)
+    await health_service.set_serving(True)
+    logger.info("engine ready: %s on %s:%d", config.model_name, host, bound)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    logger.info("draining (grace %.1fs)", shutdown_grace)
+    await health_service.set_serving(False)
+    await server.stop(shutdown_grace)
+    engine.shutdown()

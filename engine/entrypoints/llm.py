@@ -1,0 +1,227 @@
+"""The offline API users know from vLLM: ``LLM(model).generate(prompts, SamplingParams(...))``.
+
+It joins the engine core (token ids only) to the text library: prompts are
+tokenized here, outputs detokenized incrementally, stop strings matched here
+and turned into an abort of the engine request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+# The offline API is an entry point: OpenMP's defaults are set before the imports below load torch.
+from engine.entrypoints.process import set_openmp_defaults
+
+set_openmp_defaults()
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.errors import InvalidRequestError  # noqa: E402
+from engine.core.outputs import CompletionOutput, EngineCoreOutput, RequestOutput  # noqa: E402
+from engine.core.request import FinishReason  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
+from engine.text import IncrementalDetokenizer, Tokenizer  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, list[int], dict[str, Any]]
+Message = dict[str, Any]
+
+_FINISH_NAMES = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+                 FinishReason.ABORT: "abort", FinishReason.ERROR: "error"}
+
+
+@dataclass
+class _Sequence:
+    """One of the n outputs of one prompt, as the offline API tracks it."""
+
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+
+
+class LLM:
+    """An engine in this process. ``model=None`` serves the default model (SmolLM2-135M-Instruct GGUF).
+
+    Engine arguments use vLLM's names: ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``block_size``, ``dtype``, ``enable_prefix_caching``, ``seed``, ``kv_cache_memory``…
+    """
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **engine_args: Any) -> None:
+        unknown = set(engine_args) - set(EngineConfig.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        self.config = EngineConfig(model=model, tokenizer=tokenizer, **engine_args)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
+        self._ids = itertools.count()
+        self._built_on = threading.current_thread()
+        self._warned_thread = False
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    # -- public API ---------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``); outputs in prompt order."""
+        items = self._normalize_prompts(prompts)
+        params = self._broadcast_params(sampling_params, len(items))
+        return self._run(items, params, priority)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages", "must be a non-empty list of messages")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        items: list[tuple[str | None, list[int]]] = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                      chat_template=chat_template)
+            items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        params = self._broadcast_params(sampling_params, len(items))
+        return self._run(items, params, None)
+
+    # -- internals ----------------------------------------------------------------------------------------
+    def _normalize_prompts(self, prompts: PromptType | Sequence[PromptType]) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            prompts = [prompts]
+        items: list[tuple[str | None, list[int]]] = []
+        for p in prompts:  # type: ignore[union-attr]
+            if isinstance(p, str):
+                items.append((p, self.tokenizer.encode(p)))
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                items.append((p.get("prompt"), [int(t) for t in p["prompt_token_ids"]]))
+            elif isinstance(p, dict) and "prompt" in p:
+                items.append((p["prompt"], self.tokenizer.encode(p["prompt"])))
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+                items.append((None, list(p)))
+            else:
+                raise InvalidRequestError("prompt", f"unsupported prompt type {type(p).__name__}")
+        return items
+
+    def _check_thread(self) -> None:
+        """Warn once when steps run on another thread than the one that loaded the model while that one lives:
+        on CPU, libgomp then keeps two worker pools, stops spinning at barriers, and steps slow down."""
+        here = threading.current_thread()
+        if self._warned_thread or here is self._built_on or not self._built_on.is_alive():
+            return
+        if self.engine.device.name != "cpu":
+            return
+        self._warned_thread = True
+        logger.warning("LLM.generate runs on thread %r but the model was loaded on %r, which is still alive: "
+                       "OpenMP keeps a thread pool for each, and its workers stop spinning between parallel "
+                       "regions, which slows every step. Build the LLM on the thread that calls generate.",
+                       here.name, self._built_on.name)
+
+    @staticmethod
+    def _broadcast_params(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        if len(sp) != n:
+            raise InvalidRequestError("sampling_params", f"got {len(sp)} for {n} prompts")
+        return list(sp)
+
+    def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+             priority: Sequence[int] | None) -> list[RequestOutput]:
+        engine = self.engine
+        self._check_thread()
+        rids: list[str] = []
+        try:
+            for i, ((_, ids), sp) in enumerate(zip(items, params)):
+                rid = str(next(self._ids))
+                engine.add_request(rid, ids, sp, priority=priority[i] if priority else 0)
+                rids.append(rid)
+        except BaseException:
+            engine.abort_requests(rids)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        slot = {rid: i for i, rid in enumerate(rids)}
+        seqs: dict[str, _Sequence] = {}
+        remaining = sum(sp.n for sp in params)
+        while remaining:
+            for out in engine.step():
+                parent, _, child = out.request_id.partition("#")
+                i = slot[parent]
+                seq = seqs.get(out.request_id)
+                if seq is None:
+                    seq = seqs[out.request_id] = self._new_sequence(int(child or 0), items[i][1], params[i])
+                if seq.finish_reason is not None:
+                    continue  # already ended by a stop string; this is the engine's abort echo
+                remaining -= self._apply(seq, out, params[i])
+        outputs = []
+        for i, rid in enumerate(rids):
+            mine = sorted((s for k, s in seqs.items() if k.partition("#")[0] == rid), key=lambda s: s.index)
+            outputs.append(RequestOutput(
+                request_id=rid, prompt=items[i][0], prompt_token_ids=items[i][1],
+                outputs=[CompletionOutput(index=s.index, text=s.text, token_ids=s.token_ids,
+                                          finish_reason=s.finish_reason, logprobs=s.logprobs,
+                                          cumulative_logprob=s.cumulative_logprob, stop_reason=s.stop_reason)
+                         for s in mine]))
+        return outputs
+
+    def _new_sequence(self, index: int, prompt_ids: list[int], sp: SamplingParams) -> _Sequence:
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=sp.skip_special_tokens,
+                                       stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output)
+        seq = _Sequence(index, detok)
+        if sp.logprobs is not None:
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
+        return seq
+
+    def _apply(self, seq: _Sequence, out: EngineCoreOutput, sp: SamplingParams) -> int:
+        """Fold one engine output into a sequence; 1 when the sequence ended."""
+        before = seq.detok.num_output_tokens
+        delta = seq.detok.add_tokens(out.new_token_ids) if out.new_token_ids else None
+        # Under a stream interval one output holds several tokens; those after a stop string are dropped.
+        used = seq.detok.num_output_tokens - before
+        seq.token_ids.extend(out.new_token_ids[:used])
+        if seq.logprobs is not None and out.new_logprobs:
+            for lp, top in out.new_logprobs[:used]:
+                seq.logprobs.append(top)
+                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + lp
+        if delta is not None and delta.stop_string is not None:
+            seq.finish_reason, seq.stop_reason = "stop", delta.stop_string
+            seq.text = seq.detok.output_text
+            if not out.finished:
+                self.engine.abort_requests([out.request_id])
+            return 1
+        if out.finish_reason is None:
+            return 0
+        seq.detok.finish()
+        seq.text = seq.detok.output_text
+        if seq.detok.stop_string is not None:  # the stop string completed in the final flush
+            seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_string
+            return 1
+        seq.finish_reason = _FINISH_NAMES[out.finish_reason]
+        if out.finish_reason is FinishReason.STOP and out.new_token_ids:
+            seq.stop_reason = out.new_token_ids[-1]
+        return 1

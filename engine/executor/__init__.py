@@ -1,0 +1,1 @@
+"""Executors: how the core's ``SchedulerOutput`` reaches the workers (``uniproc``: one worker, this process)."""

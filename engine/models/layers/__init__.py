@@ -1,0 +1,1 @@
+"""Model layers that own their kernel choice: linear (with its LinearMethod), norms, rotary, embeddings."""

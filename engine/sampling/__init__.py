@@ -1,1 +1,0 @@
-"""Batched tensor operations behind :mod:`engine.sampler` (penalties, truncation, sampling)."""

@@ -1,0 +1,1 @@
+"""The worker: the model runner (the only code that touches the model's tensors) and the batched sampler."""

@@ -1,0 +1,143 @@
+"""Random interleavings of add / step / abort / fork under block pressure keep the block pool consistent."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.config import EngineConfig
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerOutput
+
+EOS = 0
+BLOCK_SIZE = 4
+NUM_BLOCKS = 12          # 48 tokens of KV: preemption and the capacity limit both happen
+MAX_MODEL_LEN = 64
+BUDGET = 16
+MAX_NUM_SEQS = 4
+# Prompts start with one of a few shared prefixes so that prefix hits (and forged-looking near misses) happen.
+PREFIXES = [[], [5, 6, 7, 8], [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 9]]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    policy = "fcfs"
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET, max_num_seqs=MAX_NUM_SEQS,
+                              scheduling_policy=self.policy)
+        self.sched = Scheduler(config, NUM_BLOCKS, eos_token_ids={EOS}, max_model_len=MAX_MODEL_LEN)
+        self.next_id = 0
+        self.finished: set[str] = set()
+
+    # ----- rules ---------------------------------------------------------------------
+
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(1, 6), min_size=1, max_size=20),
+          n=st.integers(1, 3), max_tokens=st.one_of(st.none(), st.integers(1, 30)),
+          priority=st.integers(0, 2), ignore_eos=st.booleans())
+    def add(self, prefix: list[int], tail: list[int], n: int, max_tokens: int | None, priority: int,
+            ignore_eos: bool) -> None:
+        params = SamplingParams(n=n, seed=self.next_id, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        request = Request(f"r{self.next_id}", prefix + tail, params, priority=priority)
+        self.next_id += 1
+        self.sched.add_request(request)
+
+    @rule(rng=st.randoms(use_true_random=False))
+    def step(self, rng: random.Random) -> None:
+        out = self.sched.schedule()
+        self._check_output(out)
+        self._apply(out, rng)
+
+    @precondition(lambda self: self.sched.has_unfinished_requests())
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        aborted = self.sched.abort_request(rid)
+        assert rid in {r.request_id for r in aborted}
+        assert all(r.is_finished and r.block_ids == [] for r in aborted)
+        self.finished |= {r.request_id for r in aborted}
+
+    @rule(rng=st.randoms(use_true_random=False), data=st.data())
+    def abort_mid_step(self, rng: random.Random, data: st.DataObject) -> None:
+        """An abort that lands between schedule and update (the runner is busy)."""
+        out = self.sched.schedule()
+        self._check_output(out)
+        if out.scheduled:
+            victim = data.draw(st.sampled_from([s.request.request_id for s in out.scheduled]))
+            self.sched.abort_request(victim)
+        self._apply(out, rng)
+
+    @rule()
+    def drain(self) -> None:
+        """Every request finishes in bounded steps: no livelock between preemptions."""
+        for _ in range(2000):
+            if not self.sched.has_unfinished_requests():
+                break
+            out = self.sched.schedule()
+            self._check_output(out)
+            self._apply(out, random.Random(len(self.finished)))
+        assert not self.sched.has_unfinished_requests()
+        assert self.sched.block_manager.num_free_blocks == NUM_BLOCKS
+
+    # ----- fake runner and checks ----------------------------------------------------
+
+    def _apply(self, out: SchedulerOutput, rng: random.Random) -> None:
+        sampled = {s.request.request_id: [rng.randrange(0, 8) for _ in range(s.num_samples)]
+                   for s in out.scheduled if s.sample}
+        for o in self.sched.update_from_output(out, sampled):
+            assert o.request_id not in self.finished, f"{o.request_id} reported after it finished"
+            if o.finished:
+                self.finished.add(o.request_id)
+                assert self.sched.get_request(o.request_id) is None
+
+    def _check_output(self, out: SchedulerOutput) -> None:
+        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled) <= BUDGET
+        ids = [s.request.request_id for s in out.scheduled]
+        assert len(ids) == len(set(ids))
+        decodes = [s.is_decode for s in out.scheduled]
+        assert decodes == sorted(decodes, reverse=True), "decodes must come first"
+        for s in out.scheduled:
+            r = s.request
+            assert r.status is RequestStatus.RUNNING and s.num_new_tokens >= 1
+            assert s.start == r.num_computed_tokens and s.start + s.num_new_tokens <= r.num_tokens
+            assert len(r.block_ids) * BLOCK_SIZE >= s.start + s.num_new_tokens
+            assert s.sample == (s.start + s.num_new_tokens == r.num_tokens)
+        for src, dst in out.block_copies:
+            assert src != dst and 0 <= src < NUM_BLOCKS and 0 <= dst < NUM_BLOCKS
+            assert any(dst in s.request.block_ids for s in out.scheduled)
+
+    @invariant()
+    def block_pool_is_consistent(self) -> None:
+        sched = self.sched
+        sched.block_manager.check_invariants(sched.requests.values())
+        assert {r.request_id for r in sched.running + sched.waiting} == set(sched.requests)
+        assert len(sched.running) + len(sched.waiting) == len(sched.requests)
+        for r in sched.waiting:
+            assert r.block_ids == [] and r.num_computed_tokens == 0
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        for r in sched.running:
+            assert r.status is RequestStatus.RUNNING
+            assert r.num_computed_tokens < r.num_tokens <= MAX_MODEL_LEN
+            assert len(r.block_ids) * BLOCK_SIZE >= r.num_computed_tokens
+
+    def teardown(self) -> None:
+        for rid in list(self.sched.requests):
+            self.sched.abort_request(rid)
+        assert not self.sched.has_unfinished_requests()
+        assert self.sched.block_manager.num_free_blocks == NUM_BLOCKS
+        self.sched.block_manager.check_invariants([])
+
+
+class PrioritySchedulerMachine(SchedulerMachine):
+    policy = "priority"
+
+
+TestSchedulerFcfs = SchedulerMachine.TestCase
+TestSchedulerPriority = PrioritySchedulerMachine.TestCase
+_SETTINGS = settings(max_examples=50, stateful_step_count=40, deadline=None)
+TestSchedulerFcfs.settings = _SETTINGS
+TestSchedulerPriority.settings = _SETTINGS

@@ -1,0 +1,199 @@
+"""The device interface: CPU runs everything; accelerators are imported only when chosen."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.device import CpuDevice, get_device
+from engine.device.base import ENV_KV_HUGE_PAGES, ENV_MALLOC_TUNING, advise_huge_pages
+
+
+def test_cpu_device_is_a_complete_no_op_stream_backend() -> None:
+    dev = get_device("cpu")
+    assert isinstance(dev, CpuDevice) and dev.torch_device == torch.device("cpu")
+    stream, event = dev.new_stream(), dev.new_event()
+    with dev.use_stream(stream):
+        x = torch.ones(3) * 2
+    dev.record_event(event, stream)
+    dev.wait_event(stream, event)
+    dev.synchronize()
+    assert x.tolist() == [2.0, 2.0, 2.0]
+    free, total = dev.memory_info()
+    assert 0 < free <= total
+    assert dev.attention_backend() is not None
+
+
+def test_unknown_device_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown device"):
+        get_device("tpu")
+
+
+def test_npu_backend_needs_torch_npu_and_says_so() -> None:
+    # torch_npu is not installed here: choosing npu fails with a clear message, never an ImportError trace.
+    code = ("from engine.device import get_device\n"
+            "try:\n    get_device('npu')\nexcept RuntimeError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "ERR device 'npu' needs torch_npu" in out.stdout
+
+
+def test_engine_never_imports_torch_npu_unless_chosen() -> None:
+    code = ("import sys\nfrom engine.config import EngineConfig\nimport engine.core.engine_core, engine.entrypoints.llm, engine.entrypoints.grpc_servicer\n"
+            "print('torch_npu' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_streams_and_events() -> None:
+    dev = get_device("cuda")
+    s1, s2, ev = dev.new_stream(), dev.new_stream(), dev.new_event()
+    with dev.use_stream(s1):
+        x = torch.ones(1024, device=dev.torch_device) * 3
+    dev.record_event(ev, s1)
+    dev.wait_event(s2, ev)
+    with dev.use_stream(s2):
+        y = x + 1
+    dev.synchronize()
+    assert y[0].item() == 4.0
+
+
+def test_importing_engine_changes_no_process_state_the_entry_points_set_openmp_defaults() -> None:
+    code = ("import os, sys, engine\n"
+            "if sys.argv[1] == 'llm':\n"
+            "    import engine.entrypoints.llm\n"
+            "import torch\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT', '-'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+    def run(what: str, **extra: str) -> str:
+        out = subprocess.run([sys.executable, "-c", code, what], capture_output=True, text=True, timeout=120,
+                             env={**env, **extra})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert run("library") == "None -"  # import engine alone leaves the process as it was
+    assert run("llm") == "PASSIVE 30000"  # the offline API's entry point: a short spin, then sleep
+    assert run("llm", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE -"
+    assert run("llm", OMP_WAIT_POLICY="PASSIVE") == "PASSIVE -"  # sleep at once, as chosen
+    assert run("llm", GOMP_SPINCOUNT="0") == "PASSIVE 0"
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "never"
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "never"
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _python(code: str, *args: str, drop: tuple[str, ...] = (), **env: str) -> str:
+    """stdout of ``python -c code args`` in a fresh process: this environment less ``drop``, plus ``env``."""
+    base = {k: v for k, v in os.environ.items() if k not in drop}
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                         env={**base, **env})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
+def test_cpu_kv_cache_is_advised_for_huge_pages_and_zeroed() -> None:
+    # MADV_HUGEPAGE shows as the "hg" flag of the mapping (whether the kernel then finds free huge pages
+    # is up to it). 64 MiB: a cache layer of the default model is ~70 MiB. In a fresh process with torch's
+    # allocator left as it is (THP_MEM_ALLOC_ENABLE=0), so only the device's own advice can set the flag.
+    code = ("import torch\n"
+            "from engine.device import CpuDevice\n"
+            "from tests.engine.device.test_device import _vm_flags\n"
+            "cache = CpuDevice().allocate_kv_cache((2, 1024, 16, 8, 128), torch.bfloat16)\n"
+            "middle = cache.data_ptr() + cache.numel() * cache.element_size() // 2\n"
+            "print(cache.shape == (2, 1024, 16, 8, 128), not cache.any(), 'hg' in _vm_flags(middle))\n")
+    assert _python(code, THP_MEM_ALLOC_ENABLE="0") == "True True True"
+    assert _python(code, THP_MEM_ALLOC_ENABLE="0", **{ENV_KV_HUGE_PAGES: "0"}) == "True True False"
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
+def test_advise_huge_pages_skips_what_has_no_aligned_2mib() -> None:
+    assert advise_huge_pages(torch.zeros(1024)) == 0  # 4 KiB
+    big = torch.empty(8 << 20, dtype=torch.uint8)
+    advised = advise_huge_pages(big)
+    assert advised % (2 << 20) == 0 and (4 << 20) <= advised <= (8 << 20)
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
+def test_engine_process_allocates_large_tensors_on_huge_pages_unless_the_user_chose() -> None:
+    # `python -m engine` sets THP_MEM_ALLOC_ENABLE before torch loads (the served engine's weights and
+    # buffers); a library user's process (`import engine`, even `import engine.entrypoints.cli`) keeps torch's default.
+    code = ("import sys, engine.entrypoints.process\n"
+            "if sys.argv[1] == 'server':\n"
+            "    engine.entrypoints.process.use_huge_pages()  # what the engine CLI's main() does first\n"
+            "import engine, torch\n"
+            "from tests.engine.device.test_device import _vm_flags\n"
+            "x = torch.ones(64 << 20, dtype=torch.uint8)\n"
+            "print('hg' in _vm_flags(x.data_ptr() + (32 << 20)))\n")
+    drop = ("THP_MEM_ALLOC_ENABLE",)
+    assert _python(code, "server", drop=drop) == "True"
+    assert _python(code, "server", drop=drop, THP_MEM_ALLOC_ENABLE="0") == "False"
+    assert _python(code, "library", drop=drop) == "False"
+
+
+# A step's temporaries as the allocator sees them: blocks of 12, 12 and 20 MiB (a 2048-token prefill's
+# gate/up output is 12 MiB) written and freed, five times over, counting the minor page faults.
+_MALLOC_STEPS = (
+    "import ctypes, resource\n"
+    "from engine.device import CpuDevice\n"
+    "from engine.device.base import tune_malloc\n"
+    "CpuDevice()\n"
+    "libc = ctypes.CDLL('libc.so.6')\n"
+    "libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]\n"
+    "libc.free.argtypes = [ctypes.c_void_p]\n"
+    "def step():\n"
+    "    blocks = [(libc.malloc(n << 20), n << 20) for n in (12, 12, 20)]\n"
+    "    for p, n in blocks: ctypes.memset(p, 1, n)\n"
+    "    for p, _ in blocks: libc.free(p)\n"
+    "step()\n"
+    "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+    "for _ in range(5): step()\n"
+    "print(tune_malloc(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="the thresholds are glibc's mallopt")
+def test_cpu_device_keeps_freed_step_memory_mapped_unless_turned_off() -> None:
+    tuned, faults = _python(_MALLOC_STEPS, drop=(ENV_MALLOC_TUNING,)).split()
+    assert tuned == "True" and int(faults) < 1000, faults  # the same pages every step
+    # glibc's defaults: each block mmap'd (or the heap top trimmed) and its 11,264 pages faulted in again
+    tuned, faults = _python(_MALLOC_STEPS, **{ENV_MALLOC_TUNING: "0"}).split()
+    assert tuned == "False" and int(faults) > 20000, faults
+
+
+def test_env_switches_default_on_and_read_the_usual_offs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.env import switched_on
+
+    monkeypatch.delenv("SLUICE_TEST_SWITCH", raising=False)
+    assert switched_on("SLUICE_TEST_SWITCH")
+    for off in ("0", "false", " No ", "OFF"):
+        monkeypatch.setenv("SLUICE_TEST_SWITCH", off)
+        assert not switched_on("SLUICE_TEST_SWITCH")
+    for on in ("1", "yes", "true", ""):
+        monkeypatch.setenv("SLUICE_TEST_SWITCH", on)
+        assert switched_on("SLUICE_TEST_SWITCH")

@@ -1,0 +1,215 @@
+"""AsyncEngine: the core's thread survives callers that give up, every request ends once, and the core is
+built on the thread that steps it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from engine.entrypoints.async_engine import AsyncEngine, _Add, _Call
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.errors import EngineDeadError
+from engine.core.request import FinishReason
+from engine.core.sampling_params import SamplingParams
+from tests.procs import ROOT, free_port
+
+pytestmark = pytest.mark.slow
+
+
+class _Nowhere:
+    """An output group nobody reads."""
+
+    loop = None
+
+    def deliver(self, outputs: list[object]) -> None:
+        raise AssertionError("a cancelled add must produce no output")
+
+
+@pytest.fixture(scope="module")
+def engine() -> AsyncEngine:
+    eng = AsyncEngine(EngineCore(EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1)))
+    yield eng
+    eng.shutdown()
+
+
+def test_cancelled_callers_do_not_kill_the_engine_thread(engine: AsyncEngine) -> None:
+    # A call and an add whose callers already gave up (their futures are cancelled) are skipped.
+    call: Future[object] = Future()
+    call.cancel()
+    engine._commands.put(_Call(lambda core: core.info(), call))  # noqa: SLF001
+    add: Future[None] = Future()
+    add.cancel()
+    engine._commands.put(_Add("gone", [1, 2, 3], SamplingParams(max_tokens=2), 0, _Nowhere(), add))  # noqa: SLF001
+
+    async def after() -> dict[str, object]:
+        return await engine.call(lambda core: core.info())
+
+    info = asyncio.run(after())
+    assert engine.is_alive
+    assert info["num_waiting"] == 0 and info["num_running"] == 0  # the cancelled add never ran
+
+
+def test_stream_ends_with_one_terminal_output_and_early_exit_aborts(engine: AsyncEngine) -> None:
+    async def run() -> tuple[list[FinishReason | None], int]:
+        reasons = []
+        async for out in engine.generate("full", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4,
+                                                                            ignore_eos=True)):
+            reasons.append(out.finish_reason)
+        got = 0
+        async for out in engine.generate("early", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True)):
+            got += len(out.new_token_ids)
+            if got >= 2:
+                break  # leaving early aborts the request
+        for _ in range(100):
+            info = await engine.call(lambda core: core.info())
+            if info["num_running"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        return reasons, info["free_kv_blocks"] - info["total_kv_blocks"]
+
+    reasons, free_minus_total = asyncio.run(run())
+    assert reasons[-1] is FinishReason.LENGTH and all(r is None for r in reasons[:-1])
+    assert free_minus_total == 0
+
+
+def test_a_step_reaches_the_event_loop_once_for_all_its_requests(engine: AsyncEngine,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # One call_soon_threadsafe (one wake-up of the loop) per step, however many requests ran in it.
+    import engine.entrypoints.async_engine as async_engine
+
+    handbacks: list[int] = []
+    deliver_all = async_engine._deliver_all  # noqa: SLF001
+
+    def counted(batches: list[tuple[object, list[object]]]) -> None:
+        handbacks.append(sum(len(outs) for _, outs in batches))
+        deliver_all(batches)
+
+    monkeypatch.setattr(async_engine, "_deliver_all", counted)
+
+    async def run() -> tuple[dict[str, list[int]], int]:
+        steps_before = await engine.call(lambda core: core.total_steps)
+
+        async def one(rid: str, prompt: list[int]) -> list[int]:
+            return [t async for out in engine.generate(rid, prompt, SamplingParams(temperature=0, max_tokens=5,
+                                                                                   ignore_eos=True))
+                    for t in out.new_token_ids]
+
+        prompts = {f"h{i}": [5 + i, 6, 7] for i in range(4)}
+        tokens = await asyncio.gather(*(one(rid, p) for rid, p in prompts.items()))
+        return dict(zip(prompts, tokens)), await engine.call(lambda core: core.total_steps) - steps_before
+
+    tokens, steps = asyncio.run(run())
+    assert all(len(t) == 5 for t in tokens.values())
+    assert sum(handbacks) == 20  # every output, each once
+    assert len(handbacks) <= steps < 20  # batched: one hand-back per step, not one per output
+    assert max(handbacks) == 4  # a decode step's four outputs came together
+
+
+def test_launch_builds_the_core_on_the_thread_that_steps_it() -> None:
+    # Loading (and warm-up) on the stepping thread keeps one OpenMP pool per process (see AsyncEngine).
+    built_on: list[int] = []
+
+    def build() -> EngineCore:
+        built_on.append(threading.get_ident())
+        return EngineCore(EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1))
+
+    async def run() -> tuple[AsyncEngine, int, list[FinishReason | None]]:
+        eng = await AsyncEngine.launch(build)
+        reasons = [out.finish_reason async for out in
+                   eng.generate("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))]
+        return eng, await eng.call(lambda core: threading.get_ident()), reasons
+
+    eng, stepping_thread, reasons = asyncio.run(run())
+    try:
+        assert eng.started.done() and eng.is_alive
+        assert built_on == [stepping_thread] and stepping_thread != threading.get_ident()
+        assert reasons[-1] is FinishReason.LENGTH
+    finally:
+        eng.shutdown()
+
+
+def test_launch_raises_what_the_build_raised_and_refuses_requests() -> None:
+    def build() -> EngineCore:
+        raise FileNotFoundError("no model at /nowhere")
+
+    async def run() -> AsyncEngine:
+        eng = AsyncEngine(build)
+        # Queued before the build failed, or sent after: either way it fails, it never hangs.
+        queued = asyncio.ensure_future(eng.call(lambda core: core.info()))
+        with pytest.raises(FileNotFoundError, match="/nowhere"):
+            await asyncio.wrap_future(eng.started)
+        with pytest.raises(EngineDeadError):
+            async for _ in eng.generate("x", [1, 2], SamplingParams(max_tokens=2)):
+                pass
+        later = asyncio.ensure_future(eng.call(lambda core: core.info()))
+        results = await asyncio.wait_for(asyncio.gather(queued, later, return_exceptions=True), 10)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        with pytest.raises(FileNotFoundError):
+            await AsyncEngine.launch(build)
+        return eng
+
+    eng = asyncio.run(run())
+    assert not eng.is_alive
+    eng.shutdown(timeout=5)
+    assert not eng._thread.is_alive()  # noqa: SLF001
+
+
+_SERVE_THREADS = """
+import asyncio, json, os, signal, sys, threading
+import grpc
+import engine.core.engine_core as core_mod
+import engine.entrypoints.grpc_servicer as server
+from engine.config import EngineConfig
+from proto.sluice.v1 import engine_pb2, engine_pb2_grpc
+
+seen = {"init": [], "step": set()}
+init, step = core_mod.EngineCore.__init__, core_mod.EngineCore.step
+def traced_init(self, *a, **k):
+    seen["init"].append(threading.get_ident())
+    init(self, *a, **k)
+def traced_step(self):
+    seen["step"].add(threading.get_ident())
+    return step(self)
+core_mod.EngineCore.__init__, core_mod.EngineCore.step = traced_init, traced_step
+port = int(sys.argv[1])
+
+async def main():
+    ready = asyncio.Event()
+    config = EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1)
+    serving = asyncio.ensure_future(server.serve(config, "127.0.0.1", port, ready=ready))
+    await ready.wait()
+    steps_at_ready = set(seen["step"])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        request = engine_pb2.EngineGenerateRequest(request_id="r")
+        request.prompt_token_ids.ids.extend([5, 6, 7])
+        request.stopping.max_tokens = 3
+        request.stopping.ignore_eos = True
+        tokens = [i async for m in engine_pb2_grpc.EngineStub(ch).Generate(request) for i in m.token_ids]
+    os.kill(os.getpid(), signal.SIGTERM)
+    await serving
+    print(json.dumps({"init": seen["init"], "step": sorted(seen["step"]), "warm_up": sorted(steps_at_ready),
+                      "loop": threading.get_ident(), "tokens": len(tokens)}))
+
+asyncio.run(main())
+"""
+
+
+def test_engine_process_loads_warms_up_and_steps_on_one_thread(tmp_path: Path) -> None:
+    # The served engine: model load, warm-up and every request's steps on one thread, not the event loop's.
+    script = tmp_path / "serve_threads.py"
+    script.write_text(_SERVE_THREADS, encoding="utf-8")
+    out = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["tokens"] == 3
+    assert len(seen["init"]) == 1 and seen["warm_up"] == seen["init"]  # warm-up stepped before ready
+    assert seen["step"] == seen["init"] and seen["init"][0] != seen["loop"]
