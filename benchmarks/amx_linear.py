@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (int(r) for r in ns.rows.split(",")):
         inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in shapes}}
         paths = {
-            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
-                               for (_, k), w in zip(shapes, onednn)],
-            "amx": lambda: [ops.amx_linear(inputs[k], w) for (_, k), w in zip(shapes, amx)],
+            "onednn": lambda inputs=inputs: [torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
+                                             for (_, k), w in zip(shapes, onednn)],
+            "amx": lambda inputs=inputs: [ops.amx_linear(inputs[k], w) for (_, k), w in zip(shapes, amx)],
         }
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(paths["amx"](), paths["onednn"]()))
         times = alternate(paths, ns.rounds)

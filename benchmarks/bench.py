@@ -25,8 +25,15 @@ from benchmarks.metrics import DEFAULT_PERCENTILES, RequestResult, RunSummary, S
 from benchmarks.report import format_summary, machine_info, request_rows, utc_timestamp
 from benchmarks.runner import run_async, run_closed_loop, run_open_loop
 from benchmarks.workload import (
-    RequestSpec, TokenCounter, approx_token_count, load_dataset, parse_range, poisson_arrivals,
-    synthetic_requests, tokenizer_counter)
+    RequestSpec,
+    TokenCounter,
+    approx_token_count,
+    load_dataset,
+    parse_range,
+    poisson_arrivals,
+    synthetic_requests,
+    tokenizer_counter,
+)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -179,7 +178,7 @@ async def send_request(client: aiohttp.ClientSession, target: Target, spec: Requ
                 state.error = f"HTTP {resp.status}: {body[:200]}"
             else:
                 await _read_events(resp, state, clock)
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, OSError) as e:
         state.error = (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:200]
     # e2e ends at [DONE] when the server sends it, else when the stream closes.
     end = state.done_at if state.done_at is not None else clock()

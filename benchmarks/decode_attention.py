@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from engine.attention.torch_backend import kv_cache_shape
+from engine.attention.backend import kv_cache_shape
 from engine.device import CpuDevice
 from engine.kernels import cpu_ops
 

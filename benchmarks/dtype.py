@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"config": vars(ns), "runs": runs, "summary": summarize(runs)}
     for d, m in result["summary"]["median"].items():
         ratios = result["summary"]["ratios"][d]
-        print(f"{d:>9}: median prefill {m['prefill_s']:.3f} s ({', '.join(f'{x:.2f}x' for x in ratios['prefill_speedup'])}), "
+        print(f"{d:>9}: median prefill {m['prefill_s']:.3f} s "
+              f"({', '.join(f'{x:.2f}x' for x in ratios['prefill_speedup'])}), "
               f"{m['tok_per_s']:.1f} tok/s ({', '.join(f'{x:.2f}x' for x in ratios['throughput'])})")
     _amx_attention(True)
     if ns.out:

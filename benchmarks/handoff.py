@@ -1,6 +1,7 @@
 """Handoff benchmark: prompt ids to the engine through shared memory vs inline protobuf (DESIGN §3).
 
-    python -m benchmarks.handoff --sizes 1024,8192,32768,131072 --repeat 100 --token-ids --out benchmarks/results/handoff.json
+    python -m benchmarks.handoff --sizes 1024,8192,32768,131072 --repeat 100 --token-ids \\
+        --out benchmarks/results/handoff.json
 
 The real path end to end, without a model. The server is a separate process
 running the engine's own ``EngineServicer`` (same interceptor, same message

@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import statistics
@@ -39,11 +40,9 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-import resource
 from dataclasses import asdict, dataclass, field, replace
-from typing import NamedTuple
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_RATIO = 0.95
@@ -328,8 +327,8 @@ async def _grpc_workload(addr: str, prompts: list[str], output_tokens: int, conc
                 request.stopping.ignore_eos = True
                 last = None
                 # A bounded deadline: an engine whose core thread died leaves streams open forever.
-                async for last in stub.Generate(request, timeout=timeout):
-                    pass
+                async for response in stub.Generate(request, timeout=timeout):
+                    last = response
                 if last is None or last.finish_reason != common_pb2.FINISH_REASON_LENGTH:
                     raise RuntimeError(f"request ended without FINISH_REASON_LENGTH: {last}")
                 totals[0] += last.usage.prompt_tokens
@@ -401,7 +400,7 @@ def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repe
                  sides: tuple[str, ...] = DEFAULT_SIDES,
                  stream_interval: int = DEFAULT_STREAM_INTERVAL) -> list[RunResult]:
     """All runs; ``on_result`` sees the list after each one (so a crash later keeps what was measured).
-    Engine crashes (see BENCHMARKS.md) are appended to ``crashes`` and the round's gRPC side is redone."""
+    Engine crashes are appended to ``crashes`` and the round's gRPC side is redone."""
     crashes = crashes if crashes is not None else []
     from engine.config import default_model_path
     from engine.text import Tokenizer
@@ -434,8 +433,9 @@ def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repe
                 si = stream_interval if side == "rest-si" else None
                 flags = ("--no-tokenizer-mux",) if side == "rest-calls" else ()
                 with rest_stack(settings, log_dir, serve_flags=flags) as stack:
-                    measure(side, r, lambda p, w, r_, k, s=side: run_rest(stack.base_url, stack.model, p, w, r_, k,
-                                                                          stream_interval=si, side=s),
+                    measure(side, r, lambda p, w, r_, k, s=side, si=si: run_rest(stack.base_url, stack.model,
+                                                                                 p, w, r_, k, stream_interval=si,
+                                                                                 side=s),
                             stack.pid)
             elif side == "grpc":
                 for attempt in range(max_attempts):
@@ -454,7 +454,7 @@ def run_overhead(workload: Workload, settings: EngineSettings, rounds: int, repe
                 from engine.entrypoints.llm import LLM
 
                 llm = LLM(**settings.llm_kwargs())
-                measure(side, r, lambda p, w, r_, k: run_in_process(llm, p, w, r_, k))
+                measure(side, r, lambda p, w, r_, k, llm=llm: run_in_process(llm, p, w, r_, k))
                 del llm  # free the model and KV cache before the next round's processes start
     return results
 
@@ -540,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results/overhead.json", help="JSON; the .md is written beside it")
     ns = p.parse_args(argv)
     sides = tuple(x.strip() for x in ns.sides.split(",") if x.strip())
-    if not set(sides) <= set(SIDES) or "in-process" not in sides or len(set(sides)) < 2 or len(set(sides)) != len(sides):
+    if (not set(sides) <= set(SIDES) or "in-process" not in sides or len(set(sides)) < 2
+            or len(set(sides)) != len(sides)):
         p.error(f"--sides: in-process and at least one of rest, grpc, each once (got {ns.sides!r})")
     workload = Workload(ns.prompts, ns.input_tokens, ns.output_tokens, ns.concurrency)
     if workload.concurrency < workload.prompts:
@@ -561,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     crashes: list[str] = []
 
     def write(results: list[RunResult], complete: bool) -> str:
-        doc.update(complete=complete, engine_crashes=crashes, runs=[dict(asdict(x), output_tok_s=x.output_tok_s) for x in results])
+        doc.update(complete=complete, engine_crashes=crashes,
+                   runs=[dict(asdict(x), output_tok_s=x.output_tok_s) for x in results])
         doc["summary"] = summarize(results) if complete else None
         out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         table = markdown(results, doc["summary"])

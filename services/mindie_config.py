@@ -64,7 +64,8 @@ def load_mindie_config(path: str | Path) -> dict[str, Any]:
                 out[name] = value
     device_ids = backend.get("npuDeviceIds")
     if device_ids:
-        out["npu_device_ids"] = [int(i) for group in device_ids for i in (group if isinstance(group, list) else [group])]
+        out["npu_device_ids"] = [int(i) for group in device_ids
+                                 for i in (group if isinstance(group, list) else [group])]
     used = {"ServerConfig": set(_SERVER), "ModelDeployConfig": set(_DEPLOY) | {"ModelConfig"},
             "ScheduleConfig": set(_DEPLOY)}
     ignored = sorted(f"{sec}.{k}" for sec, keys in _iter_keys(raw) for k in keys if k not in used.get(sec, set()))

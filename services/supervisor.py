@@ -20,9 +20,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.entrypoints.args import add_engine_args, config_from_args
-from engine.config import EngineConfig
 from common.procs import ENV_PARENT_PID
+from engine.config import EngineConfig
+from engine.entrypoints.args import add_engine_args, config_from_args
 from services.mindie_config import ConfigFileError, load_mindie_config
 
 logger = logging.getLogger("sluice.serve")

@@ -1,56 +1,15 @@
-"""Paged attention: the per-step metadata, the backend protocol, and the pure-PyTorch backend.
-
-The KV cache of one layer is one tensor of shape ``kv_cache_shape(...)``:
-``(2, num_blocks, block_size, num_kv_heads, head_dim)`` — index 0 holds keys, 1 values. A token's
-slot is ``block_id * block_size + offset``; a sequence's block table lists its block ids in order.
-"""
+"""Paged attention in plain PyTorch: ``scaled_dot_product_attention`` plus a block-table gather (any device)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+
 if TYPE_CHECKING:
     from engine.kernels import KVWriter, PagedDecodeAttention, PagedPrefillAttention
-
-
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """Shape of one layer's KV cache: keys at index 0, values at index 1."""
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-
-class AttentionBackend(Protocol):
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D] for the step's new tokens; writes key/value into
-        kv_cache at meta.slot_mapping, then attends each new token causally over its sequence's cached
-        context and itself. Returns [T, Hq, D]."""
-        ...
-
-
-@dataclass
-class AttentionMetadata:
-    """Where a step's tokens come from and go to.
-
-    Tokens are laid out sequence by sequence (flat, no padding). The first ``num_decodes`` sequences
-    have exactly one new token each; the rest may have several (prefill chunks, possibly after context
-    already in the KV cache: chunked prefill or prefix-cache hits).
-    """
-
-    slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset of each new token
-    block_tables: torch.Tensor  # int64 [num_seqs, max_blocks_per_seq], padded with 0
-    seq_lens: torch.Tensor  # int64 [num_seqs]: tokens in the KV cache after this step (context + new)
-    query_lens: list[int]  # host-side: new tokens per sequence
-    seq_lens_host: list[int]  # host-side copy of seq_lens
-    num_decodes: int
-    block_size: int
-    backend: AttentionBackend
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -73,7 +32,7 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: in
     return keys, values
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     """Paged attention in plain PyTorch (``scaled_dot_product_attention`` plus a block-table gather),
     used by the cpu and cuda device backends.
 
@@ -82,11 +41,11 @@ class TorchAttentionBackend:
     ``seq_len - query_len`` (SDPA's own ``is_causal`` aligns the diagonal top-left, which is only
     right when there is no earlier context).
 
-    ``decode_kernel`` (the CPU device passes ``engine.kernels.cpu_paged_decode_attention``) replaces the
+    ``decode_kernel`` (``CpuAttentionBackend`` passes ``cpu_ops.paged_decode_attention``) replaces the
     gather + SDPA of float32 and bfloat16 decodes (over a float32, float16 or bfloat16 cache) with one pass over
-    the blocks in place; ``kv_writer`` (``engine.kernels.cpu_write_kv_cache``) replaces ``write_kv_cache``'s two
+    the blocks in place; ``kv_writer`` (``cpu_ops.write_kv_cache``) replaces ``write_kv_cache``'s two
     ``index_copy_`` calls with row copies when keys and values already have the cache's dtype; ``prefill_kernel``
-    (``engine.kernels.cpu_paged_prefill_attention``, CPUs with AMX) runs every prefill sequence of a step, with or
+    (``cpu_ops.paged_prefill_attention``, CPUs with AMX) runs every prefill sequence of a step, with or
     without cached context, in one call over the cache when query and cache are bfloat16 and blocks hold whole
     16-row tiles.
     """
@@ -141,7 +100,7 @@ class TorchAttentionBackend:
         """Whether the prefill kernel runs this step's prefills: bfloat16 query and cache, blocks of whole 16-row
         tiles, head_dim a multiple of 32 up to 128. Per layer against SDPA on contiguous keys (bfloat16, 9/3 heads
         of 64, 2 Sapphire Rapids-class cores): 1.6-1.9x faster from 16 prompts x 32 tokens to 32 x 128, 2.1-2.3x
-        at 512 tokens, 1.4x at 4096 (BENCHMARKS.md, "Prefill attention on AMX tiles"); chunks after cached
+        at 512 tokens, 1.4x at 4096 (docs/cpu-kernels.md, "Prefill attention on AMX tiles"); chunks after cached
         context skip the block gather and the masked SDPA call."""
         head_dim = query.shape[-1]
         return (self.prefill_kernel is not None and query.dtype == kv_cache.dtype == torch.bfloat16

@@ -59,8 +59,6 @@ class BlockManager:
         self._hash_of_block: list[int | None] = [None] * num_blocks
         self._key_of_block: list[BlockKey | None] = [None] * num_blocks
         self._block_of_hash: dict[int, int] = {}
-        # How many leading blocks of each request cache_blocks has already looked at (keeps it O(new blocks)).
-        self._num_seen_blocks: dict[str, int] = {}
         self._copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0   # tokens looked up, counted when a request is first given blocks
         self.prefix_cache_hits = 0      # of those, tokens served from the cache
@@ -106,7 +104,8 @@ class BlockManager:
         parent: int | None = None
         for i in range(max_blocks):
             block_id = self._block_of_hash.get(hashes[i])
-            if block_id is None or self._key_of_block[block_id] != (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None):
+            if (block_id is None
+                    or self._key_of_block[block_id] != (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None)):
                 break
             blocks.append(block_id)
             parent = hashes[i]
@@ -117,7 +116,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(num_computed_tokens // self.block_size, len(request.block_ids))
-        start = self._num_seen_blocks.get(request.request_id, 0)
+        # Blocks looked at by an earlier call are skipped: O(new blocks) per step.
+        start = request.num_seen_blocks
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)
@@ -133,7 +133,7 @@ class BlockManager:
             self._hash_of_block[block_id] = hashes[i]
             self._key_of_block[block_id] = (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None)
             self._block_of_hash[hashes[i]] = block_id
-        self._num_seen_blocks[request.request_id] = num_full
+        request.num_seen_blocks = num_full
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
         """request.block_hashes, extended to cover its first ``num_blocks`` (full) blocks."""
@@ -142,7 +142,8 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(self._hash_fn(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None))
+            hashes.append(self._hash_fn(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs].tolist()),
+                                        None))
         return hashes
 
     # ----- allocation --------------------------------------------------------------
@@ -150,7 +151,7 @@ class BlockManager:
     def _plan(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> tuple[int, list[int]]:
         """(number of fresh blocks needed, table indices that need copy-on-write)."""
         if computed_blocks and (request.block_ids or request.num_computed_tokens):
-            raise ValueError(f"{request.request_id}: computed blocks are only for a request holding none")
+            raise ValueError(f"{request.seq_id}: computed blocks are only for a request holding none")
         num_computed = len(computed_blocks) * self.block_size if computed_blocks else request.num_computed_tokens
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_fresh = max(0, num_needed - len(request.block_ids) - len(computed_blocks))
@@ -185,7 +186,7 @@ class BlockManager:
             self._claim(block_id)
         if computed_blocks:
             request.block_ids.extend(computed_blocks)
-            self._num_seen_blocks[request.request_id] = len(computed_blocks)
+            request.num_seen_blocks = len(computed_blocks)
         for i in cow:
             src = request.block_ids[i]
             dst = self._pop_free_block()
@@ -229,18 +230,17 @@ class BlockManager:
                 else:
                     self._free.append(block_id)
         request.block_ids = []
-        self._num_seen_blocks.pop(request.request_id, None)
+        request.num_seen_blocks = 0
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's blocks (shared, refcount + 1); the first write to a shared block copies it."""
         if child.block_ids:
-            raise ValueError(f"{child.request_id} already holds blocks")
+            raise ValueError(f"{child.seq_id} already holds blocks")
         for block_id in parent.block_ids:
             self._ref_counts[block_id] += 1
         child.block_ids = list(parent.block_ids)
         child.block_hashes = list(parent.block_hashes)
-        if parent.request_id in self._num_seen_blocks:
-            self._num_seen_blocks[child.request_id] = self._num_seen_blocks[parent.request_id]
+        child.num_seen_blocks = parent.num_seen_blocks
 
     def pop_block_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies recorded since the last call; the runner does them before the forward pass.
@@ -261,7 +261,7 @@ class BlockManager:
         held: Counter[int] = Counter()
         for request in holders:
             if len(set(request.block_ids)) != len(request.block_ids):
-                raise AssertionError(f"{request.request_id} holds a block twice: {request.block_ids}")
+                raise AssertionError(f"{request.seq_id} holds a block twice: {request.block_ids}")
             held.update(request.block_ids)
         free, evictable = list(self._free), list(self._evictable)
         if len(set(free)) != len(free) or set(free) & set(evictable):

@@ -4,24 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.request import FinishReason
+from engine.core.request import FinishReason, SequenceId
 
 
 @dataclass
 class EngineCoreOutput:
-    """New tokens of one request in one step (a delta, never the whole sequence)."""
+    """New tokens of one sequence of a request in one step (a delta, never the whole sequence)."""
 
     request_id: str
     new_token_ids: list[int]
     # One (logprob of the sampled token, {token id: logprob} top-k) per new token, when asked.
     new_logprobs: list[tuple[float, dict[int, float]]] | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | None = None   # set on the sequence's last output only
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    index: int = 0                  # which of the request's n sequences
+    # The core's word that the whole request has ended (every sequence of it): its last output, set once.
+    request_finished: bool = False
 
     @property
     def finished(self) -> bool:
+        """This sequence ended (its request may go on with other sequences: see ``request_finished``)."""
         return self.finish_reason is not None
+
+    @property
+    def seq_id(self) -> SequenceId:
+        return SequenceId(self.request_id, self.index)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,12 +31,22 @@ class FinishReason(enum.Enum):
     ERROR = "error"          # the engine failed while running it
 
 
+@dataclass(frozen=True, order=True, slots=True)
+class SequenceId:
+    """Names one sequence of a request: ``index`` orders the n outputs of a request with n > 1 (0 for n = 1)."""
+
+    request_id: str
+    index: int = 0
+
+
 class Request:
-    """One sequence the engine schedules.
+    """One sequence the engine schedules: a request, or one of the n sequences of a request with n > 1.
 
     ``num_computed_tokens`` catches up with ``num_tokens`` (chunked prefill and
     decode are the same thing); ``block_ids`` is the block table, written only
-    by the block manager.
+    by the block manager. The sequences of a request with n > 1 share its
+    ``request_id`` and are told apart by ``index``: the first (index 0) runs
+    alone until its first sample, when the scheduler forks the others from it.
     """
 
     def __init__(
@@ -46,10 +57,11 @@ class Request:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
-        parent_id: str | None = None,
         index: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.index = index
+        self.seq_id = SequenceId(request_id, index)
         # Token ids live in one growable int32 buffer: prompts arrive as arrays from the engine servicer
         # (shared memory or protobuf, never as Python ints), and the runner copies slices of it as is.
         prompt = np.asarray(prompt_token_ids, dtype=TOKEN_DTYPE)
@@ -62,9 +74,10 @@ class Request:
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
-        # For n > 1: children forked from a parent share its blocks; index orders the n outputs.
-        self.parent_id = parent_id
-        self.index = index
+        # Every sequence of the request, this one included: one list, shared by all of them (a fork appends).
+        self.sequences: list[Request] = [self]
+        # Indexes aborted before the fork made their sequences (only on index 0 while n > 1): they end at the fork.
+        self.aborted_before_fork: set[int] = set()
         self.output_token_ids: list[int] = []
         # Each entry: (sampled token logprob, {token id: logprob} of the top-k) when logprobs asked.
         self.output_logprobs: list[tuple[float, dict[int, float]]] = []
@@ -73,8 +86,11 @@ class Request:
         self.num_cached_tokens = 0           # prompt tokens served from the prefix cache (first schedule)
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []    # chained hashes of full blocks, filled by the block manager
+        self.num_seen_blocks = 0             # leading blocks the block manager's cache_blocks has looked at
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        # Set by the scheduler when this sequence's end was its request's end (the last of its sequences).
+        self.ends_request = False
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -118,5 +134,5 @@ class Request:
         self.output_token_ids = list(other.output_token_ids)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+        return (f"Request({self.request_id!r}, index={self.index}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_ids}, {self.status.value})")

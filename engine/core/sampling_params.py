@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from engine.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5  # below this temperature sampling is greedy (vLLM's _SAMPLING_EPS; the sampler agrees)
@@ -109,8 +109,8 @@ def _int(x: object) -> bool:
 
 def _token_id(key: object) -> int:
     """logit_bias keys arrive as ints, or as decimal strings from JSON; nothing else is a token id."""
-    if _int(key):
-        return int(key)  # type: ignore[call-overload]
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
     if isinstance(key, str) and key.strip().lstrip("-").isdigit():
         return int(key)
     raise ValueError(key)

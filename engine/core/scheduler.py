@@ -11,6 +11,12 @@ least important running request (the most recently admitted under fcfs; the
 lowest priority under priority): its blocks are freed and it goes back to the
 front of the waiting queue, keeping its output tokens, to be recomputed later
 as one prefill.
+
+A request with n > 1 runs as one sequence until its first sample, which is
+taken n times: the scheduler then forks the other n - 1 sequences from it
+(sharing its blocks, copy-on-write). Its sequences are named ``(request_id,
+index)``; the scheduler alone decides when the whole request has ended and
+says so on its last output (``EngineCoreOutput.request_finished``).
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from engine.core.block_manager import BlockManager
+from common.errors import InvalidRequestError, QueueFullError
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, QueueFullError
+from engine.core.block_manager import BlockManager
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.request import FinishReason, Request, RequestStatus, SequenceId
 
 Logprob = tuple[float, dict[int, float]]
 
@@ -43,6 +49,17 @@ class ScheduledRequest:
     def is_decode(self) -> bool:
         return self.sample and self.num_new_tokens == 1
 
+    @property
+    def sample_seq_ids(self) -> list[SequenceId]:
+        """The sequences the runner samples a token for, one each: none unless ``sample``; the request's
+        n sequences for the first sample of a request with n > 1 (its fork), else this sequence."""
+        if not self.sample:
+            return []
+        r = self.request
+        if self.num_samples == 1:
+            return [r.seq_id]
+        return [SequenceId(r.request_id, r.index + i) for i in range(self.num_samples)]
+
 
 @dataclass
 class SchedulerOutput:
@@ -51,23 +68,25 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)   # decodes first, then prefill chunks
     num_batched_tokens: int = 0
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): do before the forward pass
-    preempted: list[str] = field(default_factory=list)
-    # Requests that finished or were aborted since the previous step: the runner drops their per-request state.
-    finished_request_ids: list[str] = field(default_factory=list)
+    preempted: list[SequenceId] = field(default_factory=list)
+    # Sequences that finished or were aborted since the previous step.
+    finished_request_ids: list[SequenceId] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0   # tokens served from the prefix cache to requests admitted this step
 
     @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {s.request.request_id: s.num_new_tokens for s in self.scheduled}
+    def num_scheduled_tokens(self) -> dict[SequenceId, int]:
+        return {s.request.seq_id: s.num_new_tokens for s in self.scheduled}
 
 
 class Scheduler:
     """Owns the waiting and running queues and the block manager; drives every request's state.
 
-    ``requests`` holds every unfinished request (waiting, running or
-    preempted). Finished requests are dropped at once and their blocks freed.
-    Requests aborted through ``abort_request`` are returned by it and not
-    reported again by ``update_from_output``: the caller reports them.
+    ``requests`` holds the sequences of every unfinished request, keyed by
+    ``(request_id, index)``: the live ones (waiting, running or preempted), and
+    those that ended while a sibling still runs (so that a request id stays in
+    use until the whole request is done). A sequence's blocks are freed as soon
+    as it ends. Sequences aborted through ``abort_request`` are returned by it
+    and not reported again by ``update_from_output``: the caller reports them.
     """
 
     def __init__(self, config: EngineConfig, num_blocks: int, *, eos_token_ids: set[int] | frozenset[int],
@@ -76,13 +95,13 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[SequenceId, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._by_priority = config.scheduling_policy == "priority"
-        self._arrival_seq: dict[str, int] = {}   # ties of arrival_time, and the fcfs order
+        self._arrival_seq: dict[SequenceId, int] = {}   # ties of arrival_time, and the fcfs order
         self._next_seq = 0
-        self._finished_ids: list[str] = []
+        self._finished_ids: list[SequenceId] = []
         self.num_preemptions = 0
         self.num_prompt_tokens = 0       # prompt tokens computed (recomputation after preemption included)
         self.num_generation_tokens = 0   # tokens sampled
@@ -112,24 +131,29 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
+    def get_request(self, request_id: str, index: int = 0) -> Request | None:
+        """Sequence ``index`` of an unfinished request (it may itself have ended while a sibling runs)."""
+        return self.requests.get(SequenceId(request_id, index))
 
     # ----- admission and abort ---------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises InvalidRequestError("prompt", ...) or QueueFullError; queues nothing then."""
+        """Queue a new request. Raises InvalidRequestError (naming the field) or QueueFullError; queues nothing
+        then. The one place that checks a prompt against max_model_len and the KV cache, and a request id
+        against the requests running."""
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
             raise InvalidRequestError("prompt", "the prompt is empty")
         if num_prompt > self.max_model_len:
-            raise InvalidRequestError("prompt", f"{num_prompt} tokens is longer than the maximum model length "
-                                                f"({self.max_model_len})")
+            raise InvalidRequestError("prompt", f"the prompt has {num_prompt} tokens, more than max_model_len "
+                                                f"{self.max_model_len}")
         if num_prompt > self.capacity_tokens:
             raise InvalidRequestError("prompt", f"{num_prompt} tokens do not fit in the KV cache "
                                                 f"({self.capacity_tokens} tokens)")
-        if request.request_id in self.requests:
-            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        if request.index != 0 or len(request.sequences) != 1:
+            raise ValueError(f"{request.seq_id}: only a new request's first sequence is added; forks make the others")
+        if request.seq_id in self.requests:   # sequence 0 stays keyed until every sequence of its request ended
+            raise InvalidRequestError("request_id", f"request {request.request_id!r} is already running")
         limit = self.config.max_queued_requests
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"{len(self.waiting)} requests are already waiting (max_queued_requests={limit})")
@@ -137,23 +161,43 @@ class Scheduler:
         self._track(request)
         self._insert(self.waiting, request, front=False)
 
-    def abort_request(self, request_id: str) -> list[Request]:
-        """Abort a request and its forked children, freeing their blocks now. Returns them ([] if none live)."""
-        targets = [r for r in self.requests.values() if r.request_id == request_id or r.parent_id == request_id]
+    def abort_request(self, request_id: str, index: int | None = None, *,
+                      reason: FinishReason = FinishReason.ABORT) -> list[Request]:
+        """End a request's live sequences (``index`` None), or one of them, now, freeing their blocks.
+
+        Returns the sequences ended ([] when none is live: unknown ids and ended sequences are ignored).
+        A sequence of a request with n > 1 that its fork has not made yet ends at the fork (reported then,
+        by ``update_from_output``); when that is every sequence of it, the request ends now.
+        """
+        first = self.requests.get(SequenceId(request_id))
+        if first is None:
+            return []
+        n = first.sampling_params.n   # > 1 only before the fork
+        if index is not None and n > 1:
+            if not 0 <= index < n:
+                return []
+            first.aborted_before_fork.add(index)
+            if len(first.aborted_before_fork) < n:
+                return []
+            index = None
+        targets = [s for s in first.sequences if not s.is_finished and (index is None or s.index == index)]
         for request in targets:
-            self._finish(request, FinishReason.ABORT)
+            self._finish(request, reason)
         return targets
 
-    def fork_request(self, parent: Request, child_id: str, index: int) -> Request:
-        """A running copy of ``parent`` sharing its blocks (copy-on-write), as output ``index`` of n."""
+    def fork_request(self, parent: Request, index: int) -> Request:
+        """A running copy of ``parent`` sharing its blocks (copy-on-write): sequence ``index`` of its request."""
         if parent.status is not RequestStatus.RUNNING:
-            raise ValueError(f"only a running request can be forked, {parent.request_id} is {parent.status.value}")
-        if child_id in self.requests:
-            raise InvalidRequestError("request_id", f"{child_id!r} is already in use")
+            raise ValueError(f"only a running request can be forked, {parent.seq_id} is {parent.status.value}")
+        seq_id = SequenceId(parent.request_id, index)
+        if seq_id in self.requests:
+            raise ValueError(f"{seq_id} already exists")
         seed = parent.sampling_params.seed
         params = parent.sampling_params.clone(n=1, seed=None if seed is None else seed + index)
-        child = Request(child_id, parent.prompt_token_ids, params, arrival_time=parent.arrival_time,
-                        priority=parent.priority, parent_id=parent.request_id, index=index)
+        child = Request(parent.request_id, parent.prompt_token_ids, params, arrival_time=parent.arrival_time,
+                        priority=parent.priority, index=index)
+        child.sequences = parent.sequences
+        child.sequences.append(child)
         child.copy_tokens_from(parent)
         child.output_logprobs = list(parent.output_logprobs)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -194,7 +238,7 @@ class Scheduler:
                 if victim is not request and victim.num_tokens - victim.num_computed_tokens == 1:
                     num_pending_decodes -= 1
                 self._preempt(victim)
-                out.preempted.append(victim.request_id)
+                out.preempted.append(victim.seq_id)
                 if victim is request:
                     break
             if request.status is RequestStatus.PREEMPTED:
@@ -226,15 +270,15 @@ class Scheduler:
         out.block_copies = self.block_manager.pop_block_copies()
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
-                           logprobs: dict[str, list[Logprob]] | None = None) -> list[EngineCoreOutput]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[SequenceId, list[int]],
+                           logprobs: dict[SequenceId, list[Logprob]] | None = None) -> list[EngineCoreOutput]:
         """Apply one executed step: advance progress, cache full blocks, append samples, finish and free.
 
-        Returns one output per request that got tokens to report (forked children
-        included, after their parent): every token at once, or, under a stream
-        interval of N, the first token at once, then groups of N, then the rest
-        when the request finishes. ``sampled[id]`` must hold
-        ``num_samples`` tokens for every request scheduled with ``sample``.
+        Returns one output per sequence that got tokens to report (forked ones
+        included, after the sequence they were forked from): every token at once,
+        or, under a stream interval of N, the first token at once, then groups of
+        N, then the rest when the sequence finishes. ``sampled`` must hold tokens
+        for every sequence of ``ScheduledRequest.sample_seq_ids``.
         """
         outputs: list[EngineCoreOutput] = []
         for s in out.scheduled:
@@ -244,21 +288,24 @@ class Scheduler:
             request.num_computed_tokens = s.start + s.num_new_tokens
             self.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens) - s.start)
             self.block_manager.cache_blocks(request, request.num_computed_tokens)
-            if not s.sample:
+            seq_ids = s.sample_seq_ids
+            if not seq_ids:
                 continue
-            tokens = sampled.get(request.request_id)
-            if not tokens or len(tokens) != s.num_samples:
-                raise ValueError(f"{request.request_id}: expected {s.num_samples} sampled tokens, got {tokens!r}")
-            lps = logprobs.get(request.request_id) if logprobs is not None else None
-            children: list[Request] = []
-            if s.num_samples > 1:
-                # Fork before the parent appends, so each child starts from the parent's pre-sample state.
-                children = [self.fork_request(request, f"{request.request_id}#{i}", i)
-                            for i in range(1, s.num_samples)]
+            missing = [seq_id for seq_id in seq_ids if not sampled.get(seq_id)]
+            if missing:
+                raise ValueError(f"no sampled token for {missing} (sampled: {sorted(sampled)})")
+            seqs = [request]
+            if len(seq_ids) > 1:
+                # Fork before the first sequence appends, so each starts from its pre-sample state.
+                seqs += [self.fork_request(request, seq_id.index) for seq_id in seq_ids[1:]]
                 request.sampling_params = request.sampling_params.clone(n=1)
-            for req, i in ((request, 0), *((child, i) for i, child in enumerate(children, start=1))):
-                self._append(req, tokens[i:i + 1], lps[i:i + 1] if lps else None)
-                report = self._report(req)
+            aborted, request.aborted_before_fork = request.aborted_before_fork, set()
+            for seq in seqs:
+                if seq.index in aborted:
+                    self._finish(seq, FinishReason.ABORT)
+                else:
+                    self._append(seq, sampled[seq.seq_id], logprobs.get(seq.seq_id) if logprobs else None)
+                report = self._report(seq)
                 if report is not None:
                     outputs.append(report)
         return outputs
@@ -267,7 +314,8 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         sample = request.num_computed_tokens + num_new == request.num_tokens
-        n = request.sampling_params.n if sample and request.parent_id is None else 1
+        # n > 1 only until the fork: the forked sequences, and the first one after it, have n = 1.
+        n = request.sampling_params.n if sample else 1
         return ScheduledRequest(request, num_new, request.num_computed_tokens, sample, n)
 
     def _preempt(self, victim: Request) -> None:
@@ -305,7 +353,8 @@ class Scheduler:
         request.num_reported_tokens = request.num_output_tokens
         return EngineCoreOutput(request.request_id, request.output_token_ids[start:],
                                 request.output_logprobs[start:] if request.output_logprobs else None,
-                                request.finish_reason, request.num_prompt_tokens, request.num_cached_tokens)
+                                request.finish_reason, request.num_prompt_tokens, request.num_cached_tokens,
+                                index=request.index, request_finished=request.ends_request)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         """Why ``request`` stops after appending ``token``; stop tokens are checked before length limits."""
@@ -325,6 +374,8 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        """End one sequence now. The last of a request's sequences to end ends the request (``ends_request``,
+        reported on its last output), and only then are its sequences dropped from ``requests``."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -332,17 +383,20 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        del self.requests[request.request_id]
-        del self._arrival_seq[request.request_id]
-        self._finished_ids.append(request.request_id)
+        del self._arrival_seq[request.seq_id]
+        self._finished_ids.append(request.seq_id)
+        if all(s.is_finished for s in request.sequences):
+            request.ends_request = True
+            for seq in request.sequences:
+                del self.requests[seq.seq_id]
 
     def _track(self, request: Request) -> None:
-        self.requests[request.request_id] = request
-        self._arrival_seq[request.request_id] = self._next_seq
+        self.requests[request.seq_id] = request
+        self._arrival_seq[request.seq_id] = self._next_seq
         self._next_seq += 1
 
     def _key(self, request: Request) -> tuple[int, float, int]:
-        return request.priority, request.arrival_time, self._arrival_seq[request.request_id]
+        return request.priority, request.arrival_time, self._arrival_seq[request.seq_id]
 
     def _insert(self, queue: list[Request], request: Request, *, front: bool) -> None:
         """Priority policy: keep ``queue`` sorted (best first). fcfs: append, or put a preempted request first."""

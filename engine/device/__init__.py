@@ -1,13 +1,15 @@
-"""Device backends behind one interface; each is imported only when chosen."""
+"""Device backends behind one interface; each accelerator backend is imported only when chosen."""
 
 from __future__ import annotations
 
-from engine.device.base import CpuDevice, Device
+from engine.config import KernelSettings
+from engine.device.base import Device
+from engine.device.cpu import CpuDevice
 
 
-def get_device(name: str, *, num_threads: int | None = None) -> Device:
+def get_device(name: str, *, num_threads: int | None = None, kernels: KernelSettings | None = None) -> Device:
     if name == "cpu":
-        return CpuDevice(num_threads)
+        return CpuDevice(num_threads, kernels)
     if name == "cuda":
         from engine.device.cuda import CudaDevice
 

@@ -12,7 +12,7 @@ import torch
 from engine.device.base import Device
 
 if TYPE_CHECKING:
-    from engine.attention.torch_backend import AttentionBackend
+    from engine.attention.backend import AttentionBackend
 
 
 class AcceleratorDevice(Device):

@@ -5,7 +5,8 @@ kernels); the event loop talks to it only through a command queue. Each request
 is added with an :class:`OutputGroup`; a step's outputs are handed back grouped,
 with one ``call_soon_threadsafe`` per event loop per step (not one per output:
 each wakes the loop through a pipe, and at 32 running sequences that was 32 wake-ups
-a step on the cores the model runs on).
+a step on the cores the model runs on). A request's outputs go to its group until
+the core says the whole request has ended (``EngineCoreOutput.request_finished``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from common.errors import EngineDeadError
 from engine.core.engine_core import EngineCore
-from engine.errors import EngineDeadError
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason
+from engine.core.request import FinishReason, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.stats_logger import StatsLogger
 
@@ -72,7 +73,7 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_ids: list[str]
+    targets: list[str | SequenceId]   # whole requests, or single sequences
 
 
 @dataclass
@@ -83,28 +84,6 @@ class _Call:
 
 class _Stop:
     pass
-
-
-class Terminals:
-    """Counts terminal outputs of one request: 1, or n once an ``n > 1`` request has forked."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.expected = 1
-        self.seen = 0
-        self.failed = False
-
-    def see(self, out: EngineCoreOutput, parent_id: str) -> None:
-        if self.n > 1 and self.expected == 1 and (out.request_id != parent_id or out.new_token_ids):
-            self.expected = self.n  # the first sample forked the children
-        if out.finished:
-            self.seen += 1
-            if out.finish_reason is FinishReason.ERROR and out.request_id == parent_id:
-                self.failed = True
-
-    @property
-    def done(self) -> bool:
-        return self.failed or self.seen >= self.expected
 
 
 class AsyncEngine:
@@ -130,7 +109,7 @@ class AsyncEngine:
         self._log_stats_interval = log_stats_interval
         self._stats: StatsLogger | None = None
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[OutputGroup, Terminals]] = {}
+        self._sinks: dict[str, OutputGroup] = {}   # engine thread only: where each live request's outputs go
         self._dead: BaseException | None = None
         self.started: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
@@ -152,7 +131,7 @@ class AsyncEngine:
     # -- event-loop side ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
                        *, priority: int = 0) -> AsyncIterator[EngineCoreOutput]:
-        """Add a request and yield its per-step outputs until the terminal one.
+        """Add a request and yield its per-step outputs (of each of its sequences) until the core says it ended.
 
         Raises InvalidRequestError / QueueFullError before yielding anything if it is refused.
         Leaving the iteration early (cancellation, a client that went away) aborts the request.
@@ -166,14 +145,14 @@ class AsyncEngine:
             # Cancelled while queued: if the engine thread had already taken the request, abort it.
             self.abort([request_id])
             raise
-        tracker = Terminals(params.n)
+        finished = False
         try:
-            while not tracker.done:
+            while not finished:
                 out = await outputs.get()
-                tracker.see(out, request_id)
+                finished = out.request_finished
                 yield out
         finally:
-            if not tracker.done:
+            if not finished:
                 self.abort([request_id])
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
@@ -187,8 +166,9 @@ class AsyncEngine:
         self._commands.put(_Add(request_id, prompt_token_ids, params, priority, group, done))
         return done
 
-    def abort(self, request_ids: list[str]) -> None:
-        self._commands.put(_Abort(list(request_ids)))
+    def abort(self, targets: list[str | SequenceId]) -> None:
+        """End whole requests (an id) or single sequences (a SequenceId); see EngineCore.abort_requests."""
+        self._commands.put(_Abort(list(targets)))
 
     async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
         """Run ``fn(core)`` on the engine thread between steps (e.g. ``EngineCore.info``)."""
@@ -251,16 +231,12 @@ class AsyncEngine:
     def _hand_back(self, outputs: list[EngineCoreOutput]) -> None:
         """One step's outputs to their groups: one ``call_soon_threadsafe`` per event loop."""
         groups: dict[int, tuple[OutputGroup, list[EngineCoreOutput]]] = {}
+        sinks = self._sinks
         for out in outputs:
-            parent = out.request_id.partition("#")[0]
-            entry = self._sinks.get(parent)
-            if entry is None:
+            group = sinks.pop(out.request_id, None) if out.request_finished else sinks.get(out.request_id)
+            if group is None:
                 continue
-            group, tracker = entry
             groups.setdefault(id(group), (group, []))[1].append(out)
-            tracker.see(out, parent)
-            if tracker.done:
-                del self._sinks[parent]
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputGroup, list[EngineCoreOutput]]]] = {}
         for group, outs in groups.values():
             by_loop.setdefault(group.loop, []).append((group, outs))
@@ -280,10 +256,10 @@ class AsyncEngine:
             except BaseException as e:
                 cmd.done.set_exception(e)
             else:
-                self._sinks[cmd.request_id] = (cmd.group, Terminals(cmd.params.n))
+                self._sinks[cmd.request_id] = cmd.group
                 cmd.done.set_result(None)
         elif isinstance(cmd, _Abort):
-            self.core.abort_requests(cmd.request_ids)
+            self.core.abort_requests(cmd.targets)
         else:
             try:
                 cmd.done.set_result(cmd.fn(self.core))
@@ -297,8 +273,6 @@ class AsyncEngine:
                 cmd.done.set_exception(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        """End every in-flight request with an ERROR output and free its blocks."""
-        ids = list(self._sinks)
-        self.core.abort_requests(ids)
-        self.core.step()  # drains the abort outputs; they are replaced by ERROR below
-        self._hand_back([EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR) for rid in ids])
+        """End every sequence of every in-flight request with an ERROR output and free its blocks."""
+        self.core.abort_requests(list(self._sinks), reason=FinishReason.ERROR)
+        self._hand_back(self.core.step())  # nothing is left to run: the step hands back the ERROR outputs

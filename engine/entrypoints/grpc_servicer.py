@@ -15,16 +15,16 @@ from typing import Any
 import grpc
 import numpy as np
 
-from engine.entrypoints.async_engine import AsyncEngine, Terminals
-from engine.entrypoints.stats_logger import DEFAULT_INTERVAL_S
+from common.errors import EngineDeadError, InvalidRequestError
+from common.grpc_errors import ERROR_REASON_KEY, status_for
+from common.grpc_server import bind, new_server, stop_event
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.errors import EngineDeadError, InvalidRequestError
-from common.grpc_errors import status_for
-from common.grpc_server import bind, new_server, stop_event
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason
+from engine.core.request import FinishReason, SequenceId
 from engine.core.sampling_params import SamplingParams
+from engine.entrypoints.async_engine import AsyncEngine
+from engine.entrypoints.stats_logger import DEFAULT_INTERVAL_S
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,18 @@ _FINISH_TO_PB = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORTED,
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
+
+
+class ShmNotRegisteredError(InvalidRequestError):
+    """The prompt names a shared-memory segment this engine has not registered (it restarted since): on the
+    wire, INVALID_ARGUMENT with ERROR_REASON_SHM_NOT_REGISTERED, which tells the caller to register again."""
+
+    reason = engine_pb2.ERROR_REASON_SHM_NOT_REGISTERED
+
+
+def error_reason(error: BaseException) -> int:
+    """The ErrorReason a refusal carries on the wire (ERROR_REASON_UNSPECIFIED for most)."""
+    return error.reason if isinstance(error, ShmNotRegisteredError) else engine_pb2.ERROR_REASON_UNSPECIFIED
 
 
 # -- wire ↔ domain --------------------------------------------------------------------------------------------
@@ -63,11 +75,18 @@ def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest) -> SamplingPa
     return SamplingParams(**kw)
 
 
+def abort_targets_from_pb(msg: engine_pb2.AbortRequest) -> list[str | SequenceId]:
+    """Whole requests (their ids) and single sequences (SequenceId) to abort."""
+    targets: list[str | SequenceId] = list(msg.request_ids)
+    targets += [SequenceId(ref.request_id, ref.index) if ref.HasField("index") else ref.request_id
+                for ref in msg.sequences]
+    return targets
+
+
 def output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineGenerateResponse:
-    _, _, child = out.request_id.partition("#")
     msg = engine_pb2.EngineGenerateResponse(
-        index=int(child or 0), token_ids=out.new_token_ids, prompt_tokens=out.num_prompt_tokens,
-        cached_tokens=out.num_cached_tokens,
+        index=out.index, token_ids=out.new_token_ids, prompt_tokens=out.num_prompt_tokens,
+        cached_tokens=out.num_cached_tokens, request_done=out.request_finished,
         finish_reason=_FINISH_TO_PB[out.finish_reason] if out.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED)
     for lp, top in out.new_logprobs or ():
         msg.logprobs.add(logprob=lp, top_logprobs=[engine_pb2.TokenIdLogprob(token_id=t, logprob=v)
@@ -104,7 +123,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
             ref = request.prompt_shm
             if self._shm is None or not self._shm.is_registered(ref.segment):
-                raise InvalidRequestError("prompt_shm", f"segment {ref.segment!r} is not registered")
+                raise ShmNotRegisteredError("prompt_shm", f"segment {ref.segment!r} is not registered")
             try:
                 ids = self._shm.read(ShmRef(ref.segment, ref.offset, ref.length, ref.slot))
             except ShmRefError as e:
@@ -123,7 +142,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Generate(self, request: engine_pb2.EngineGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
         engine = self.engine
-        prompt, released_slot = self.read_prompt(request)
+        try:
+            prompt, released_slot = self.read_prompt(request)
+        except ShmNotRegisteredError as e:
+            context.set_trailing_metadata(((ERROR_REASON_KEY, engine_pb2.ErrorReason.Name(e.reason)),))
+            raise
         params = sampling_params_from_pb(request)
         first = True
         async for out in engine.generate(request.request_id, prompt, params, priority=request.priority):
@@ -131,8 +154,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if first and released_slot is not None:
                 msg.released_shm_slot = released_slot
             first = False
-            if out.finished:
-                self.counters["finished_requests"] += 1
+            self.counters["finished_requests"] += out.request_finished
             yield msg
 
     async def Stream(self, request_iterator: AsyncIterator[engine_pb2.EngineStreamRequest],
@@ -151,7 +173,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> engine_pb2.AbortResponse:
-        self.engine.abort(list(request.request_ids))
+        self.engine.abort(abort_targets_from_pb(request))
         return engine_pb2.AbortResponse()
 
     async def GetInfo(self, request: engine_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
@@ -192,8 +214,8 @@ class _StreamCall:
         self.loop = asyncio.get_running_loop()
         self._servicer = servicer
         self._engine = engine
-        # Live requests: id -> (terminal counter, shm slot to acknowledge with the first output).
-        self._live: dict[str, tuple[Terminals, int | None]] = {}
+        # Live requests: id -> shm slot to acknowledge with the first output (None: none, or done).
+        self._live: dict[str, int | None] = {}
         self._messages: asyncio.Queue[engine_pb2.EngineStreamResponse | None] = asyncio.Queue()
         self._reading = True
 
@@ -203,9 +225,10 @@ class _StreamCall:
                 if msg.HasField("generate"):
                     self._add(msg.generate)
                 elif msg.HasField("abort"):
-                    ids = [rid for rid in msg.abort.request_ids if rid in self._live]
-                    if ids:
-                        self._engine.abort(ids)
+                    targets = [t for t in abort_targets_from_pb(msg.abort)
+                               if (t if isinstance(t, str) else t.request_id) in self._live]
+                    if targets:
+                        self._engine.abort(targets)
         finally:
             self._reading = False
             self._maybe_end()
@@ -221,7 +244,7 @@ class _StreamCall:
         except Exception as e:  # noqa: BLE001 — refused: the error entry is its terminal event
             self._refuse(rid, e)
             return
-        self._live[rid] = (Terminals(params.n), released_slot)
+        self._live[rid] = released_slot
         done.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._added, rid, f))
 
     def _added(self, rid: str, done: Future[None]) -> None:
@@ -235,7 +258,7 @@ class _StreamCall:
         if code is grpc.StatusCode.INTERNAL:
             logger.error("request %s refused: %r", rid, error)
         msg = engine_pb2.EngineStreamResponse()
-        msg.errors.add(request_id=rid, code=code.value[0], message=message)
+        msg.errors.add(request_id=rid, code=code.value[0], message=message, reason=error_reason(error))
         self._messages.put_nowait(msg)
 
     def deliver(self, outputs: list[EngineCoreOutput]) -> None:
@@ -243,21 +266,16 @@ class _StreamCall:
         msg = engine_pb2.EngineStreamResponse()
         counters = self._servicer.counters
         for out in outputs:
-            rid = out.request_id.partition("#")[0]
-            entry = self._live.get(rid)
-            if entry is None:
+            rid = out.request_id
+            if rid not in self._live:
                 continue
-            tracker, slot = entry
             pb = output_to_pb(out)
             pb.request_id = rid
-            if slot is not None:
+            if (slot := self._live[rid]) is not None:
                 pb.released_shm_slot = slot
-                self._live[rid] = (tracker, None)
-            tracker.see(out, rid)
-            if out.finished:
+                self._live[rid] = None
+            if out.request_finished:
                 counters["finished_requests"] += 1
-            if tracker.done:
-                pb.request_done = True
                 del self._live[rid]
             msg.outputs.append(pb)
         if msg.outputs:
@@ -280,7 +298,7 @@ class _StreamCall:
 
 def warm_up(core: EngineCore) -> None:
     """One short request through the whole step path before the server reports SERVING."""
-    core.add_request("__warmup__", [core.model.config.bos_token_id or 1] * 8,
+    core.add_request("__warmup__", [core.model_config.bos_token_id or 1] * 8,
                      SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     while core.has_unfinished_requests():
         core.step()
@@ -303,7 +321,8 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
         return core
 
     # Loaded, warmed up and stepped on the engine's own thread: one OpenMP pool (see AsyncEngine).
-    engine = await AsyncEngine.launch(build, log_stats_interval=None if config.disable_log_stats else DEFAULT_INTERVAL_S)
+    engine = await AsyncEngine.launch(build,
+                                      log_stats_interval=None if config.disable_log_stats else DEFAULT_INTERVAL_S)
     servicer.attach(engine)
     await health_service.set_serving(True)
     logger.info("engine ready: %s on %s:%d", config.model_name, host, bound)

@@ -12,24 +12,24 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 # The offline API is an entry point: OpenMP's defaults are set before the imports below load torch.
 from engine.entrypoints.process import set_openmp_defaults
 
 set_openmp_defaults()
 
+from common.errors import InvalidRequestError  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
-from engine.errors import InvalidRequestError  # noqa: E402
 from engine.core.outputs import CompletionOutput, EngineCoreOutput, RequestOutput  # noqa: E402
-from engine.core.request import FinishReason  # noqa: E402
+from engine.core.request import FinishReason, SequenceId  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.text import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-PromptType = Union[str, list[int], dict[str, Any]]
+PromptType = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
 
 _FINISH_NAMES = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
@@ -132,7 +132,7 @@ class LLM:
         here = threading.current_thread()
         if self._warned_thread or here is self._built_on or not self._built_on.is_alive():
             return
-        if self.engine.device.name != "cpu":
+        if self.engine.executor.device_name != "cpu":
             return
         self._warned_thread = True
         logger.warning("LLM.generate runs on thread %r but the model was loaded on %r, which is still alive: "
@@ -166,21 +166,20 @@ class LLM:
                 engine.step()
             raise
         slot = {rid: i for i, rid in enumerate(rids)}
-        seqs: dict[str, _Sequence] = {}
-        remaining = sum(sp.n for sp in params)
+        seqs: dict[SequenceId, _Sequence] = {}
+        remaining = len(rids)
         while remaining:
             for out in engine.step():
-                parent, _, child = out.request_id.partition("#")
-                i = slot[parent]
-                seq = seqs.get(out.request_id)
+                i = slot[out.request_id]
+                seq = seqs.get(out.seq_id)
                 if seq is None:
-                    seq = seqs[out.request_id] = self._new_sequence(int(child or 0), items[i][1], params[i])
-                if seq.finish_reason is not None:
-                    continue  # already ended by a stop string; this is the engine's abort echo
-                remaining -= self._apply(seq, out, params[i])
+                    seq = seqs[out.seq_id] = self._new_sequence(out.index, items[i][1], params[i])
+                if seq.finish_reason is None:  # else ended here by a stop string: this is the engine's abort echo
+                    self._apply(seq, out, params[i])
+                remaining -= out.request_finished
         outputs = []
         for i, rid in enumerate(rids):
-            mine = sorted((s for k, s in seqs.items() if k.partition("#")[0] == rid), key=lambda s: s.index)
+            mine = sorted((s for k, s in seqs.items() if k.request_id == rid), key=lambda s: s.index)
             outputs.append(RequestOutput(
                 request_id=rid, prompt=items[i][0], prompt_token_ids=items[i][1],
                 outputs=[CompletionOutput(index=s.index, text=s.text, token_ids=s.token_ids,
@@ -197,8 +196,8 @@ class LLM:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
         return seq
 
-    def _apply(self, seq: _Sequence, out: EngineCoreOutput, sp: SamplingParams) -> int:
-        """Fold one engine output into a sequence; 1 when the sequence ended."""
+    def _apply(self, seq: _Sequence, out: EngineCoreOutput, sp: SamplingParams) -> None:
+        """Fold one engine output into a sequence; a stop string ends it and aborts it in the engine."""
         before = seq.detok.num_output_tokens
         delta = seq.detok.add_tokens(out.new_token_ids) if out.new_token_ids else None
         # Under a stream interval one output holds several tokens; those after a stop string are dropped.
@@ -212,16 +211,15 @@ class LLM:
             seq.finish_reason, seq.stop_reason = "stop", delta.stop_string
             seq.text = seq.detok.output_text
             if not out.finished:
-                self.engine.abort_requests([out.request_id])
-            return 1
+                self.engine.abort_requests([out.seq_id])
+            return
         if out.finish_reason is None:
-            return 0
+            return
         seq.detok.finish()
         seq.text = seq.detok.output_text
         if seq.detok.stop_string is not None:  # the stop string completed in the final flush
             seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_string
-            return 1
+            return
         seq.finish_reason = _FINISH_NAMES[out.finish_reason]
         if out.finish_reason is FinishReason.STOP and out.new_token_ids:
             seq.stop_reason = out.new_token_ids[-1]
-        return 1

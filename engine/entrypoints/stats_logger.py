@@ -60,5 +60,6 @@ class StatsLogger:
         mean_ms = 1000.0 * self._busy_s / self._steps
         return (f"Avg prompt throughput: {prompt:.1f} tokens/s, Avg generation throughput: {generation:.1f} tokens/s, "
                 f"Running: {info['num_running']} reqs, Waiting: {info['num_waiting']} reqs, "
-                f"KV cache usage: {usage:.1f}%, Prefix cache hit rate: {100.0 * hits / queries if queries else 0.0:.1f}%, "
+                f"KV cache usage: {usage:.1f}%, "
+                f"Prefix cache hit rate: {100.0 * hits / queries if queries else 0.0:.1f}%, "
                 f"Steps: {self._steps} (mean {mean_ms:.1f} ms, busy {100.0 * self._busy_s / elapsed:.0f}%)")

@@ -81,7 +81,8 @@ def from_gguf_blocks(raw: np.ndarray, qtype: GGMLQuantizationType) -> QuantWeigh
 
 def permute_rows(weight: QuantWeight, permute) -> QuantWeight:
     """Applies a numpy row permutation (``unpermute_qk``) to every part of ``weight``."""
-    mins = weight.mins if weight.format == "s8" else torch.from_numpy(np.ascontiguousarray(permute(weight.mins.numpy())))
+    mins = (weight.mins if weight.format == "s8"
+            else torch.from_numpy(np.ascontiguousarray(permute(weight.mins.numpy()))))
     return QuantWeight(weight.format, torch.from_numpy(np.ascontiguousarray(permute(weight.codes.numpy()))),
                        torch.from_numpy(np.ascontiguousarray(permute(weight.scales.numpy()))), mins)
 

@@ -16,7 +16,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 

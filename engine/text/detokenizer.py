@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.text.tokenizer import Tokenizer
 
 # Prompt tokens decoded as context before the first output token (vLLM uses the same 5).
@@ -33,7 +35,8 @@ class DetokenizerDelta:
 class IncrementalDetokenizer:
     """Turns a request's stream of output token ids into text deltas."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool = True,
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] | np.ndarray, *,
+                 skip_special_tokens: bool = True,
                  stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens

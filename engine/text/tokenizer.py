@@ -29,7 +29,8 @@ class Tokenizer:
         self.unk_token_id = unk_token_id
         self.pad_token_id = pad_token_id
         self.chat_template = chat_template
-        self.eos_token_ids: set[int] = set(extra_eos_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
+        self.eos_token_ids: set[int] = (set(extra_eos_token_ids)
+                                        | ({eos_token_id} if eos_token_id is not None else set()))
         if add_bos_token is not None or add_eos_token is not None:
             self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
         added = backend.get_added_tokens_decoder()

@@ -9,31 +9,30 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from engine.attention.torch_backend import AttentionMetadata, kv_cache_shape
+from engine.attention.backend import AttentionMetadata, StepLayout
 from engine.device import Device
 from engine.models import CausalLM
-from engine.core.request import Request
 from engine.worker.sampler import Sampler, SamplingRow, make_generator
-from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:  # the core's step types, handed down by the executor: annotations only
+    from engine.core.request import SequenceId
+    from engine.core.sampling_params import SamplingParams
+    from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
 Logprob = tuple[float, dict[int, float]]
 
 
 @dataclass
 class RunnerOutput:
-    """Sampled token ids (and logprobs, when asked) per request id."""
+    """Sampled token ids (and logprobs, when asked) per sequence."""
 
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
-
-
-def child_request_id(parent_id: str, index: int) -> str:
-    """The id of the ``index``-th sequence of an ``n > 1`` request (index 0 keeps the parent id)."""
-    return parent_id if index == 0 else f"{parent_id}#{index}"
+    sampled: dict[SequenceId, list[int]] = field(default_factory=dict)
+    logprobs: dict[SequenceId, list[Logprob]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -54,14 +53,14 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         cfg = model.config
-        shape = kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [device.allocate_kv_cache(shape, dtype) for _ in range(cfg.num_layers)]
-        self.backend = device.attention_backend()
+        self.backend = device.attention_backend()  # owns the cache's layout, allocation and step metadata
+        self.kv_caches = self.backend.allocate_kv_caches(device, cfg.num_layers, num_blocks, block_size,
+                                                         cfg.num_kv_heads, cfg.head_dim, dtype)
         self.copy_stream = device.new_stream()
         self.compute_stream = device.new_stream()
         self.d2h_stream = device.new_stream()
         self.inputs_ready = device.new_event()
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators: dict[SequenceId, torch.Generator] = {}  # seeded sequences' own, until they end
         self.last_prepare_s = 0.0  # host time spent building the last step's inputs
         pin = device.pin_memory
         self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
@@ -72,16 +71,16 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         return self.kv_caches[0][:, 0].numel() * self.kv_caches[0].element_size() * len(self.kv_caches)
 
-    def release(self, request_ids: list[str]) -> None:
-        """Forget per-request state (seeded generators) of requests that ended."""
-        for rid in request_ids:
-            self.generators.pop(rid, None)
+    def release(self, seq_ids: list[SequenceId]) -> None:
+        """Forget the per-sequence state (seeded generators) of sequences that ended."""
+        for seq_id in seq_ids:
+            self.generators.pop(seq_id, None)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if out.block_copies:
             self._copy_blocks(out.block_copies)
-        scheduled = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
+        scheduled = out.scheduled  # decodes first: the scheduler's order, which the attention metadata relies on
         if not scheduled:
             return RunnerOutput()
         dev = self.device
@@ -93,7 +92,7 @@ class ModelRunner:
         dev.wait_event(self.compute_stream, self.inputs_ready)
         with dev.use_stream(self.compute_stream):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            sampling = [s for s in scheduled if s.start + s.num_new_tokens == s.request.num_tokens]
+            sampling = [s for s in scheduled if s.sample]
             if not sampling:
                 return RunnerOutput()
             idx = torch.tensor(sample_idx, dtype=torch.int64, device=hidden.device)
@@ -104,10 +103,10 @@ class ModelRunner:
             result = self.sampler(logits, rows)
         # The sampler hands back host lists; on accelerators that read is the copy back.
         runner_out = RunnerOutput()
-        for (rid, _child), token, lp in zip(owners, result.token_ids, result.logprobs):
-            runner_out.sampled.setdefault(rid, []).append(token)
+        for seq_id, token, lp in zip(owners, result.token_ids, result.logprobs):
+            runner_out.sampled[seq_id] = [token]
             if lp is not None:
-                runner_out.logprobs.setdefault(rid, []).append(lp)
+                runner_out.logprobs[seq_id] = [lp]
         return runner_out
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor,
@@ -139,54 +138,45 @@ class ModelRunner:
                 pos_np[offset:offset + n] = pos
                 slot_np[offset:offset + n] = table[pos // bs] * bs + pos % bs
             offset += n
-            if end == req.num_tokens:
+            if s.sample:  # the scheduler decided: this chunk ends the known tokens
                 sample_idx.append(offset - 1)
         torch_dev = self.device.torch_device
         input_ids = self._input_ids[:num_tokens].to(torch_dev, non_blocking=True)
         positions = self._positions[:num_tokens].to(torch_dev, non_blocking=True)
-        meta = AttentionMetadata(
-            slot_mapping=self._slots[:num_tokens].to(torch_dev, non_blocking=True),
-            block_tables=torch.from_numpy(block_tables).to(torch_dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(torch_dev, non_blocking=True),
-            query_lens=query_lens,
-            seq_lens_host=seq_lens,
-            num_decodes=next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
-            block_size=bs,
-            backend=self.backend,
-        )
+        layout = StepLayout(slot_mapping=self._slots, block_tables=block_tables, query_lens=query_lens,
+                            seq_lens=seq_lens,
+                            num_decodes=next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
+                            block_size=bs)
+        meta = self.backend.build_metadata(layout, torch_dev)
         return input_ids, positions, meta, sample_idx
 
     def _sampling_rows(self, sampling: list[ScheduledRequest]
-                       ) -> tuple[list[int], list[SamplingRow], list[tuple[str, int]]]:
-        """One sampler row per sequence; a first sample of an ``n > 1`` request fans out to n rows."""
+                       ) -> tuple[list[int], list[SamplingRow], list[SequenceId]]:
+        """One sampler row per sequence of ``ScheduledRequest.sample_seq_ids`` (n rows at the first sample of
+        a request with n > 1, all from its one row of logits): (logits row of each, the rows, their sequences)."""
         row_of: list[int] = []
         rows: list[SamplingRow] = []
-        owners: list[tuple[str, int]] = []
+        owners: list[SequenceId] = []
         for i, s in enumerate(sampling):
             req = s.request
             params = req.sampling_params
-            fan_out = params.n if (params.n > 1 and req.parent_id is None and not req.output_token_ids) else 1
-            for child in range(fan_out):
-                rid = child_request_id(req.request_id, child)
+            for offset, seq_id in enumerate(s.sample_seq_ids):
                 row_of.append(i)
                 rows.append(SamplingRow(params=params, prompt_token_ids=req.prompt_token_ids,
                                         output_token_ids=req.output_token_ids,
-                                        generator=self._generator(rid, req, child)))
-                owners.append((req.request_id, child))
+                                        generator=self._generator(seq_id, params, offset)))
+                owners.append(seq_id)
         return row_of, rows, owners
 
-    def _generator(self, rid: str, req: Request, child: int) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None:
+    def _generator(self, seq_id: SequenceId, params: SamplingParams, offset: int) -> torch.Generator | None:
+        """The sequence's own generator when its request is seeded: seed + its index, as the fork gives it
+        (``offset`` is that index at the fork, when the first sequence's params sample for all n)."""
+        if params.seed is None:
             return None
-        gen = self.generators.get(rid)
+        gen = self.generators.get(seq_id)
         if gen is None:
-            gen = self.generators[rid] = make_generator(seed + child, self.device.torch_device)
+            gen = self.generators[seq_id] = make_generator(params.seed + offset, self.device.torch_device)
         return gen
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        dev = self.device.torch_device
-        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=dev)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=dev)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+        self.backend.copy_blocks(self.kv_caches, copies)

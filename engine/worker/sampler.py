@@ -14,12 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from engine.worker.sampling_ops import apply_min_p, apply_penalties, apply_top_k_top_p, compute_logprobs, exponential_race
-from engine.core.sampling_params import SamplingParams
+from engine.worker.sampling_ops import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    compute_logprobs,
+    exponential_race,
+)
+
+if TYPE_CHECKING:
+    from engine.core.sampling_params import SamplingParams
 
 # vLLM's _SAMPLING_EPS: a smaller temperature is greedy (dividing by it would overflow).
 _GREEDY_TEMPERATURE = 1e-5
@@ -33,7 +42,7 @@ class SamplingRow:
     """One sequence of the batch: its parameters and the tokens penalties and min_tokens look at."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int] | np.ndarray   # the request's int32 buffer, as the core keeps it
     output_token_ids: list[int]
     generator: torch.Generator | None  # the request's seeded generator; None = the sampler's shared one
 
@@ -167,11 +176,13 @@ class Sampler:
                                column([p.presence_penalty for p in params]))
 
     @staticmethod
-    def _pairs(token_lists: Sequence[Sequence[int]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pairs(token_lists: Sequence[Sequence[int] | np.ndarray], like: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(row index, token id) of every token in every row's list, ids outside the vocabulary dropped."""
         lengths = torch.tensor([len(ids) for ids in token_lists], device=like.device)
         # Prompts are int32 arrays (Request's buffer), outputs lists: one C-level concatenation.
-        flat = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in token_lists]) if token_lists else []
+        flat: np.ndarray | list[int] = (np.concatenate([np.asarray(ids, dtype=np.int64) for ids in token_lists])
+                                        if token_lists else [])
         ids = torch.as_tensor(flat, dtype=torch.long).to(like.device)
         rows = torch.repeat_interleave(torch.arange(len(token_lists), device=like.device), lengths)
         keep = (ids >= 0) & (ids < like.shape[1])
@@ -224,7 +235,8 @@ class Sampler:
             generator = self._shared_generators[device] = make_generator(self.seed, device)
         return generator
 
-    def _logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[Logprobs | None]:
+    def _logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor,
+                  rows: list[SamplingRow]) -> list[Logprobs | None]:
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         result: list[Logprobs | None] = [None] * len(rows)
         if not wanted:

@@ -63,7 +63,8 @@ def apply_top_k_top_p(
     cutoffs, exact = _cutoffs(logits, top_k, top_p, min(num_candidates, vocab))
     if not bool(exact.all()):
         rows = torch.nonzero(~exact).flatten()
-        full, _ = _cutoffs(logits.index_select(0, rows), top_k.index_select(0, rows), top_p.index_select(0, rows), vocab)
+        full, _ = _cutoffs(logits.index_select(0, rows), top_k.index_select(0, rows), top_p.index_select(0, rows),
+                           vocab)
         cutoffs = cutoffs.index_copy(0, rows, full)
     return logits.masked_fill(logits < cutoffs.unsqueeze(1), _NEG_INF)
 

@@ -14,22 +14,36 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TypeAlias
 
 import grpc
 
+from common.grpc_errors import ERROR_REASON_KEY
 from proto.sluice.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 _ERROR = engine_pb2.EngineRequestError
-_Item = engine_pb2.EngineGenerateResponse | grpc.aio.AioRpcError
-_Outputs = AsyncIterator[engine_pb2.EngineGenerateResponse]
+_Item: TypeAlias = engine_pb2.EngineGenerateResponse | grpc.aio.AioRpcError
+_Outputs: TypeAlias = AsyncGenerator[engine_pb2.EngineGenerateResponse, None]
 
 
-def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def _rpc_error(code: grpc.StatusCode, details: str,
+               reason: int = engine_pb2.ERROR_REASON_UNSPECIFIED) -> grpc.aio.AioRpcError:
+    trailing = (grpc.aio.Metadata((ERROR_REASON_KEY, engine_pb2.ErrorReason.Name(reason))) if reason
+                else grpc.aio.Metadata())
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+
+
+def error_reason(error: grpc.aio.AioRpcError) -> int:
+    """The engine's typed reason for refusing a request (an ErrorReason value; UNSPECIFIED when it gave none),
+    from a Generate call's trailing metadata or a Stream error entry alike."""
+    for key, value in error.trailing_metadata() or ():
+        if key == ERROR_REASON_KEY and isinstance(value, str) and value in engine_pb2.ErrorReason.keys():
+            return int(engine_pb2.ErrorReason.Value(value))
+    return engine_pb2.ERROR_REASON_UNSPECIFIED
 
 
 class _Call:
@@ -57,7 +71,7 @@ class _Call:
             async for msg in self.rpc:
                 for err in msg.errors:
                     self._put(err.request_id, _rpc_error(
-                        _STATUS_BY_CODE.get(err.code, grpc.StatusCode.UNKNOWN), err.message), last=True)
+                        _STATUS_BY_CODE.get(err.code, grpc.StatusCode.UNKNOWN), err.message, err.reason), last=True)
                 for out in msg.outputs:
                     self._put(out.request_id, out, last=out.request_done)
             error = _rpc_error(grpc.StatusCode.UNAVAILABLE, "the engine ended the stream")

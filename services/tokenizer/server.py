@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
 import grpc
 
-from engine.config import DEFAULT_SERVED_NAME, default_model_path
 from common.grpc_server import CHANNEL_OPTIONS, Health, bind, new_server, stop_event
+from engine.config import DEFAULT_SERVED_NAME, default_model_path
 from engine.text import Tokenizer
 from proto.sluice.v1 import generation_pb2_grpc
 from services.tokenizer.service import GenerationServicer
@@ -68,5 +69,5 @@ async def _track_engine(servicer: GenerationServicer, channel: grpc.aio.Channel,
         state = channel.get_state(try_to_connect=True)
         try:
             await asyncio.wait_for(channel.wait_for_state_change(state), 1.0 if ok else 0.25)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass

@@ -8,6 +8,7 @@ stop strings held back; a matched stop string aborts the engine request).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -18,12 +19,12 @@ from typing import Any
 import grpc
 import numpy as np
 
-from engine.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 from common.grpc_errors import status_for
 from engine.text import IncrementalDetokenizer, Tokenizer
 from proto.shm import ShmRing
-from services.tokenizer.engine_stream import EngineStream
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.tokenizer.engine_stream import EngineStream, error_reason
 
 logger = logging.getLogger(__name__)
 
@@ -167,11 +168,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """One request's deltas, for ``Generate`` and ``GenerateStream`` alike; errors raise (typed, or the
         engine call's ``AioRpcError``). ``timeout``: seconds left of the caller's deadline, for the engine call."""
         self._check_model(request.model)
-        info = await self.engine_info()
-        prompt_ids = self.prompt_ids(request)
-        if len(prompt_ids) > info.max_model_len:
-            raise InvalidRequestError("prompt", f"the prompt has {len(prompt_ids)} tokens, more than "
-                                                f"max_model_len {info.max_model_len}")
+        prompt_ids = self.prompt_ids(request)  # its length against max_model_len: the engine's to check
         stop = list(request.stopping.stop)
         if len(stop) > _MAX_STOP_STRINGS or any(len(s) > _MAX_STOP_LEN or not s for s in stop):
             raise InvalidRequestError("stop", f"at most {_MAX_STOP_STRINGS} non-empty stop strings of at most "
@@ -205,16 +202,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if msg.HasField("released_shm_slot"):
                     handoff.release()
                 usage.cached = msg.cached_tokens or usage.cached
-                seq = seqs.get(msg.index)
-                if seq is None or seq.finished:
-                    continue
+                live = seqs.get(msg.index)
+                if live is None or live.finished:
+                    continue  # ended here by a stop string: what the engine sends until its abort lands
+                seq = live
                 out = self._delta(request_id, seq, msg, usage, request.response)
-                if out is not None:
-                    yield out
-                if all(s.finished for s in seqs.values()):
-                    return
+                if out is None:
+                    continue
+                yield out
+                if seq.finished and msg.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                    # A stop string ended it here while the engine still runs it.
+                    if all(s.finished for s in seqs.values()):
+                        return  # nothing left to read: leaving the call aborts the engine request
+                    asyncio.ensure_future(self._abort_engine(request_id, seq.index))  # its siblings go on
+            # The engine ended the call after the request's last message (request_done): it decides that.
         except grpc.aio.AioRpcError as e:
-            if e.code() is grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("prompt_shm"):
+            if error_reason(e) == engine_pb2.ERROR_REASON_SHM_NOT_REGISTERED:
                 self._shm_registered = False  # the engine restarted and forgot our ring; next call re-registers
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, e.initial_metadata(),
                                            e.trailing_metadata(), "engine restarted; retry") from e
@@ -248,9 +251,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             seq.finished = True
             out.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
             out.stop_string = delta.stop_string
-            if msg.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-                child = request_id if seq.index == 0 else f"{request_id}#{seq.index}"
-                asyncio.ensure_future(self._abort_engine(child))
             return out
         if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             seq.finished = True
@@ -267,18 +267,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return out
         return out if (text or ids) else None
 
-    def _final(self, request_id: str, seq: _Seq, usage: _Usage, reason: int) -> generation_pb2.GenerateResponse:
+    def _final(self, request_id: str, seq: _Seq, usage: _Usage,
+               reason: common_pb2.FinishReason) -> generation_pb2.GenerateResponse:
         return generation_pb2.GenerateResponse(request_id=request_id, index=seq.index, text=seq.detok.finish(),
                                                usage=usage.pb(), finish_reason=reason)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.token_to_bytes(token_id).decode("utf-8", errors="replace")
 
-    async def _abort_engine(self, request_id: str) -> None:
+    async def _abort_engine(self, request_id: str, index: int | None = None) -> None:
+        """Abort the engine request, or only its sequence ``index`` (its siblings go on)."""
+        abort = (engine_pb2.AbortRequest(request_ids=[request_id]) if index is None else
+                 engine_pb2.AbortRequest(sequences=[engine_pb2.SequenceRef(request_id=request_id, index=index)]))
         try:
-            await self.engine.Abort(engine_pb2.AbortRequest(request_ids=[request_id]), timeout=5)
+            await self.engine.Abort(abort, timeout=5)
         except grpc.aio.AioRpcError:
-            logger.warning("abort of %s did not reach the engine", request_id)
+            logger.warning("abort of %s (sequence %s) did not reach the engine", request_id,
+                           "all" if index is None else index)
 
     async def engine_request(self, request: generation_pb2.GenerateRequest, request_id: str,
                               prompt_ids: list[int] | np.ndarray, n: int, *, source: common_pb2.TokenIds | None = None
@@ -317,7 +322,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if which == "text":
             if not request.text:
                 raise InvalidRequestError("prompt", "the prompt is empty")
-            ids = self.tokenizer.encode(request.text, add_special_tokens=True)
+            ids: list[int] | np.ndarray = self.tokenizer.encode(request.text, add_special_tokens=True)
         elif which == "chat":
             ids = self.tokenizer.encode(self._render(request.chat), add_special_tokens=False)
         elif which == "token_ids":
@@ -472,7 +477,7 @@ class _Multiplexer:
         self._tasks[id_] = task
         if timeout:
             self._timers[id_] = asyncio.get_running_loop().call_later(timeout, self._expire, id_)
-        task.add_done_callback(lambda t, i=id_: self._finished(i, t))
+        task.add_done_callback(functools.partial(self._finished, id_))
 
     def wake(self) -> None:
         self._ready.set()
@@ -545,7 +550,7 @@ async def _with_deadline(call: Any, deadline: float | None) -> AsyncIterator[Any
             msg = await asyncio.wait_for(it.__anext__(), timeout)
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             yield None
             return
         yield msg

@@ -62,7 +62,8 @@ def test_per_request_calls_side_is_reported_beside_rest_with_cpu_per_process() -
     assert "cpu_s_per_1k_tokens" not in s["sides"].get("grpc", {})
     table = markdown(results, s)
     assert "a Generate call per request (--no-tokenizer-mux) / in-process, medians: **0.910**" in table
-    assert "CPU s per 1000 output tokens (medians): engine 20.000, tokenizer 0.500, gateway 0.400, client 0.100." in table
+    assert ("CPU s per 1000 output tokens (medians): engine 20.000, tokenizer 0.500, gateway 0.400, client 0.100."
+            in table)
     assert "| 96.0 | 20.00 / 0.20 / 0.40 / 0.10 |" in table and "| 100.0 | – |" in table
 
 
@@ -113,7 +114,8 @@ def test_stack_cpu_counts_each_role_of_a_process_tree() -> None:
 
     from benchmarks.overhead import stack_cpu_s
 
-    burn = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('ok', flush=True)\ntime.sleep(60)"
+    burn = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+            "print('ok', flush=True)\ntime.sleep(60)")
     root_code = (
         "import subprocess, sys, time\n"
         f"burn = {burn!r}\n"

@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 
 from benchmarks.workload import (
-    RequestSpec, TokenCounter, approx_token_count, load_dataset, parse_range, poisson_arrivals, split_warmup,
-    synthetic_requests, tokenizer_counter)
+    RequestSpec,
+    TokenCounter,
+    approx_token_count,
+    load_dataset,
+    parse_range,
+    poisson_arrivals,
+    split_warmup,
+    synthetic_requests,
+    tokenizer_counter,
+)
 
 
 def common_prefix_len(a: list[int] | str, b: list[int] | str) -> int:

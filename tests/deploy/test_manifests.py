@@ -315,7 +315,7 @@ def test_kustomization_lists_every_manifest_in_the_folder() -> None:
 
 
 def test_k8s_arguments_refer_only_to_defined_variables() -> None:
-    for _, c, cmd in k8s_containers():
+    for _, _, cmd in k8s_containers():
         assert not [a for a in cmd.args if "$(" in a], f"{cmd.where}: undefined $(VAR)"
     assert set(CONFIGMAPS["sluice-engine-config"]) == {
         m for c in DEPLOYMENTS["sluice-model"]["spec"]["template"]["spec"]["containers"]
@@ -390,7 +390,8 @@ def test_k8s_gateway_deployment_hpa_and_resources() -> None:
     assert hpa["spec"]["minReplicas"] == 2
     for _, c, _ in k8s_containers():
         assert set(c["resources"]) == {"requests", "limits"}
-        assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and {"cpu", "memory"} <= set(c["resources"]["limits"])
+        assert ({"cpu", "memory"} <= set(c["resources"]["requests"])
+                and {"cpu", "memory"} <= set(c["resources"]["limits"]))
     (key_env,) = [e for _, c, cmd in k8s_containers() if cmd.module == "gateway" for e in c["env"]
                   if e["name"] == "SLUICE_API_KEY"]
     assert key_env["valueFrom"]["secretKeyRef"]["name"] == "sluice-api-key"

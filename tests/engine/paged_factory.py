@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.torch_backend import AttentionBackend, AttentionMetadata, TorchAttentionBackend, kv_cache_shape
+from engine.attention.backend import AttentionBackend, AttentionMetadata, kv_cache_shape
+from engine.attention.torch_backend import TorchAttentionBackend
 
 
 @dataclass

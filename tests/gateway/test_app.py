@@ -273,7 +273,8 @@ async def test_cors_off_by_default_and_on_when_asked(make_gateway: GatewayFactor
 async def test_auth_accepts_the_key(make_gateway: GatewayFactory) -> None:
     async with make_gateway(api_keys=("k1", "k2")) as gw:
         for key in ("k1", "k2"):
-            r = await gw.client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"Bearer {key}"})
+            r = await gw.client.post("/v1/completions", json={"prompt": "x"},
+                                     headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200
         for path in ("/health", "/ready", "/metrics"):
             assert (await gw.client.get(path)).status_code == 200

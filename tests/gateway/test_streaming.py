@@ -84,7 +84,8 @@ async def test_sequence_error_in_stream_is_an_error_event(gateway: Gateway) -> N
 
 async def _running(gateway: Gateway) -> float:
     text = (await gateway.client.get("/metrics")).text
-    line = next(ln for ln in text.splitlines() if ln.startswith(f'sluice:num_requests_running{{model_name="{SERVED}"}}'))
+    line = next(ln for ln in text.splitlines()
+                if ln.startswith(f'sluice:num_requests_running{{model_name="{SERVED}"}}'))
     return float(line.split()[-1])
 
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services.tokenizer.engine_stream import EngineStream
+from services.tokenizer.engine_stream import EngineStream, error_reason
 from tests.procs import free_port
 
 FINAL = common_pb2.FINISH_REASON_LENGTH
@@ -29,7 +29,7 @@ def _out(rid: str, tok: int, last: bool = False) -> engine_pb2.EngineGenerateRes
 class ScriptedStreamEngine(engine_pb2_grpc.EngineServicer):
     """Answers Stream calls from ``script(requests, calls)``: an async generator of responses."""
 
-    def __init__(self, script: Callable[[AsyncIterator[Any], "ScriptedStreamEngine"], AsyncIterator[Any]]) -> None:
+    def __init__(self, script: Callable[[AsyncIterator[Any], ScriptedStreamEngine], AsyncIterator[Any]]) -> None:
         self.script = script
         self.calls = 0
         self.received: list[engine_pb2.EngineStreamRequest] = []
@@ -136,6 +136,28 @@ def test_a_refused_request_raises_the_status_generate_would_have() -> None:
     code, details, ok = run(ScriptedStreamEngine(script), scenario)
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and details == "the queue is full"
     assert ok == [5]  # the call is still good for the next request
+
+
+def test_a_refusal_keeps_its_typed_reason() -> None:
+    async def script(context: Any, eng: ScriptedStreamEngine) -> AsyncIterator[engine_pb2.EngineStreamResponse]:
+        for rid, reason in (("lost", engine_pb2.ERROR_REASON_SHM_NOT_REGISTERED),
+                            ("plain", engine_pb2.ERROR_REASON_UNSPECIFIED)):
+            await eng.incoming.get()
+            yield engine_pb2.EngineStreamResponse(errors=[engine_pb2.EngineRequestError(
+                request_id=rid, code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="refused", reason=reason)])
+        await asyncio.sleep(30)
+
+    async def scenario(stream: EngineStream) -> list[tuple[grpc.StatusCode, int]]:
+        got = []
+        for rid in ("lost", "plain"):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _tokens(stream, rid)
+            got.append((err.value.code(), error_reason(err.value)))
+        return got
+
+    assert run(ScriptedStreamEngine(script), scenario) == [
+        (grpc.StatusCode.INVALID_ARGUMENT, engine_pb2.ERROR_REASON_SHM_NOT_REGISTERED),
+        (grpc.StatusCode.INVALID_ARGUMENT, engine_pb2.ERROR_REASON_UNSPECIFIED)]
 
 
 def test_a_broken_call_fails_its_requests_and_the_next_request_opens_a_new_call() -> None:

@@ -8,7 +8,6 @@ import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
@@ -133,7 +132,8 @@ def test_node_client_generate_stream(stack: dict[str, str]) -> None:
         assert got["usage"]["completion_tokens"] == msgs[-1].usage.completion_tokens
         assert got["finish_reason"] == common_pb2.FinishReason.Name(msgs[-1].finish_reason)
     bad = result["requests"]["3"]
-    assert bad["status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "stream_interval" in bad["status_message"]
+    assert (bad["status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            and "stream_interval" in bad["status_message"])
     assert bad["items"] == 1
     assert result["messages"] < result["items"]
 

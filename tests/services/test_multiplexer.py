@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from engine.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 from proto.sluice.v1 import generation_pb2
 from services.tokenizer.service import _Multiplexer
 

@@ -23,13 +23,16 @@ EMOJI_CJK = "Fun 🎉🚀 times: 你好，世界！ and 東京タワー 🌸."
 
 class ScriptedEngine(engine_pb2_grpc.EngineServicer):
     """Streams a fixed list of token ids, ``group`` per message (one by default, as a stream interval
-    would group them); records requests, aborts and how ids arrived."""
+    would group them), to each of a request's n sequences (``scripts`` overrides it per index); records
+    requests, aborts (a request id, or (request id, index) for one sequence) and how ids arrived. A sequence
+    aborted alone ends with FINISH_REASON_ABORTED and the others go on, as the engine does."""
 
     def __init__(self, script: list[int]) -> None:
         self.script = script
+        self.scripts: dict[int, list[int]] = {}
         self.group = 1
         self.requests: list[engine_pb2.EngineGenerateRequest] = []
-        self.aborted: list[str] = []
+        self.aborted: list[str | tuple[str, int]] = []
         self.sent: list[int] = []
         self.cancelled = threading.Event()
         self.address = ""
@@ -43,6 +46,8 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
 
     def Abort(self, request, context):  # noqa: N802
         self.aborted.extend(request.request_ids)
+        self.aborted.extend((s.request_id, s.index) if s.HasField("index") else s.request_id
+                            for s in request.sequences)
         return engine_pb2.AbortResponse()
 
     def Generate(self, request, context):  # noqa: N802
@@ -51,15 +56,23 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
         complete = []
         # On the call's end, whatever ends it: a cancelled call may never resume this generator.
         context.add_callback(lambda: None if complete else self.cancelled.set())
-        for i in range(0, len(self.script), self.group):
+        scripts = {i: self.scripts.get(i, self.script) for i in range(request.n or 1)}
+        for i in range(0, max(map(len, scripts.values())), self.group):
             if not context.is_active():
                 return
-            toks = self.script[i:i + self.group]
-            last = i + self.group >= len(self.script)
-            self.sent.extend(toks)
-            yield engine_pb2.EngineGenerateResponse(
-                token_ids=toks, prompt_tokens=len(request.prompt_token_ids.ids),
-                finish_reason=common_pb2.FINISH_REASON_LENGTH if last else common_pb2.FINISH_REASON_UNSPECIFIED)
+            for index, script in list(scripts.items()):
+                aborted = (request.request_id, index) in self.aborted
+                toks = [] if aborted else script[i:i + self.group]
+                last = aborted or i + self.group >= len(script)
+                if last:
+                    del scripts[index]
+                if index == 0:
+                    self.sent.extend(toks)
+                yield engine_pb2.EngineGenerateResponse(
+                    index=index, token_ids=toks, prompt_tokens=len(request.prompt_token_ids.ids),
+                    request_done=not scripts,
+                    finish_reason=(common_pb2.FINISH_REASON_ABORTED if aborted else common_pb2.FINISH_REASON_LENGTH
+                                   if last else common_pb2.FINISH_REASON_UNSPECIFIED))
             time.sleep(0.01)
         complete.append(True)
 
@@ -81,6 +94,49 @@ def fake(tmp_path: Path, tokenizer: Tokenizer) -> Iterator[tuple[ScriptedEngine,
     try:
         with tokenizer_process(tmp_path, engine.address) as addr:
             yield engine, addr
+    finally:
+        server.stop(0)
+
+
+class ForgetfulEngine(ScriptedEngine):
+    """Maps the tokenizer's shared memory, then (``forget``) refuses the next shared-memory prompt as an engine
+    that restarted would: INVALID_ARGUMENT with the typed reason, and details that say nothing about it."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(script)
+        self.registrations = 0
+        self.forget = False
+
+    def RegisterSharedMemory(self, request, context):  # noqa: N802
+        self.registrations += 1
+        return engine_pb2.RegisterSharedMemoryResponse(ok=True)
+
+    def Generate(self, request, context):  # noqa: N802
+        if self.forget and request.HasField("prompt_shm"):
+            self.forget = False
+            context.set_trailing_metadata((("sluice-error-reason", "ERROR_REASON_SHM_NOT_REGISTERED"),))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused")
+        yield from super().Generate(request, context)
+
+
+def test_a_lost_shared_memory_registration_is_known_by_its_typed_reason_and_registered_again(
+        tmp_path: Path) -> None:
+    engine = ForgetfulEngine([100, 101])
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        with tokenizer_process(tmp_path, f"127.0.0.1:{port}") as addr:
+            assert _stream(addr)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert engine.registrations == 1 and engine.requests[-1].HasField("prompt_shm")
+            engine.forget = True
+            with pytest.raises(grpc.RpcError) as err:
+                _stream(addr)
+            assert err.value.code() is grpc.StatusCode.UNAVAILABLE  # the client retries
+            assert _stream(addr)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert engine.registrations == 2 and engine.requests[-1].HasField("prompt_shm")
     finally:
         server.stop(0)
 
@@ -131,11 +187,25 @@ def test_stop_string_spanning_three_tokens_is_never_leaked(fake: tuple[ScriptedE
             assert before.startswith(so_far)
     assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_STOP_STRING
     assert msgs[-1].stop_string == stop
-    deadline = time.monotonic() + 5
-    while not engine.aborted and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine.aborted, "a matched stop string must abort the engine request"
+    # Its only sequence ended: the service leaves the engine call, which aborts the engine request.
+    assert engine.cancelled.wait(5), "a matched stop string must abort the engine request"
     assert len(engine.sent) < len(ids)
+
+
+def test_a_stop_string_ends_only_its_own_sequence_of_n(fake: tuple[ScriptedEngine, str],
+                                                       tokenizer: Tokenizer) -> None:
+    engine, addr = fake
+    first = "The answer is forty-two, obviously. Then more text follows here and goes on."
+    second = "Something else entirely, with no marker in it at all."
+    engine.script = tokenizer.encode(first, add_special_tokens=False)
+    engine.scripts = {1: tokenizer.encode(second, add_special_tokens=False)}
+    msgs = _stream(addr, n=2, request_id="two", stopping=generation_pb2.StoppingCriteria(stop=["obviously"]))
+    text = {i: "".join(m.text for m in msgs if m.index == i) for i in (0, 1)}
+    assert text == {0: first[: first.index("obviously")], 1: second}
+    finals = [(m.index, m.finish_reason) for m in msgs if m.finish_reason]
+    assert finals == [(0, common_pb2.FINISH_REASON_STOP_STRING), (1, common_pb2.FINISH_REASON_LENGTH)]
+    # Sequence 0 alone was aborted in the engine; sequence 1 ran on to its end, and so did the call.
+    assert engine.aborted == [("two", 0)] and not engine.cancelled.is_set()
 
 
 def test_stream_interval_goes_to_the_engine_and_a_stop_string_inside_a_group_ends_the_tokens_there(

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
+from engine.device.kernel_choice import KernelChoice
 from engine.models.config import ModelConfig, RopeScaling
 
 
@@ -43,6 +45,11 @@ class RotaryEmbedding(torch.nn.Module):
         self.config = config
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        self.ops: Any = None
+
+    def use_kernels(self, choice: KernelChoice) -> None:
+        """With the CPU kernels, rotate in place (on the fused projection's output, no copies)."""
+        self.ops = choice.ops
 
     def build_cache(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """Fills the caches; called once the model is on its device (its buffers start empty)."""
@@ -52,8 +59,14 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos_cache = freqs.cos().to(dtype)
         self.sin_cache = freqs.sin().to(dtype)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, Hq, D], key [T, Hkv, D]. Returns the rotated pair."""
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; query [T, Hq, D], key [T, Hkv, D]. Returns the rotated pair (the same tensors, rotated in
+        place, with the CPU kernels)."""
+        if self.ops is not None:
+            self.ops.rotary_(query, positions, self.cos_cache, self.sin_cache)
+            self.ops.rotary_(key, positions, self.cos_cache, self.sin_cache)
+            return query, key
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)

@@ -1,11 +1,19 @@
 from proto.sluice.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_SHM_NOT_REGISTERED: _ClassVar[ErrorReason]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+ERROR_REASON_SHM_NOT_REGISTERED: ErrorReason
 
 class SharedMemoryRef(_message.Message):
     __slots__ = ("segment", "offset", "length", "slot")
@@ -102,14 +110,16 @@ class EngineStreamRequest(_message.Message):
     def __init__(self, generate: _Optional[_Union[EngineGenerateRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
 
 class EngineRequestError(_message.Message):
-    __slots__ = ("request_id", "code", "message")
+    __slots__ = ("request_id", "code", "message", "reason")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     code: int
     message: str
-    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    reason: ErrorReason
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ...) -> None: ...
 
 class EngineStreamResponse(_message.Message):
     __slots__ = ("outputs", "errors")
@@ -119,11 +129,21 @@ class EngineStreamResponse(_message.Message):
     errors: _containers.RepeatedCompositeFieldContainer[EngineRequestError]
     def __init__(self, outputs: _Optional[_Iterable[_Union[EngineGenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[EngineRequestError, _Mapping]]] = ...) -> None: ...
 
+class SequenceRef(_message.Message):
+    __slots__ = ("request_id", "index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "sequences")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceRef]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., sequences: _Optional[_Iterable[_Union[SequenceRef, _Mapping]]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()

@@ -69,8 +69,11 @@ class EngineServicer:
     def Generate(self, request, context):
         """Generates tokens for one request. The stream carries the new token ids of
         each engine step (deltas, never the whole sequence); the last message of
-        each of the n sequences carries its finish reason. Cancelling the call
-        aborts the request and frees its KV blocks in the next step.
+        each of the n sequences carries its finish reason, and the request's last
+        message carries request_done. Cancelling the call aborts the request and
+        frees its KV blocks in the next step. A refusal ends the call with its
+        status; when the caller can act on why, the trailing metadata entry
+        "sluice-error-reason" names an ErrorReason value.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,7 +97,8 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts requests by id. Idempotent: unknown or finished ids are ignored.
+        """Aborts requests, or single sequences of a request with n > 1. Idempotent:
+        unknown or finished ids are ignored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import LLM, InvalidRequestError, SamplingParams
-from engine.entrypoints.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
+from engine.entrypoints.args import add_engine_args, config_from_args
 from services.supervisor import engine_flags
 
 
@@ -38,8 +38,8 @@ def test_float16_cache_holds_twice_the_blocks_and_gives_the_same_greedy_text() -
     settings = {"dtype": "float32", "kv_cache_memory": "64MiB", "seed": 0}
     full, half = LLM(**settings), LLM(kv_cache_dtype="float16", **settings)
     assert half.engine.num_blocks == 2 * full.engine.num_blocks
-    assert {c.dtype for c in half.engine.worker.model_runner.kv_caches} == {torch.float16}
-    assert {c.dtype for c in full.engine.worker.model_runner.kv_caches} == {torch.float32}
+    assert {c.dtype for c in half.engine.executor.worker.runner.kv_caches} == {torch.float16}
+    assert {c.dtype for c in full.engine.executor.worker.runner.kv_caches} == {torch.float32}
     topics = ["the sea", "mountains", "a cat", "Python", "the moon", "bread", "rain", "music"]
     prompts = [f"Request {i}: write one sentence about {t} and number {i * 7}." for i, t in enumerate(topics)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)

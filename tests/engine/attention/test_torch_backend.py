@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
-from engine.attention.torch_backend import TorchAttentionBackend, kv_cache_shape, write_kv_cache
-from engine.kernels import cpu_paged_decode_attention, cpu_write_kv_cache, portable_cpu_ops
+from engine.attention.backend import kv_cache_shape
+from engine.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from engine.kernels import cpu_ops, portable_cpu_ops
 from tests.engine.paged_factory import PagedKV
 
 
@@ -20,7 +22,7 @@ def backend(request: pytest.FixtureRequest) -> TorchAttentionBackend:
     if request.param == "portable-kernel":  # the loops CPUs without AVX2 run
         ops = portable_cpu_ops()
         return TorchAttentionBackend(decode_kernel=ops.paged_decode_attention, kv_writer=ops.write_kv_cache)
-    kernel, writer = cpu_paged_decode_attention(), cpu_write_kv_cache()
+    kernel, writer = _kernel('paged_decode_attention'), _kernel('write_kv_cache')
     assert kernel is not None and writer is not None, "the CPU kernels did not build (see the warning logged)"
     return TorchAttentionBackend(decode_kernel=kernel, kv_writer=writer)
 
@@ -33,6 +35,18 @@ class Seq:
     q: torch.Tensor  # [new, Hq, D]
     k: torch.Tensor  # [context + new, Hkv, D]
     v: torch.Tensor
+
+
+def _kernel(name: str) -> Any:
+    """A kernel of the native ``cpu_ops`` build, or None where it did not build."""
+    ops = cpu_ops()
+    return None if ops is None else getattr(ops, name)
+
+
+def _prefill_kernel() -> Any:
+    """The AMX prefill kernel where this CPU runs it (what ``CpuAttentionBackend`` takes), else None."""
+    ops = cpu_ops()
+    return ops.paged_prefill_attention if ops is not None and ops.has_amx_attention() else None
 
 
 def _reference(seq: Seq, scale: float) -> torch.Tensor:
@@ -54,7 +68,8 @@ def _make_seqs(rng: random.Random, num_decodes: int, prefills: list[tuple[int, i
     seqs = []
     for i, (context, new) in enumerate(shapes):
         seqs.append(Seq(f"s{i}", context, new, torch.randn(new, hq, d, generator=gen),
-                        torch.randn(context + new, hkv, d, generator=gen), torch.randn(context + new, hkv, d, generator=gen)))
+                        torch.randn(context + new, hkv, d, generator=gen),
+                        torch.randn(context + new, hkv, d, generator=gen)))
     return seqs
 
 
@@ -188,7 +203,7 @@ def test_kv_cache_shape() -> None:
 def test_kv_writer_copies_rows_like_write_kv_cache(dtype: torch.dtype) -> None:
     # The CPU kv_writer against write_kv_cache (index_copy_): keys and values as the model hands them over,
     # strided slices of one fused projection, into slots of different blocks; nothing else in the cache moves.
-    writer = cpu_write_kv_cache()
+    writer = _kernel('write_kv_cache')
     assert writer is not None
     gen = torch.Generator().manual_seed(5)
     fused = torch.randn(7, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)
@@ -203,7 +218,7 @@ def test_kv_writer_copies_rows_like_write_kv_cache(dtype: torch.dtype) -> None:
 
 
 def test_kv_writer_rejects_what_it_cannot_copy() -> None:
-    writer = cpu_write_kv_cache()
+    writer = _kernel('write_kv_cache')
     assert writer is not None
     cache = torch.zeros(kv_cache_shape(2, 4, 1, 8))
     kv = torch.ones(2, 1, 8)
@@ -236,7 +251,7 @@ def test_backend_falls_back_to_index_copy_for_another_cache_dtype() -> None:
 
 
 def test_decode_kernel_rejects_bad_tables_with_an_error() -> None:
-    kernel = cpu_paged_decode_attention()
+    kernel = _kernel('paged_decode_attention')
     assert kernel is not None
     cache = torch.zeros(kv_cache_shape(4, 2, 1, 8))
     query = torch.zeros(1, 2, 8)
@@ -254,7 +269,7 @@ def test_decode_kernel_rejects_bad_tables_with_an_error() -> None:
 
 @pytest.mark.parametrize("build", ["native", "portable"])
 def test_decode_kernel_reads_a_float16_cache_as_its_float32_copy(build: str) -> None:
-    kernel = cpu_paged_decode_attention() if build == "native" else portable_cpu_ops().paged_decode_attention
+    kernel = _kernel('paged_decode_attention') if build == "native" else portable_cpu_ops().paged_decode_attention
     assert kernel is not None
     gen = torch.Generator().manual_seed(3)
     cache = torch.randn(kv_cache_shape(24, 16, 3, 64), generator=gen).half()
@@ -269,7 +284,7 @@ def test_decode_kernel_reads_a_float16_cache_as_its_float32_copy(build: str) -> 
 def test_decode_kernel_takes_a_bfloat16_query_and_cache(build: str) -> None:
     # A bfloat16 model's decode: bfloat16 query and cache, widened as they are read; the result is the
     # float32 result on the widened copies, rounded once.
-    kernel = cpu_paged_decode_attention() if build == "native" else portable_cpu_ops().paged_decode_attention
+    kernel = _kernel('paged_decode_attention') if build == "native" else portable_cpu_ops().paged_decode_attention
     assert kernel is not None
     gen = torch.Generator().manual_seed(4)
     cache = torch.randn(kv_cache_shape(24, 16, 3, 64), generator=gen).bfloat16()
@@ -305,7 +320,6 @@ def test_decode_kernel_group_shapes_and_long_blocks(backend: TorchAttentionBacke
 
 
 def _native_ops():  # the -march=native build, or skip
-    from engine.kernels import cpu_ops
     ops = cpu_ops()
     assert ops is not None, "the CPU kernels did not build (see the warning logged)"
     if not ops.has_amx_attention():
@@ -413,8 +427,7 @@ def test_backend_takes_a_steps_prefills_to_the_amx_kernel_in_one_call() -> None:
     # after 260 cached, a fresh 17) goes to the kernel in one call, the decodes beside it to the decode kernel.
     # 8-token blocks (not whole 16-row tiles) stay on SDPA. Both equal dense attention.
     _native_ops()
-    from engine.kernels import cpu_paged_prefill_attention
-    kernel = cpu_paged_prefill_attention()
+    kernel = _prefill_kernel()
     assert kernel is not None
     calls: list[list[int]] = []
 
@@ -422,8 +435,8 @@ def test_backend_takes_a_steps_prefills_to_the_amx_kernel_in_one_call() -> None:
         calls.append(args[3].tolist())  # query_start
         return kernel(*args)
 
-    backend = TorchAttentionBackend(decode_kernel=cpu_paged_decode_attention(), kv_writer=cpu_write_kv_cache(),
-                                    prefill_kernel=counted)
+    backend = TorchAttentionBackend(decode_kernel=_kernel('paged_decode_attention'),
+                                    kv_writer=_kernel('write_kv_cache'), prefill_kernel=counted)
     hq, hkv, d, rng = 9, 3, 64, random.Random(11)
     prefills = [(0, 300), (260, 20), (0, 17)]
     for block_size, taken in ((16, True), (8, False)):

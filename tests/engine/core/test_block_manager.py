@@ -9,8 +9,8 @@ from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 
 
-def make_request(request_id: str, tokens: list[int]) -> Request:
-    return Request(request_id, tokens, SamplingParams(max_tokens=4))
+def make_request(request_id: str, tokens: list[int], index: int = 0) -> Request:
+    return Request(request_id, tokens, SamplingParams(max_tokens=4), index=index)
 
 
 def run_prefill(bm: BlockManager, request: Request, computed_blocks: list[int] | None = None) -> None:
@@ -161,9 +161,10 @@ def test_fork_shares_blocks_and_copies_on_write() -> None:
     bm = BlockManager(8, 4)
     parent = make_request("p", [1, 2, 3, 4, 5, 6])
     run_prefill(bm, parent)
-    child = make_request("p#1", [1, 2, 3, 4, 5, 6])
+    child = make_request("p", [1, 2, 3, 4, 5, 6], index=1)
     bm.fork(parent, child)
     assert child.block_ids == [0, 1] and child.block_hashes == parent.block_hashes
+    assert child.num_seen_blocks == parent.num_seen_blocks == 1
     assert (bm.ref_count(0), bm.ref_count(1)) == (2, 2)
     bm.check_invariants([parent, child])
 

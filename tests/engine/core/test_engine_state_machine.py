@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.config import EngineConfig
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 
@@ -32,7 +32,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                               scheduling_policy=self.policy)
         self.sched = Scheduler(config, NUM_BLOCKS, eos_token_ids={EOS}, max_model_len=MAX_MODEL_LEN)
         self.next_id = 0
-        self.finished: set[str] = set()
+        self.finished: set[SequenceId] = set()    # sequences reported ended
+        self.done: set[str] = set()              # requests the scheduler said ended (request_finished)
 
     # ----- rules ---------------------------------------------------------------------
 
@@ -53,13 +54,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._apply(out, rng)
 
     @precondition(lambda self: self.sched.has_unfinished_requests())
-    @rule(data=st.data())
-    def abort(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
-        aborted = self.sched.abort_request(rid)
-        assert rid in {r.request_id for r in aborted}
+    @rule(data=st.data(), whole=st.booleans())
+    def abort(self, data: st.DataObject, whole: bool) -> None:
+        """Abort a live sequence, or the whole request it belongs to."""
+        seq_id = data.draw(st.sampled_from(sorted(r.seq_id for r in self.sched.running + self.sched.waiting)))
+        request = self.sched.requests[seq_id]
+        aborted = self.sched.abort_request(seq_id.request_id, None if whole else seq_id.index)
+        # Sequence 0 before the fork stands for all n: aborting one of them alone ends it at the fork.
+        if whole or request.sampling_params.n == 1:
+            assert seq_id in {r.seq_id for r in aborted}
         assert all(r.is_finished and r.block_ids == [] for r in aborted)
-        self.finished |= {r.request_id for r in aborted}
+        assert [r.ends_request for r in aborted].count(True) <= 1
+        self._ended(aborted)
 
     @rule(rng=st.randoms(use_true_random=False), data=st.data())
     def abort_mid_step(self, rng: random.Random, data: st.DataObject) -> None:
@@ -67,8 +73,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = self.sched.schedule()
         self._check_output(out)
         if out.scheduled:
-            victim = data.draw(st.sampled_from([s.request.request_id for s in out.scheduled]))
-            self.sched.abort_request(victim)
+            victim = data.draw(st.sampled_from([s.request.seq_id for s in out.scheduled]))
+            whole = data.draw(st.booleans())
+            self._ended(self.sched.abort_request(victim.request_id, None if whole else victim.index))
         self._apply(out, rng)
 
     @rule()
@@ -82,21 +89,39 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._apply(out, random.Random(len(self.finished)))
         assert not self.sched.has_unfinished_requests()
         assert self.sched.block_manager.num_free_blocks == NUM_BLOCKS
+        # Every request added was said done exactly once, by the scheduler.
+        assert self.done == {f"r{i}" for i in range(self.next_id)} and self.sched.requests == {}
 
     # ----- fake runner and checks ----------------------------------------------------
 
+    def _ended(self, aborted: list[Request]) -> None:
+        """Sequences aborted (their outputs are the caller's to report): the same checks as reported ones."""
+        for r in aborted:
+            self.finished.add(r.seq_id)
+            if r.ends_request:
+                self._request_done(r.request_id)
+
+    def _request_done(self, request_id: str) -> None:
+        assert request_id not in self.done, f"{request_id} said done twice"
+        self.done.add(request_id)
+        assert not any(seq_id.request_id == request_id for seq_id in self.sched.requests)
+
     def _apply(self, out: SchedulerOutput, rng: random.Random) -> None:
-        sampled = {s.request.request_id: [rng.randrange(0, 8) for _ in range(s.num_samples)]
-                   for s in out.scheduled if s.sample}
+        sampled = {seq_id: [rng.randrange(0, 8)] for s in out.scheduled for seq_id in s.sample_seq_ids}
         for o in self.sched.update_from_output(out, sampled):
-            assert o.request_id not in self.finished, f"{o.request_id} reported after it finished"
+            assert o.seq_id not in self.finished, f"{o.seq_id} reported after it finished"
+            assert o.request_id not in self.done, f"{o.request_id} reported after it was said done"
             if o.finished:
-                self.finished.add(o.request_id)
-                assert self.sched.get_request(o.request_id) is None
+                self.finished.add(o.seq_id)
+                r = self.sched.get_request(o.request_id, o.index)
+                assert r is None or r.is_finished
+            if o.request_finished:
+                assert o.finished
+                self._request_done(o.request_id)
 
     def _check_output(self, out: SchedulerOutput) -> None:
         assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled) <= BUDGET
-        ids = [s.request.request_id for s in out.scheduled]
+        ids = [s.request.seq_id for s in out.scheduled]
         assert len(ids) == len(set(ids))
         decodes = [s.is_decode for s in out.scheduled]
         assert decodes == sorted(decodes, reverse=True), "decodes must come first"
@@ -113,9 +138,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def block_pool_is_consistent(self) -> None:
         sched = self.sched
-        sched.block_manager.check_invariants(sched.requests.values())
-        assert {r.request_id for r in sched.running + sched.waiting} == set(sched.requests)
-        assert len(sched.running) + len(sched.waiting) == len(sched.requests)
+        live = sched.running + sched.waiting
+        sched.block_manager.check_invariants(live)
+        assert {r.seq_id for r in live} == {seq_id for seq_id, r in sched.requests.items() if not r.is_finished}
+        assert len(live) == len({r.seq_id for r in live})
+        for seq_id, r in sched.requests.items():
+            assert r.seq_id == seq_id and r.sequences[r.index] is r
+            assert not all(s.is_finished for s in r.sequences), "an ended request is still kept"
+            assert r.is_finished == (r.block_ids == [] and r.status is RequestStatus.FINISHED)
         for r in sched.waiting:
             assert r.block_ids == [] and r.num_computed_tokens == 0
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -125,8 +155,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(r.block_ids) * BLOCK_SIZE >= r.num_computed_tokens
 
     def teardown(self) -> None:
-        for rid in list(self.sched.requests):
-            self.sched.abort_request(rid)
+        for seq_id in list(self.sched.requests):
+            self.sched.abort_request(seq_id.request_id)
         assert not self.sched.has_unfinished_requests()
         assert self.sched.block_manager.num_free_blocks == NUM_BLOCKS
         self.sched.block_manager.check_invariants([])

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from engine.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 from engine.core.sampling_params import SamplingParams
 
 

@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import pytest
 
+from common.errors import InvalidRequestError, QueueFullError
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, QueueFullError
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.request import FinishReason, Request, RequestStatus, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 
@@ -31,10 +31,10 @@ def make_request(request_id: str, prompt: list[int] | int, *, priority: int = 0,
 
 def step(sched: Scheduler, sample: Callable[[Request], int] = lambda r: 7,
          ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-    """Schedule, let a fake runner sample ``sample(request)`` per due sample, and apply it."""
+    """Schedule, let a fake runner sample ``sample(request) + i`` for the i-th sequence it samples for, and
+    apply it."""
     out = sched.schedule()
-    sampled = {s.request.request_id: [sample(s.request) + i for i in range(s.num_samples)]
-               for s in out.scheduled if s.sample}
+    sampled = {seq_id: [sample(s.request) + i] for s in out.scheduled for i, seq_id in enumerate(s.sample_seq_ids)}
     return out, sched.update_from_output(out, sampled)
 
 
@@ -105,7 +105,7 @@ def test_shared_512_token_prefix_is_served_from_cache() -> None:
     computed = 23
     while sched.has_unfinished_requests():
         out, _ = step(sched)
-        computed += out.num_scheduled_tokens["second"]
+        computed += out.num_scheduled_tokens[SequenceId("second")]
     assert computed == 23 + (6 - 1)
     assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (532 + 535, 512)
 
@@ -124,7 +124,7 @@ def test_preemption_puts_the_victim_first_in_line_and_all_finish() -> None:
         assert out.preempted == []
     assert (a.block_ids, b.block_ids) == ([0, 1, 4], [2, 3, 5])
     out, _ = step(sched)   # "a" needs a fourth block: "b", the most recently admitted, is preempted
-    assert out.preempted == ["b"] and plan(out) == [("a", 12, 1)]
+    assert out.preempted == [SequenceId("b")] and plan(out) == [("a", 12, 1)]
     assert [r.request_id for r in sched.waiting] == ["b", "c"]
     assert b.status is RequestStatus.PREEMPTED and b.block_ids == [] and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and sched.num_preemptions == 1
@@ -149,7 +149,7 @@ def test_resume_after_preemption_recomputes_prompt_and_outputs() -> None:
         out, _ = step(sched)
         if out.preempted and preempted_at is None:
             preempted_at = i
-        if preempted_at is not None and "b" in out.num_scheduled_tokens and resumed is None:
+        if preempted_at is not None and SequenceId("b") in out.num_scheduled_tokens and resumed is None:
             resumed = plan(out)
         if not sched.has_unfinished_requests():
             break
@@ -206,7 +206,7 @@ def test_abort_waiting_request_is_never_scheduled() -> None:
     while sched.has_unfinished_requests():
         out, _ = step(sched)
         seen |= set(out.num_scheduled_tokens)
-    assert seen == {"a"}
+    assert seen == {SequenceId("a")}
 
 
 def test_abort_running_request_frees_blocks_at_once() -> None:
@@ -218,7 +218,7 @@ def test_abort_running_request_frees_blocks_at_once() -> None:
     assert sched.abort_request("r") == [r]
     assert r.block_ids == [] and sched.block_manager.num_free_blocks == 16
     assert r.finish_reason is FinishReason.ABORT and not sched.has_unfinished_requests()
-    assert sched.schedule().finished_request_ids == ["r"]
+    assert sched.schedule().finished_request_ids == [SequenceId("r")]
 
 
 def test_abort_between_schedule_and_update_is_skipped() -> None:
@@ -226,7 +226,7 @@ def test_abort_between_schedule_and_update_is_skipped() -> None:
     sched.add_request(make_request("r", 10, max_tokens=5))
     out = sched.schedule()
     sched.abort_request("r")
-    assert sched.update_from_output(out, {"r": [7]}) == []
+    assert sched.update_from_output(out, {SequenceId("r"): [7]}) == []
     sched.block_manager.check_invariants([])
 
 
@@ -275,13 +275,16 @@ def test_n_greater_than_one_forks_children_with_copy_on_write() -> None:
     sched.add_request(parent)
     out = sched.schedule()
     assert [(s.sample, s.num_samples) for s in out.scheduled] == [(True, 3)]
-    outputs = sched.update_from_output(out, {"p": [10, 11, 12]},
-                                       {"p": [(-0.1, {10: -0.1}), (-0.2, {11: -0.2}), (-0.3, {12: -0.3})]})
-    assert [(o.request_id, o.new_token_ids, o.new_logprobs) for o in outputs] == [
-        ("p", [10], [(-0.1, {10: -0.1})]), ("p#1", [11], [(-0.2, {11: -0.2})]), ("p#2", [12], [(-0.3, {12: -0.3})])]
-    kids = [sched.requests["p#1"], sched.requests["p#2"]]
-    assert [(k.index, k.parent_id, k.sampling_params.n, k.sampling_params.seed) for k in kids] == [
-        (1, "p", 1, 6), (2, "p", 1, 7)]
+    assert out.scheduled[0].sample_seq_ids == [SequenceId("p", 0), SequenceId("p", 1), SequenceId("p", 2)]
+    lps = [(-0.1, {10: -0.1}), (-0.2, {11: -0.2}), (-0.3, {12: -0.3})]
+    outputs = sched.update_from_output(out, {SequenceId("p", i): [10 + i] for i in range(3)},
+                                       {SequenceId("p", i): [lps[i]] for i in range(3)})
+    assert [(o.request_id, o.index, o.new_token_ids, o.new_logprobs, o.request_finished) for o in outputs] == [
+        ("p", 0, [10], [lps[0]], False), ("p", 1, [11], [lps[1]], False), ("p", 2, [12], [lps[2]], False)]
+    kids = [sched.get_request("p", 1), sched.get_request("p", 2)]
+    assert [(k.request_id, k.index, k.sampling_params.n, k.sampling_params.seed) for k in kids] == [
+        ("p", 1, 1, 6), ("p", 2, 1, 7)]
+    assert parent.sequences == [parent, *kids] and all(k.sequences is parent.sequences for k in kids)
     assert parent.sampling_params.n == 1 and parent.sampling_params.seed == 5
     assert [k.block_ids for k in kids] == [[0, 1], [0, 1]]
     assert sched.block_manager.ref_count(1) == 3
@@ -289,22 +292,90 @@ def test_n_greater_than_one_forks_children_with_copy_on_write() -> None:
 
     out = sched.schedule()
     # Each writes position 6 of the shared block 1: the first two get copies, the last writes in place.
-    assert plan(out) == [("p", 6, 1), ("p#1", 6, 1), ("p#2", 6, 1)]
+    assert [(s.request.seq_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
+        (SequenceId("p", 0), 6, 1), (SequenceId("p", 1), 6, 1), (SequenceId("p", 2), 6, 1)]
     assert out.block_copies == [(1, 2), (1, 3)]
     assert [r.block_ids for r in (parent, *kids)] == [[0, 2], [0, 3], [0, 1]]
     assert [s.num_samples for s in out.scheduled] == [1, 1, 1]
-    sched.update_from_output(out, {"p": [20], "p#1": [21], "p#2": [22]})
+    sched.update_from_output(out, {SequenceId("p", i): [20 + i] for i in range(3)})
     assert [r.output_token_ids for r in (parent, *kids)] == [[10, 20], [11, 21], [12, 22]]
-    assert {r.request_id for r in sched.abort_request("p")} == {"p", "p#1", "p#2"}
+    assert [r.seq_id for r in sched.abort_request("p")] == [SequenceId("p", i) for i in range(3)]
+    assert [r.ends_request for r in (parent, *kids)] == [False, False, True]   # the last one ended it
+    assert sched.requests == {}
     assert sched.block_manager.num_free_blocks == 16
     sched.block_manager.check_invariants([])
+
+
+def _drain(sched: Scheduler, sample: Callable[[Request], int] = lambda r: 7) -> list[EngineCoreOutput]:
+    outputs: list[EngineCoreOutput] = []
+    while sched.has_unfinished_requests():
+        outputs += step(sched, sample)[1]
+    return outputs
+
+
+def test_aborting_one_sequence_keeps_its_siblings_and_frees_its_blocks() -> None:
+    sched = make_scheduler(16, block_size=4)
+    parent = make_request("p", 6, n=3, max_tokens=5)
+    sched.add_request(parent)
+    step(sched)   # the fork
+    step(sched)   # each writes position 6 of the shared block: two copies, one in place
+    child = sched.get_request("p", 1)
+    assert child is not None and child.block_ids == [0, 3]
+    free = sched.block_manager.num_free_blocks
+    assert sched.abort_request("p", 1) == [child]
+    assert child.finish_reason is FinishReason.ABORT and child.block_ids == [] and not child.ends_request
+    assert sched.block_manager.num_free_blocks == free + 1   # its copy; the shared block 0 stays held
+    assert sched.abort_request("p", 1) == [] and sched.abort_request("p", 7) == []
+    sched.block_manager.check_invariants(s for s in parent.sequences if not s.is_finished)
+    outputs = _drain(sched)
+    # The siblings run to their end; the core says once, on the last output, that the request is done.
+    assert {o.index for o in outputs} == {0, 2}
+    assert [(o.index, o.finish_reason) for o in outputs if o.finished] == [(0, FinishReason.LENGTH),
+                                                                           (2, FinishReason.LENGTH)]
+    assert [o.request_finished for o in outputs].count(True) == 1 and outputs[-1].request_finished
+    assert [len(s.output_token_ids) for s in parent.sequences] == [5, 2, 5]
+    assert sched.requests == {} and sched.block_manager.num_free_blocks == 16
+    sched.block_manager.check_invariants([])
+
+
+def test_a_sequence_aborted_before_the_fork_ends_at_it() -> None:
+    sched = make_scheduler(16, block_size=4)
+    parent = make_request("p", 6, n=3, max_tokens=2)
+    sched.add_request(parent)
+    assert sched.abort_request("p", 2) == [] and sched.abort_request("p", 3) == []   # not made yet; no such index
+    out, outputs = step(sched)
+    assert out.scheduled[0].num_samples == 3
+    assert [(o.index, o.new_token_ids, o.finish_reason) for o in outputs] == [
+        (0, [7], None), (1, [8], None), (2, [], FinishReason.ABORT)]
+    assert sched.get_request("p", 2).block_ids == [] and parent.aborted_before_fork == set()
+    outputs = _drain(sched)
+    assert [(o.index, o.finish_reason, o.request_finished) for o in outputs] == [
+        (0, FinishReason.LENGTH, False), (1, FinishReason.LENGTH, True)]
+    assert sched.block_manager.num_free_blocks == 16
+    # Every sequence aborted before the fork: the request ends at once, never forked.
+    sched.add_request(make_request("q", 6, n=2, max_tokens=2))
+    q = sched.get_request("q")
+    assert sched.abort_request("q", 0) == [] and sched.abort_request("q", 1) == [q]
+    assert q.ends_request and sched.requests == {} and not sched.has_unfinished_requests()
+
+
+def test_a_request_id_stays_in_use_until_every_sequence_ended() -> None:
+    sched = make_scheduler(16, block_size=4)
+    sched.add_request(make_request("p", 6, n=2, max_tokens=3, ignore_eos=False))
+    step(sched, lambda r: EOS if r.index == 0 else 7)   # sequence 0 ends at once, sequence 1 goes on
+    assert sched.get_request("p").is_finished and not sched.get_request("p", 1).is_finished
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        sched.add_request(make_request("p", 4))   # its fork would clash with the running sequence 1
+    outputs = _drain(sched)
+    assert [(o.index, o.request_finished) for o in outputs] == [(1, False), (1, True)]
+    sched.add_request(make_request("p", 4))
 
 
 def test_missing_sample_is_an_error() -> None:
     sched = make_scheduler()
     sched.add_request(make_request("r", 4))
     out = sched.schedule()
-    with pytest.raises(ValueError, match="r"):
+    with pytest.raises(ValueError, match="'r'"):
         sched.update_from_output(out, {})
 
 
@@ -352,8 +423,8 @@ def test_stream_interval_flushes_held_tokens_and_logprobs_when_a_stop_token_ends
     while sched.has_unfinished_requests():
         out = sched.schedule()
         due = [s.request for s in out.scheduled if s.sample]
-        sampled = {r.request_id: [script[r.num_output_tokens]] for r in due}
-        lps = {r.request_id: [(-0.5 - r.num_output_tokens, {script[r.num_output_tokens]: -0.5})] for r in due}
+        sampled = {r.seq_id: [script[r.num_output_tokens]] for r in due}
+        lps = {r.seq_id: [(-0.5 - r.num_output_tokens, {script[r.num_output_tokens]: -0.5})] for r in due}
         outputs += sched.update_from_output(out, sampled, lps)
     assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [
         ([30], None), ([31, 32, 33, 34], None), ([35, EOS], FinishReason.EOS)]
@@ -364,12 +435,12 @@ def test_stream_interval_flushes_held_tokens_and_logprobs_when_a_stop_token_ends
 def test_forked_children_under_a_stream_interval_report_their_first_token_at_once() -> None:
     sched = make_scheduler(16, block_size=4)
     sched.add_request(make_request("p", 6, n=2, max_tokens=4, stream_interval=2))
-    tokens: dict[str, list[list[int]]] = {}
+    tokens: dict[SequenceId, list[list[int]]] = {}
     while sched.has_unfinished_requests():
         for o in step(sched, lambda r: 10 * (r.index + 1) + r.num_output_tokens)[1]:
-            tokens.setdefault(o.request_id, []).append(o.new_token_ids)
+            tokens.setdefault(o.seq_id, []).append(o.new_token_ids)
     # The fork's step samples 10 and 11 (parent, child); each then streams its own groups.
-    assert tokens == {"p": [[10], [11, 12], [13]], "p#1": [[11], [21, 22], [23]]}
+    assert tokens == {SequenceId("p", 0): [[10], [11, 12], [13]], SequenceId("p", 1): [[11], [21, 22], [23]]}
 
 
 def test_stream_interval_must_be_positive() -> None:

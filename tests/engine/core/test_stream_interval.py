@@ -7,8 +7,8 @@ import argparse
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.entrypoints.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
+from engine.entrypoints.args import add_engine_args, config_from_args
 from services.supervisor import engine_flags
 
 

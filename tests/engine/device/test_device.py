@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from engine.device import CpuDevice, get_device
-from engine.device.base import ENV_KV_HUGE_PAGES, ENV_MALLOC_TUNING, advise_huge_pages
+from engine.device.cpu import advise_huge_pages
+
+ENV_KV_HUGE_PAGES, ENV_MALLOC_TUNING = "SLUICE_KV_HUGE_PAGES", "SLUICE_MALLOC_TUNING"
 
 
 def test_cpu_device_is_a_complete_no_op_stream_backend() -> None:
@@ -43,7 +45,8 @@ def test_npu_backend_needs_torch_npu_and_says_so() -> None:
 
 
 def test_engine_never_imports_torch_npu_unless_chosen() -> None:
-    code = ("import sys\nfrom engine.config import EngineConfig\nimport engine.core.engine_core, engine.entrypoints.llm, engine.entrypoints.grpc_servicer\n"
+    code = ("import sys\nfrom engine.config import EngineConfig\n"
+            "import engine.core.engine_core, engine.entrypoints.llm, engine.entrypoints.grpc_servicer\n"
             "print('torch_npu' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False"
@@ -124,7 +127,8 @@ def test_cpu_kv_cache_is_advised_for_huge_pages_and_zeroed() -> None:
     code = ("import torch\n"
             "from engine.device import CpuDevice\n"
             "from tests.engine.device.test_device import _vm_flags\n"
-            "cache = CpuDevice().allocate_kv_cache((2, 1024, 16, 8, 128), torch.bfloat16)\n"
+            "dev = CpuDevice()\n"
+            "cache, = dev.attention_backend().allocate_kv_caches(dev, 1, 1024, 16, 8, 128, torch.bfloat16)\n"
             "middle = cache.data_ptr() + cache.numel() * cache.element_size() // 2\n"
             "print(cache.shape == (2, 1024, 16, 8, 128), not cache.any(), 'hg' in _vm_flags(middle))\n")
     assert _python(code, THP_MEM_ALLOC_ENABLE="0") == "True True True"
@@ -161,7 +165,7 @@ def test_engine_process_allocates_large_tensors_on_huge_pages_unless_the_user_ch
 _MALLOC_STEPS = (
     "import ctypes, resource\n"
     "from engine.device import CpuDevice\n"
-    "from engine.device.base import tune_malloc\n"
+    "from engine.device.cpu import tune_malloc\n"
     "CpuDevice()\n"
     "libc = ctypes.CDLL('libc.so.6')\n"
     "libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]\n"
@@ -186,14 +190,13 @@ def test_cpu_device_keeps_freed_step_memory_mapped_unless_turned_off() -> None:
     assert tuned == "False" and int(faults) > 20000, faults
 
 
-def test_env_switches_default_on_and_read_the_usual_offs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.env import switched_on
+def test_env_switches_default_on_and_read_the_usual_offs() -> None:
+    from engine.config import KernelSettings
 
-    monkeypatch.delenv("SLUICE_TEST_SWITCH", raising=False)
-    assert switched_on("SLUICE_TEST_SWITCH")
+    assert KernelSettings.from_env({}) == KernelSettings()  # every switch on, no row limit
     for off in ("0", "false", " No ", "OFF"):
-        monkeypatch.setenv("SLUICE_TEST_SWITCH", off)
-        assert not switched_on("SLUICE_TEST_SWITCH")
+        assert not KernelSettings.from_env({"SLUICE_AMX_LINEAR": off}).amx_linear
+        assert not KernelSettings.from_env({"SLUICE_KV_HUGE_PAGES": off}).kv_huge_pages
     for on in ("1", "yes", "true", ""):
-        monkeypatch.setenv("SLUICE_TEST_SWITCH", on)
-        assert switched_on("SLUICE_TEST_SWITCH")
+        assert KernelSettings.from_env({"SLUICE_CPU_KERNELS": on}).cpu_kernels
+        assert KernelSettings.from_env({"SLUICE_MALLOC_TUNING": on}).malloc_tuning

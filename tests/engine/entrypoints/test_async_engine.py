@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.entrypoints.async_engine import AsyncEngine, _Add, _Call
+from common.errors import EngineDeadError
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.errors import EngineDeadError
 from engine.core.request import FinishReason
 from engine.core.sampling_params import SamplingParams
+from engine.entrypoints.async_engine import AsyncEngine, _Add, _Call
 from tests.procs import ROOT, free_port
 
 pytestmark = pytest.mark.slow

@@ -10,10 +10,10 @@ from typing import Any
 import grpc
 import pytest
 
-from engine.entrypoints.async_engine import AsyncEngine
+from common.grpc_server import new_server
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from common.grpc_server import new_server
+from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.grpc_servicer import SERVICE_NAME, EngineServicer
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.procs import free_port
@@ -174,8 +174,25 @@ def test_a_refused_request_gets_one_error_and_the_others_go_on(engine: AsyncEngi
     assert len(errors) == 1
     assert errors[0].request_id == ("" if "request_id" in bad else "bad")
     assert errors[0].code == code.value[0] and text in errors[0].message
+    # Only the refusal a caller acts on (register its segment again) carries a typed reason.
+    assert errors[0].reason == (engine_pb2.ERROR_REASON_SHM_NOT_REGISTERED if "prompt_shm" in bad
+                                else engine_pb2.ERROR_REASON_UNSPECIFIED)
     finished = [o.request_id for m in messages for o in m.outputs if o.request_done]
     assert sorted(finished) == ["good", "good2"]
+
+
+def test_generate_refusing_an_unregistered_segment_names_the_reason_in_its_trailers(engine: AsyncEngine) -> None:
+    async def scenario(stub: engine_pb2_grpc.EngineStub, eng: AsyncEngine) -> grpc.aio.AioRpcError:
+        req = _request("shm", [5, 6], 3)
+        req.prompt_shm.CopyFrom(engine_pb2.SharedMemoryRef(segment="nope", length=2))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Generate(req):
+                pass
+        return err.value
+
+    err = serve(engine, scenario)
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "prompt_shm" in err.details()
+    assert ("sluice-error-reason", "ERROR_REASON_SHM_NOT_REGISTERED") in tuple(err.trailing_metadata())
 
 
 def test_duplicate_id_on_one_call_is_refused_and_the_first_runs_on(engine: AsyncEngine) -> None:
@@ -217,6 +234,49 @@ def test_abort_over_the_call_ends_the_request_and_frees_its_blocks(engine: Async
     assert last["short"].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert sum(len(o.token_ids) for o in seen if o.request_id == "long") < 500
     assert info["free_kv_blocks"] == info["total_kv_blocks"]
+
+
+@pytest.mark.parametrize("path", ["stream", "generate"])
+def test_aborting_one_sequence_of_n_ends_it_alone_and_the_request_is_done_once(engine: AsyncEngine,
+                                                                                 path: str) -> None:
+    # n = 3 sampled sequences; index 1 is aborted over gRPC once it has tokens (through the Abort RPC on a
+    # Generate call, through the call's own abort message on Stream): it ends ABORTED, its siblings run to
+    # max_tokens, and the engine says once, on the request's last message, that the request is done.
+    max_tokens = 64
+    request = _request("n3", [5, 6, 7, 8], max_tokens, n=3)
+    request.sampling.CopyFrom(common_pb2.SamplingParameters(temperature=1.0, seed=11))
+    abort = engine_pb2.AbortRequest(sequences=[engine_pb2.SequenceRef(request_id="n3", index=1)])
+
+    async def scenario(stub: engine_pb2_grpc.EngineStub, eng: AsyncEngine) -> tuple[Any, ...]:
+        outputs: list[engine_pb2.EngineGenerateResponse] = []
+        outbox = Outbox()
+        if path == "stream":
+            outbox.send(_gen(request))
+            messages = (o async for m in stub.Stream(outbox) for o in m.outputs)
+        else:
+            messages = stub.Generate(request).__aiter__()
+        aborted = False
+        async for out in messages:
+            outputs.append(out)
+            if not aborted and sum(len(o.token_ids) for o in outputs if o.index == 1) >= 2:
+                aborted = True
+                if path == "stream":
+                    outbox.send(engine_pb2.EngineStreamRequest(abort=abort))
+                    outbox.close()  # half-closed: the call ends once its request is done
+                else:
+                    await stub.Abort(abort)
+        info = await _idle(eng)
+        return outputs, info, await stub.GetInfo(engine_pb2.GetInfoRequest())
+
+    outputs, info, grpc_info = serve(engine, scenario)
+    finals = {o.index: o.finish_reason for o in outputs if o.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED}
+    assert finals == {0: common_pb2.FINISH_REASON_LENGTH, 1: common_pb2.FINISH_REASON_ABORTED,
+                      2: common_pb2.FINISH_REASON_LENGTH}
+    tokens = {i: sum(len(o.token_ids) for o in outputs if o.index == i) for i in range(3)}
+    assert tokens[0] == tokens[2] == max_tokens and 2 <= tokens[1] < max_tokens
+    assert [o.request_done for o in outputs].count(True) == 1 and outputs[-1].request_done
+    assert info["free_kv_blocks"] == info["total_kv_blocks"]
+    assert grpc_info.free_kv_blocks == grpc_info.total_kv_blocks and grpc_info.num_running == 0
 
 
 def test_a_call_that_ends_early_aborts_its_requests(engine: AsyncEngine) -> None:

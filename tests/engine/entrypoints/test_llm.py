@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLM, InvalidRequestError, SamplingParams
 from engine.core.engine_core import EngineCore
+from engine.core.request import SequenceId
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ def _run_to_end(engine: EngineCore, rid: str) -> tuple[list[int], int]:
             if out.request_id == rid:
                 tokens += out.new_token_ids
         assert engine.last_step is not None
-        computed += engine.last_step.num_scheduled_tokens.get(rid, 0)
+        computed += engine.last_step.num_scheduled_tokens.get(SequenceId(rid), 0)
     return tokens, computed
 
 
@@ -83,7 +84,7 @@ def test_preemption_keeps_outputs_identical(llm: LLM) -> None:
     # ~8 prompts of ~20 tokens growing to ~44 need ~24 blocks of 16; give them 12.
     small = LLM(dtype="float32", num_kv_blocks=12, block_size=16, max_num_seqs=8)
     got = [o.outputs[0].token_ids for o in small.generate(prompts, sp)]
-    assert small.engine.core.scheduler.num_preemptions > 0
+    assert small.engine.scheduler.num_preemptions > 0
     assert got == expected
     assert small.engine.info()["free_kv_blocks"] == small.engine.info()["total_kv_blocks"]
 

@@ -56,7 +56,8 @@ def test_line_reports_rates_usage_and_busy_share(caplog: pytest.LogCaptureFixtur
     core.stats.update(generation_tokens=650)
     clock.now += 10.0
     line = stats.maybe_log()
-    assert line is not None and "Avg generation throughput: 20.0 tokens/s" in line and "Steps: 1 (mean 1000.0 ms" in line
+    assert (line is not None and "Avg generation throughput: 20.0 tokens/s" in line
+            and "Steps: 1 (mean 1000.0 ms" in line)
 
 
 def test_disable_log_stats_flag() -> None:

@@ -9,9 +9,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.device import CpuDevice
-from engine.kernels import ENV_AMX_LINEAR, cpu_ops, portable_cpu_ops
-from engine.models import llama
-from engine.models import load_model
+from engine.kernels import cpu_ops, portable_cpu_ops
+from engine.models import llama, load_model
+from engine.models.layers import linear as linear_layer
+from tests.engine.kernel_probe import amx_packed, linears, model_onednn_packed, onednn_packed, prepare
+
+ENV_AMX_LINEAR = "SLUICE_AMX_LINEAR"
 
 
 def _amx_ops() -> Any:
@@ -95,9 +98,7 @@ def _tiny_bf16_model(tmp_path: Path, tied: bool) -> llama.CausalLM:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=tied)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
-    model = load_model(str(tmp_path), torch.bfloat16)
-    CpuDevice().prepare_model(model, torch.bfloat16)
-    return model
+    return prepare(load_model(str(tmp_path), torch.bfloat16), torch.bfloat16)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -105,9 +106,9 @@ def test_bfloat16_model_runs_decode_sized_steps_on_amx_and_larger_ones_on_onednn
         tmp_path: Path, tied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     ops = _amx_ops()
     model = _tiny_bf16_model(tmp_path, tied)
-    linears = [m for m in model.modules() if isinstance(m, llama.Linear)]
-    assert linears and all(m.amx_packed is not None and m.packed is not None for m in linears)
-    assert (model._tied_amx is not None) == tied
+    layers = linears(model)  # the lm_head among them, tied or not
+    assert layers and all(amx_packed(m) is not None and onednn_packed(m) is not None for m in layers)
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
     calls: list[int] = []
 
     class Spy:
@@ -118,19 +119,20 @@ def test_bfloat16_model_runs_decode_sized_steps_on_amx_and_larger_ones_on_onednn
             calls.append(x.shape[0])
             return ops.amx_linear(x, *args)
 
-    for m in linears:
-        m.amx_ops = Spy()
-    model._ops = Spy()
-    limit = llama.AMX_LINEAR_MAX_ROWS
+    for m in layers:
+        m.method.ops = Spy()
+    projections = [m for m in layers if m is not model.lm_head]
+    limit = linear_layer.AMX_LINEAR_MAX_ROWS
     for rows in (3, limit, limit + 1):
         calls.clear()
         x = torch.randn(rows, 64).bfloat16()
         with torch.no_grad():
-            out = [m(x if m.in_features == 64 else torch.randn(rows, m.in_features).bfloat16()) for m in linears]
+            out = [m(x if m.in_features == 64 else torch.randn(rows, m.in_features).bfloat16())
+                   for m in projections]
             model.compute_logits(x, dtype=None)
-        expected = len(linears) + 1 if rows <= limit else 0  # every projection and the lm_head, or none
+        expected = len(projections) + 1 if rows <= limit else 0  # every projection and the lm_head, or none
         assert len(calls) == expected and set(calls) <= {rows}, (rows, calls)
-        assert all(o.dtype == torch.bfloat16 and o.shape == (rows, m.out_features) for o, m in zip(out, linears))
+        assert all(o.dtype == torch.bfloat16 and o.shape == (rows, m.out_features) for o, m in zip(out, projections))
 
 
 def test_linear_hands_the_kernel_whole_rows(tmp_path: Path) -> None:
@@ -140,7 +142,9 @@ def test_linear_hands_the_kernel_whole_rows(tmp_path: Path) -> None:
     x = torch.randn(64, 5).bfloat16().T  # 5 rows whose elements lie 5 apart
     with torch.no_grad():
         got = proj(x)
-    ref = x.float() @ proj.dense_weight().float().T
+    packed = onednn_packed(proj)
+    assert packed is not None
+    ref = x.float() @ packed.to_dense().float().T
     _assert_rounded_from(got, ref)
 
 
@@ -149,21 +153,20 @@ def test_amx_copies_replace_the_quantized_blocks_of_a_bfloat16_model(monkeypatch
     # (faster than the blocks), so the blocks are dropped and no step reads them.
     from gguf import GGMLQuantizationType
 
-    from tests.engine.paged_factory import PagedKV
     from tests.engine.models.test_llama import _backend, _run
     from tests.engine.models.test_quant import _counting_quant_linear, _quantized_tiny_model
+    from tests.engine.paged_factory import PagedKV
 
     ops = _amx_ops()
-    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", None)
+    monkeypatch.delenv("SLUICE_QUANT_MAX_ROWS", raising=False)
     model = _quantized_tiny_model(GGMLQuantizationType.Q4_1).to(torch.bfloat16)
     assert model.quantized_linears == 9
-    CpuDevice().prepare_model(model, torch.bfloat16)
-    assert model.quantized_linears == 0 and model._tied_amx is not None
-    assert all(m.amx_packed is not None and m.quant is None for m in model.modules() if isinstance(m, llama.Linear))
+    prepare(model, torch.bfloat16)
+    assert model.quantized_linears == 0 and amx_packed(model.lm_head) is not None
+    assert all(amx_packed(m) is not None and m.quant is None for m in linears(model))
     reference = _quantized_tiny_model(GGMLQuantizationType.Q4_1).to(torch.bfloat16)
     reference.drop_quantized()
-    monkeypatch.setenv(ENV_AMX_LINEAR, "0")
-    CpuDevice().prepare_model(reference, torch.bfloat16)
+    prepare(reference, torch.bfloat16, amx_linear=False)
     quant_calls = _counting_quant_linear(monkeypatch)
     amx_rows: list[int] = []
     real = ops.amx_linear
@@ -176,10 +179,8 @@ def test_amx_copies_replace_the_quantized_blocks_of_a_bfloat16_model(monkeypatch
             amx_rows.append(x.shape[0])
             return real(x, *args)
 
-    for m in model.modules():
-        if isinstance(m, llama.Linear):
-            m.amx_ops = Spy()
-    model._ops = Spy()
+    for m in linears(model):
+        m.method.ops = Spy()
     cfg = model.config
     kv_a, kv_r = (PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=4,
                           dtype=torch.bfloat16, backend=_backend(m)) for m in (model, reference))
@@ -194,23 +195,26 @@ def test_amx_linear_switched_off_keeps_onednn_only(tmp_path: Path, monkeypatch: 
     _amx_ops()
     monkeypatch.setenv(ENV_AMX_LINEAR, "0")
     model = _tiny_bf16_model(tmp_path, tied=True)
-    assert model.onednn_packed and model._tied_amx is None
-    assert all(m.amx_packed is None for m in model.modules() if isinstance(m, llama.Linear))
+    assert model_onednn_packed(model) and amx_packed(model.lm_head) is None
+    assert all(amx_packed(m) is None for m in linears(model))
 
 
 def test_amx_copies_count_their_bytes_and_are_skipped_when_memory_is_short(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _amx_ops()
     model = _tiny_bf16_model(tmp_path / "a", tied=True)
-    copies = [m.amx_packed for m in model.modules() if isinstance(m, llama.Linear)] + [model._tied_amx]
-    assert model.amx_pack_bytes() == sum(c.numel() * c.element_size() for c in copies)
+    copies = [amx_packed(m) for m in linears(model)]
+    assert all(c is not None for c in copies)
+    bytes_needed = sum(c.numel() * c.element_size() for c in copies if c is not None)
+    fresh = load_model(str(tmp_path / "a"), torch.bfloat16)  # before use_kernels: what the copies would cost
+    assert fresh.amx_pack_bytes() == bytes_needed
     # Copies over a quarter of the memory available at load: none are made, oneDNN runs every step.
-    monkeypatch.setattr(CpuDevice, "memory_info", lambda self: (3 * model.amx_pack_bytes(), 2**34))
+    monkeypatch.setattr(CpuDevice, "memory_info", lambda self: (3 * bytes_needed, 2**34))
     short = _tiny_bf16_model(tmp_path / "b", tied=True)
-    assert short.onednn_packed and short._tied_amx is None
-    assert all(m.amx_packed is None for m in short.modules() if isinstance(m, llama.Linear))
-    monkeypatch.setattr(CpuDevice, "memory_info", lambda self: (4 * model.amx_pack_bytes(), 2**34))
-    assert _tiny_bf16_model(tmp_path / "c", tied=True)._tied_amx is not None
+    assert model_onednn_packed(short) and amx_packed(short.lm_head) is None
+    assert all(amx_packed(m) is None for m in linears(short))
+    monkeypatch.setattr(CpuDevice, "memory_info", lambda self: (4 * bytes_needed, 2**34))
+    assert amx_packed(_tiny_bf16_model(tmp_path / "c", tied=True).lm_head) is not None
 
 
 def test_amx_and_onednn_steps_agree_on_a_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,5 +228,5 @@ def test_amx_and_onednn_steps_agree_on_a_model(tmp_path: Path, monkeypatch: pyte
     with torch.no_grad():
         a = on.compute_logits(on.layers[0].mlp(x), dtype=torch.float32)
         b = off.compute_logits(off.layers[0].mlp(x), dtype=torch.float32)
-    assert on.layers[0].mlp.gate_up_proj.amx_packed is not None and off.layers[0].mlp.gate_up_proj.amx_packed is None
+    assert amx_packed(on.layers[0].mlp.gate_up_proj) is not None and amx_packed(off.layers[0].mlp.gate_up_proj) is None
     assert torch.allclose(a, b, rtol=2 ** -6, atol=2 ** -6 * float(b.abs().max())), float((a - b).abs().max())

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import RMSNorm
+from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import _rotate
 
 
@@ -142,12 +142,12 @@ def test_argmax_rows_ties_nan_and_infinities_as_torch(ops: Any, dtype: torch.dty
 
 
 def test_sampler_greedy_rows_use_the_device_argmax() -> None:
-    from engine.kernels import cpu_argmax_rows
-    from engine.worker.sampler import Sampler, SamplingRow
     from engine.core.sampling_params import SamplingParams
+    from engine.device import CpuDevice
+    from engine.worker.sampler import Sampler, SamplingRow
 
     calls: list[tuple[int, ...]] = []
-    kernel = cpu_argmax_rows()
+    kernel = CpuDevice().row_argmax()
     assert kernel is not None
 
     def counted(x: torch.Tensor) -> torch.Tensor:

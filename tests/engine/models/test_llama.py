@@ -8,16 +8,28 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
-from engine.attention.torch_backend import AttentionBackend, TorchAttentionBackend
-from engine.device.base import CpuDevice
+from engine.attention.backend import AttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.device import CpuDevice
 from engine.models import CausalLM, build_model, load_model, resolve_dtype
 from engine.models.config import RopeScaling, config_from_hf
 from engine.models.dtype import cpu_has_native_bf16
 from engine.models.gguf_loader import hf_name, unpermute_qk
-from engine.models.llama import SMALL_BATCH_ROWS, linear
+from engine.models.layers.linear import SMALL_BATCH_ROWS, linear
+from tests.engine.kernel_probe import amx_packed, dense_weight, model_onednn_packed, prepare, uses_cpu_ops
 from tests.engine.paged_factory import PagedKV
 
 TOL = 1e-4  # fp32 vs fp32: only summation order differs
@@ -53,16 +65,16 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
                 param.copy_(0.08 * noise)
 
 
-# "+cpu-kernels": the engine's CPU path (CpuDevice.prepare_model: oneDNN prepacked linears, and the
+# "+cpu-kernels": the engine's CPU path (the CPU device's kernel choice: oneDNN prepacked linears, and the
 # compiled cpu_ops: paged decode attention, RMSNorm fused with the residual adds, SiLU-and-mul, rotary).
 PATHS = ["torch", "cpu-kernels"]
 
 
 def _prepare(model: CausalLM, path: str) -> CausalLM:
     if path == "cpu-kernels":
-        CpuDevice().prepare_model(model, torch.float32)
-        assert model.onednn_packed, "oneDNN packing did not happen (SLUICE_CPU_KERNELS=0 or no mkldnn)"
-        assert model.uses_cpu_ops, "engine/kernels/cpu_ops.cpp did not build (see the warning logged)"
+        prepare(model, torch.float32)
+        assert model_onednn_packed(model), "oneDNN packing did not happen (SLUICE_CPU_KERNELS=0 or no mkldnn)"
+        assert uses_cpu_ops(model), "engine/kernels/cpu_ops.cpp did not build (see the warning logged)"
     return model
 
 
@@ -83,7 +95,7 @@ def _hf_logits(hf: PreTrainedModel, ids: list[int]) -> torch.Tensor:
 
 
 def _backend(model: CausalLM) -> AttentionBackend:
-    if model.onednn_packed:
+    if model_onednn_packed(model):
         backend = CpuDevice().attention_backend()
         assert getattr(backend, "decode_kernel", None) is not None, "the CPU decode kernel did not build"
         return backend
@@ -164,8 +176,8 @@ def test_bfloat16_cpu_kernels_stay_as_close_to_float32_as_transformers_bfloat16(
     _randomize(hf, seed=1)
     hf.save_pretrained(tmp_path)
     ours = load_model(str(tmp_path), torch.bfloat16)
-    CpuDevice().prepare_model(ours, torch.bfloat16)
-    assert ours.onednn_packed and ours.uses_cpu_ops
+    prepare(ours, torch.bfloat16)
+    assert model_onednn_packed(ours) and uses_cpu_ops(ours)
     assert ours.quantized_linears == 0
     hf16 = VARIANTS[variant]().eval()
     hf16.load_state_dict(hf.state_dict())
@@ -196,8 +208,8 @@ def test_long_bfloat16_prefills_on_the_amx_kernel_stay_as_close_as_transformers_
     # Prefills that see >= 256 keys on average run the AMX prefill kernel (CPUs with AMX): a fresh 300-token
     # prompt beside a 280-token one, then 40 more tokens after each (a chunk over 300 / 280 cached keys). The
     # last positions' logits stay as close to transformers' float32 as transformers' own bfloat16 run.
-    from engine.kernels import cpu_paged_prefill_attention
-    if cpu_paged_prefill_attention() is None:
+    from engine.kernels import cpu_ops
+    if cpu_ops() is None or not cpu_ops().has_amx_attention():
         pytest.skip("needs a CPU with AMX-BF16 (and the CPU kernels built)")
     torch.manual_seed(0)
     config = LlamaConfig(**{**_COMMON, "hidden_size": 128, "max_position_embeddings": 512},
@@ -205,8 +217,7 @@ def test_long_bfloat16_prefills_on_the_amx_kernel_stay_as_close_as_transformers_
     hf = LlamaForCausalLM(config).eval()
     _randomize(hf, seed=3)
     hf.save_pretrained(tmp_path)
-    ours = load_model(str(tmp_path), torch.bfloat16)
-    CpuDevice().prepare_model(ours, torch.bfloat16)
+    ours = prepare(load_model(str(tmp_path), torch.bfloat16), torch.bfloat16)
     hf16 = LlamaForCausalLM(config).eval()
     hf16.load_state_dict(hf.state_dict())
     hf16 = hf16.to(torch.bfloat16)
@@ -263,10 +274,11 @@ def test_fused_projections_hold_the_checkpoint_slices(pair: tuple[PreTrainedMode
     hf_attn, hf_mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
     attn, mlp = ours.layers[1].self_attn, ours.layers[1].mlp
     qkv = torch.cat([hf_attn.q_proj.weight, hf_attn.k_proj.weight, hf_attn.v_proj.weight])
-    assert torch.equal(attn.qkv_proj.dense_weight(), qkv)
-    assert torch.equal(mlp.gate_up_proj.dense_weight(), torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]))
+    assert torch.equal(dense_weight(attn.qkv_proj), qkv)
+    assert torch.equal(dense_weight(mlp.gate_up_proj), torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]))
     if ours.config.attention_bias:
-        assert torch.equal(attn.qkv_proj.bias, torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias]))
+        assert torch.equal(attn.qkv_proj.bias,
+                           torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias]))
 
 
 def test_missing_weight_is_an_error() -> None:
@@ -364,7 +376,7 @@ def test_default_gguf_matches_transformers(default_gguf: tuple[Path, CausalLM]) 
     logits = _run(ours, kv, [("q", ids)])
     torch.testing.assert_close(logits, expected, atol=GGUF_TOL, rtol=0)
     assert int(logits[-1].argmax()) == int(expected[-1].argmax())
-    if ours.uses_cpu_ops:  # decode steps below run on the file's Q4_1 / Q8_0 blocks (quant_linear)
+    if uses_cpu_ops(ours):  # decode steps below run on the file's Q4_1 / Q8_0 blocks (quant_linear)
         assert ours.quantized_linears == 4 * cfg.num_layers + 1
     answer: list[int] = []
     decode_logits = []
@@ -393,13 +405,13 @@ def test_default_gguf_in_bfloat16_answers_as_float32_does() -> None:
 
     path = Path(default_model_path())
     ours = load_model(str(path), torch.bfloat16)
-    CpuDevice().prepare_model(ours, torch.bfloat16)
+    prepare(ours, torch.bfloat16)
     cfg = ours.config
     from engine.kernels import cpu_ops
     amx = cpu_ops() is not None and cpu_ops().has_amx_linear()
-    assert ours.onednn_packed and ours.uses_cpu_ops
+    assert model_onednn_packed(ours) and uses_cpu_ops(ours)
     assert ours.quantized_linears == (0 if amx else 4 * cfg.num_layers + 1)
-    assert (ours._tied_amx is not None) == amx
+    assert (amx_packed(ours.lm_head) is not None) == amx
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]

@@ -17,13 +17,16 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine.device.base import CpuDevice
+from engine.device.kernel_choice import BF16_QUANT_MAX_ROWS, KernelChoice
 from engine.models import llama
 from engine.models.config import ModelConfig
-from engine.models.llama import Linear, build_model
+from engine.models.layers import linear as linear_layer
+from engine.models.layers.linear import BlockQuantLinearMethod, Linear, OneDnnLinearMethod
+from engine.models.llama import build_model
 from engine.models.quant import QuantWeight, cat_rows, from_gguf_blocks, permute_rows
-from tests.engine.paged_factory import PagedKV
+from tests.engine.kernel_probe import blocks_only, model_onednn_packed, onednn_packed, prepare, uses_cpu_ops
 from tests.engine.models.test_llama import _backend, _run
+from tests.engine.paged_factory import PagedKV
 
 FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -179,21 +182,21 @@ def _quantized_tiny_model(qtype: GGMLQuantizationType, v_type: GGMLQuantizationT
 def _counting_quant_linear(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records the row count of every ``quant_linear`` call the model makes."""
     calls: list[int] = []
-    real = llama.quant_linear
+    real = linear_layer.quant_linear
 
     def counting(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         calls.append(x.shape[0])
         return real(ops, x, weight, bias)
 
-    monkeypatch.setattr(llama, "quant_linear", counting)
+    monkeypatch.setattr(linear_layer, "quant_linear", counting)
     return calls
 
 
 def _float32_reference() -> llama.CausalLM:
     reference = _quantized_tiny_model(GGMLQuantizationType.Q4_1)
     reference.drop_quantized()
-    CpuDevice().prepare_model(reference, torch.float32)
-    assert reference.quantized_linears == 0 and reference.onednn_packed
+    prepare(reference, torch.float32)
+    assert reference.quantized_linears == 0 and model_onednn_packed(reference)
     return reference
 
 
@@ -210,16 +213,17 @@ def _compare(model: llama.CausalLM, reference: llama.CausalLM, prompt: list[int]
 
 
 def test_model_runs_every_step_on_blocks_and_frees_float32(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", None)  # the default: no row limit
+    monkeypatch.delenv("SLUICE_QUANT_MAX_ROWS", raising=False)  # the default: no row limit
     reference = _float32_reference()
     model = _quantized_tiny_model(GGMLQuantizationType.Q4_1)
     assert model.quantized_linears == 2 * 4 + 1  # qkv, o, gate_up, down per layer + the tied lm_head
-    CpuDevice().prepare_model(model, torch.float32)
-    assert model.uses_cpu_ops and model.quantized_linears == 9
+    prepare(model, torch.float32)
+    assert uses_cpu_ops(model) and model.quantized_linears == 9
     for layer in (model.layers[0].mlp.gate_up_proj, model.layers[1].self_attn.qkv_proj):
-        assert layer.quant_ops is not None and layer.blocks_only
-        assert layer.weight is None and layer.packed is None  # the float32 copy is gone, not packed
-    assert model._tied_packed is None and model.embed_tokens.weight is not None  # lookup keeps the table
+        assert blocks_only(layer)
+        assert layer.weight is None and onednn_packed(layer) is None  # the float32 copy is gone, not packed
+    assert blocks_only(model.lm_head) and onednn_packed(model.lm_head) is None
+    assert model.embed_tokens.weight is not None  # lookup keeps the table
     with pytest.raises(RuntimeError, match="only their blocks left"):
         model.drop_quantized()
 
@@ -231,27 +235,25 @@ def test_model_runs_every_step_on_blocks_and_frees_float32(monkeypatch: pytest.M
 
 
 def test_row_limit_keeps_float32_for_larger_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", 8)  # SLUICE_QUANT_MAX_ROWS=8
     reference = _float32_reference()
-    model = _quantized_tiny_model(GGMLQuantizationType.Q4_1)
-    CpuDevice().prepare_model(model, torch.float32)
+    model = prepare(_quantized_tiny_model(GGMLQuantizationType.Q4_1), torch.float32, quant_max_rows=8)
     layer = model.layers[0].mlp.gate_up_proj
-    assert layer.quant_ops is not None and not layer.blocks_only and layer.packed is not None
-    assert model._tied_packed is not None
-    with pytest.raises(RuntimeError, match="still reads its float32 weight"):
-        layer.free_dense()
+    assert isinstance(layer.method, BlockQuantLinearMethod) and layer.method.max_rows == 8
+    assert not blocks_only(layer) and onednn_packed(layer) is not None
+    assert onednn_packed(model.lm_head) is not None
+    assert model.embed_tokens.weight is model.lm_head.weight  # tied: the table is never freed
 
     calls = _counting_quant_linear(monkeypatch)
     _compare(model, reference, list(range(3, 3 + 13)), decode=[5, 9, 11])  # prefill above the limit: float32
     assert calls == [1] * 9 * 3
 
 
-def test_blocks_only_layer_takes_any_leading_shape(ops: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", None)
+def test_blocks_only_layer_takes_any_leading_shape(ops: Any) -> None:
     weight, reference = _blocks(24, 64, GGMLQuantizationType.Q8_0, seed=9)
     layer = Linear(64, 24, bias=False)
-    layer.quant, layer.quant_ops = weight, ops
-    layer.free_dense()
+    layer.quant = weight
+    layer.use_kernels(KernelChoice(ops=ops, onednn=True, quant_max_rows=None))
+    assert blocks_only(layer) and layer.weight is None
     x = torch.randn(2, 7, 64)
     out = layer(x)
     assert out.shape == (2, 7, 24)
@@ -269,63 +271,67 @@ def test_kernels_off_drop_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _quantized_tiny_model(GGMLQuantizationType.Q8_0)
     assert model.quantized_linears == 9
     monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
-    CpuDevice().prepare_model(model, torch.float32)
-    assert model.quantized_linears == 0 and not model.uses_cpu_ops
+    prepare(model, torch.float32)
+    assert model.quantized_linears == 0 and not uses_cpu_ops(model) and not model_onednn_packed(model)
     x = torch.randn(1, 64)
     proj = model.layers[0].self_attn.o_proj
     torch.testing.assert_close(proj(x), F.linear(x, proj.weight))
 
 
-def test_linear_uses_blocks_only_up_to_the_threshold(ops: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", 48)
+def test_linear_uses_blocks_only_up_to_the_threshold(ops: Any) -> None:
+    limit = 48
     weight, reference = _blocks(40, 64, GGMLQuantizationType.Q4_0, seed=5)
     layer = Linear(64, 40, bias=True)
     with torch.no_grad():
         layer.weight.copy_(reference)
         layer.bias.copy_(torch.randn(40))
-    layer.quant, layer.quant_ops = weight, ops
-    layer.pack_onednn()
-    for rows in (1, llama.QUANT_MAX_ROWS, llama.QUANT_MAX_ROWS + 1, 64):
+    layer.quant = weight
+    layer.use_kernels(KernelChoice(ops=ops, onednn=True, quant_max_rows=limit))
+    assert isinstance(layer.method, BlockQuantLinearMethod)
+    assert isinstance(layer.method.fallback, OneDnnLinearMethod) and layer.weight is None
+    for rows in (1, limit, limit + 1, 64):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), F.linear(x, reference, layer.bias), rtol=1e-5, atol=1e-5)
     # Blocks that disagree with the float32 weight show which path ran.
-    layer.quant = QuantWeight("u4", weight.codes, weight.scales, torch.zeros_like(weight.mins))
+    layer.method.blocks = QuantWeight("u4", weight.codes, weight.scales, torch.zeros_like(weight.mins))
     x = torch.randn(1, 64)
     assert not torch.allclose(layer(x), F.linear(x, reference, layer.bias), atol=1e-3)
-    x = torch.randn(llama.QUANT_MAX_ROWS + 1, 64)
+    x = torch.randn(limit + 1, 64)
     torch.testing.assert_close(layer(x), F.linear(x, reference, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_quant_max_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(llama.ENV_QUANT_MAX_ROWS, raising=False)
-    assert llama.quant_max_rows_from_env() is None  # no limit
-    monkeypatch.setenv(llama.ENV_QUANT_MAX_ROWS, " ")
-    assert llama.quant_max_rows_from_env() is None
-    monkeypatch.setenv(llama.ENV_QUANT_MAX_ROWS, "0")
-    assert llama.quant_max_rows_from_env() == 0
-    monkeypatch.setenv(llama.ENV_QUANT_MAX_ROWS, " 16 ")
-    assert llama.quant_max_rows_from_env() == 16
+    from common.errors import InvalidRequestError
+    from engine.config import KernelSettings
+
+    def rows(value: str | None) -> int | None:
+        env = {} if value is None else {"SLUICE_QUANT_MAX_ROWS": value}
+        return KernelSettings.from_env(env).quant_max_rows
+
+    assert rows(None) is None  # no limit
+    assert rows(" ") is None
+    assert rows("0") == 0
+    assert rows(" 16 ") == 16
     for bad in ("-1", "many", "1.5"):
-        monkeypatch.setenv(llama.ENV_QUANT_MAX_ROWS, bad)
-        with pytest.raises(ValueError, match="SLUICE_QUANT_MAX_ROWS must be a non-negative integer"):
-            llama.quant_max_rows_from_env()
+        with pytest.raises(InvalidRequestError, match="SLUICE_QUANT_MAX_ROWS must be a non-negative integer"):
+            rows(bad)
 
 
 def test_bfloat16_model_reads_its_blocks_for_small_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
     # --dtype auto on AVX512-BF16 CPUs without amx_linear: the prompt's steps run oneDNN's bfloat16 GEMM on the
     # dense weights, steps of up to BF16_QUANT_MAX_ROWS rows read the blocks (widened to float32 for the kernel).
     # (Where amx_linear runs it replaces the blocks: tests/engine/kernels/test_amx_linear.py.)
-    monkeypatch.setattr(llama, "QUANT_MAX_ROWS", None)  # SLUICE_QUANT_MAX_ROWS unset
+    monkeypatch.delenv("SLUICE_QUANT_MAX_ROWS", raising=False)
     monkeypatch.setenv("SLUICE_AMX_LINEAR", "0")
     model = _quantized_tiny_model(GGMLQuantizationType.Q4_1).to(torch.bfloat16)
-    CpuDevice().prepare_model(model, torch.bfloat16)
-    assert model.uses_cpu_ops and model.onednn_packed and model.quantized_linears == 9
+    prepare(model, torch.bfloat16)
+    assert uses_cpu_ops(model) and model_onednn_packed(model) and model.quantized_linears == 9
     layer = model.layers[0].mlp.gate_up_proj
-    assert layer.model_dtype == torch.bfloat16 and not layer.blocks_only and layer.packed is not None
-    assert model._tied_packed is not None
+    assert isinstance(layer.method, BlockQuantLinearMethod) and layer.method.max_rows == BF16_QUANT_MAX_ROWS
+    assert onednn_packed(layer) is not None and onednn_packed(model.lm_head) is not None
     reference = _quantized_tiny_model(GGMLQuantizationType.Q4_1).to(torch.bfloat16)
     reference.drop_quantized()
-    CpuDevice().prepare_model(reference, torch.bfloat16)
+    prepare(reference, torch.bfloat16)
 
     calls = _counting_quant_linear(monkeypatch)
     cfg = model.config
@@ -339,6 +345,6 @@ def test_bfloat16_model_reads_its_blocks_for_small_steps_only(monkeypatch: pytes
         assert float((got - expected).norm() / expected.norm()) < 0.02
     # Steps of up to the limit on the blocks (4 projections x 2 layers and the tied lm_head each), the
     # prompt's 13 rows on oneDNN.
-    limit = llama.BF16_QUANT_MAX_ROWS
+    limit = BF16_QUANT_MAX_ROWS
     assert 1 <= limit < 13
     assert calls == [rows for rows in (13, 1, 4, 2) if rows <= limit for _ in range(9)]

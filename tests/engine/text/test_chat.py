@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 from engine.text import Tokenizer
 
 SYSTEM_USER_ASSISTANT = [

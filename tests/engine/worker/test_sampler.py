@@ -6,9 +6,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from engine.core.sampling_params import SamplingParams
 from engine.worker.sampler import Sampler, SamplingRow, make_generator
 from engine.worker.sampling_ops import apply_min_p, apply_top_k_top_p, exponential_race
-from engine.core.sampling_params import SamplingParams
 
 V = 8
 EOS = 0

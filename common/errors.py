@@ -1,4 +1,5 @@
-"""The engine's typed errors: what callers (the offline API, the gRPC servicer) map to responses."""
+"""Sluice's typed errors: raised by the engine, mapped to gRPC status codes (common.grpc_errors) and to
+OpenAI error bodies."""
 
 from __future__ import annotations
 

@@ -1,0 +1,44 @@
+"""What a device decides once, at load, for every layer's kernel: the one object layers read to pick theirs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# In a bfloat16 model, steps of up to this many rows read a layer's GGUF blocks (where amx_linear does not run):
+# reading a third of the bytes wins at 1-2 rows (the default model's 120 projections: 7.3 ms on the blocks against
+# 10.9 ms on oneDNN at 1 row, 9.5 against 10.8 at 2, even at 3, 16.2 against 11.0 at 8; docs/cpu-kernels.md).
+# Float32 models run every step on the blocks (no limit).
+BF16_QUANT_MAX_ROWS = 2
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels a device offers a model's layers.
+
+    ``ops``: the compiled CPU kernels (``engine.kernels.cpu_ops``): fused RMSNorm with the residual add,
+    SiLU-and-mul, in-place rotary, and the block-quantized and AMX linears; None = PyTorch ops.
+    ``onednn``: linears keep oneDNN's prepacked copy of their weight instead of the weight.
+    ``quant_max_rows``: steps of at most this many rows run a layer's GGUF blocks (``ops`` needed); None = every
+    step (the dense weight is then freed).
+    ``amx_linear``: bfloat16 linears whose sides are multiples of 32 run steps of up to ``AMX_LINEAR_MAX_ROWS``
+    rows on a tile-packed copy of their weight (replacing their blocks)."""
+
+    ops: Any = None
+    onednn: bool = False
+    quant_max_rows: int | None = None
+    amx_linear: bool = False
+
+    @classmethod
+    def torch(cls) -> KernelChoice:
+        """PyTorch ops only (any device, any dtype)."""
+        return cls()
+
+
+def default_quant_max_rows(dtype: torch.dtype, override: int | None) -> int | None:
+    """The row limit of block-quantized steps for a ``dtype`` model: ``override`` when set, else none for float32
+    and ``BF16_QUANT_MAX_ROWS`` otherwise."""
+    if override is not None:
+        return override
+    return None if dtype == torch.float32 else BF16_QUANT_MAX_ROWS

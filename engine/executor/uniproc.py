@@ -1,0 +1,57 @@
+"""The ``uniproc`` executor: one worker in the engine process, called directly."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from engine.models import ModelConfig
+from engine.worker.model_runner import RunnerOutput
+from engine.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from engine.core.request import SequenceId
+    from engine.core.scheduler import SchedulerOutput
+
+
+class UniprocExecutor:
+    """Loads the model, sizes the KV cache and executes each step's ``SchedulerOutput`` on one worker."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config)
+        self.num_blocks = 0
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.worker.model_config
+
+    @property
+    def device_name(self) -> str:
+        return self.worker.device.name
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.worker.dtype).removeprefix("torch.")
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        return str(self.worker.kv_cache_dtype).removeprefix("torch.")
+
+    def initialize_cache(self, eos_token_ids: set[int]) -> int:
+        """Allocates the KV cache and the runner; returns the number of blocks."""
+        self.num_blocks = self.worker.num_kv_blocks()
+        self.worker.init_runner(self.num_blocks, eos_token_ids)
+        return self.num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        assert self.worker.runner is not None, "initialize_cache first"
+        return self.worker.runner.execute(scheduler_output)
+
+    @property
+    def last_prepare_s(self) -> float:
+        runner = self.worker.runner
+        return 0.0 if runner is None else runner.last_prepare_s
+
+    def release(self, seq_ids: list[SequenceId]) -> None:
+        """Forget the per-sequence state (seeded generators) of sequences that ended."""
+        if self.worker.runner is not None:
+            self.worker.runner.release(seq_ids)

@@ -1,0 +1,191 @@
+"""Linear layers and the methods that compute them.
+
+A :class:`Linear` holds one :class:`LinearMethod`, picked once at load by :func:`choose_linear_method` from its
+weights (dense, GGUF blocks) and the device's :class:`KernelChoice`; ``forward`` calls it and never branches on
+kernels. Methods that only pay off for small steps (the block-quantized and AMX ones) hand larger steps to the
+method they wrap. Tensor-parallel shards, W8A8 and LoRA are more methods of the same shape.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.device.kernel_choice import KernelChoice
+from engine.models.quant import QuantWeight
+
+# Up to this many rows, a CPU float32 matmul runs faster as ``weight @ x.T`` than as ``x @ weight.T``:
+# measured with torch 2.13's MKL on 2 AVX2 cores, 576 -> 3072 took 1.09 ms instead of 1.51 ms at 32 rows and
+# the 576 -> 49152 lm_head 22 ms instead of 33 ms; from about 512 rows on the two are even.
+SMALL_BATCH_ROWS = 256
+
+# Steps of up to this many rows of a bfloat16 model run amx_linear on a tile-packed copy of the weight where the
+# CPU has AMX: bound by reading the weights, it streams them 1.3-1.5x faster than oneDNN's GEMM at these sizes
+# (the default model's projections and lm_head: 11.8 ms against 17.5 ms per step at 32 rows; docs/cpu-kernels.md).
+# Larger steps (prefill) run oneDNN. It replaces the layer's GGUF blocks: a 1-sequence decode step took
+# 13.4-14.0 ms on amx_linear against 14.4-16.0 ms on the blocks.
+AMX_LINEAR_MAX_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` over a 2-D batch, computed as ``(weight @ x.T).T`` for small CPU float32 batches."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 1 < x.shape[0] <= SMALL_BATCH_ROWS:
+        out = torch.mm(weight, x.t()).t().contiguous()
+        return out if bias is None else out.add_(bias)
+    return F.linear(x, weight, bias)
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's prepacked (blocked) copy of a float32 or bfloat16 [out, in] CPU weight, for ``onednn_linear``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def quant_linear(ops: Any, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T (+ bias)`` by the float32 kernel; float32 out for any ``x`` dtype."""
+    out = ops.quant_linear(x if x.dtype == torch.float32 else x.float(), weight.codes, weight.scales, weight.mins,
+                           weight.format)
+    return out if bias is None else out.add_(bias)
+
+
+def amx_packable(weight: torch.Tensor | None) -> bool:
+    """Whether ``cpu_ops.amx_pack_linear`` takes this [out, in] weight (bfloat16, both sides multiples of 32)."""
+    return (weight is not None and weight.dim() == 2 and weight.dtype == torch.bfloat16
+            and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0)
+
+
+class LinearMethod(ABC):
+    """How one layer computes ``x @ W.T + b`` for 2-D ``x``."""
+
+    # Whether it reads ``layer.weight`` (else the layer frees it, unless the weight is shared).
+    reads_weight: bool = False
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseLinearMethod(LinearMethod):
+    """The layer's own weight through ``F.linear`` (``weight @ x.T`` for small CPU float32 batches)."""
+
+    reads_weight = True
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, layer.weight, layer.bias)
+
+
+class OneDnnLinearMethod(LinearMethod):
+    """oneDNN on a prepacked copy of the weight (what vLLM's CPU backend and inductor's freezing use): from 1.1x
+    (576 -> 3072 at 128 rows) to 2x (the 576 -> 49152 lm_head at 32 rows) faster than ``F.linear`` on 2 cores."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = onednn_pack(weight)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, self.packed, layer.bias)
+
+
+class BlockQuantLinearMethod(LinearMethod):
+    """The ``quant_linear`` kernel on the checkpoint's GGUF blocks for steps of up to ``max_rows`` rows (None: all),
+    ``fallback`` for larger ones. Float32 models run every step here (1.2-2.5x faster per model step than oneDNN on
+    the dequantized weights, whose copies are then freed); bfloat16 models only the smallest steps."""
+
+    def __init__(self, ops: Any, blocks: QuantWeight, max_rows: int | None, fallback: LinearMethod | None,
+                 cast_output: bool = True) -> None:
+        if max_rows is not None and fallback is None:
+            raise ValueError("a row limit needs a fallback method for the larger steps")
+        self.ops = ops
+        self.blocks = blocks
+        self.max_rows = max_rows
+        self.fallback = fallback
+        self.cast_output = cast_output  # False: float32 out (an lm_head's logits)
+        self.reads_weight = fallback is not None and fallback.reads_weight
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.max_rows is None or x.shape[0] <= self.max_rows:
+            out = quant_linear(self.ops, x, self.blocks, layer.bias)
+            return out.to(x.dtype) if self.cast_output and out.dtype != x.dtype else out
+        assert self.fallback is not None
+        return self.fallback.apply(layer, x)
+
+
+class AmxLinearMethod(LinearMethod):
+    """``amx_linear`` on a tile-packed bfloat16 copy for steps of up to ``AMX_LINEAR_MAX_ROWS`` rows, ``fallback``
+    (oneDNN) for larger ones."""
+
+    def __init__(self, ops: Any, weight: torch.Tensor, fallback: LinearMethod) -> None:
+        self.ops = ops
+        self.packed = ops.amx_pack_linear(weight)
+        self.fallback = fallback
+        self.reads_weight = fallback.reads_weight
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= AMX_LINEAR_MAX_ROWS and x.dtype == torch.bfloat16:
+            rows = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads whole rows
+            return self.ops.amx_linear(rows, self.packed, layer.bias)
+        return self.fallback.apply(layer, x)
+
+
+_DENSE = DenseLinearMethod()
+
+
+class Linear(nn.Linear):
+    """A linear layer whose computation is its ``method``. ``quant`` holds the checkpoint's GGUF blocks until
+    ``use_kernels`` hands them to a method (or drops them); ``shares_weight``: the weight belongs to another
+    module too (a tied lm_head's embedding table), so no method frees it."""
+
+    quant: QuantWeight | None = None
+    method: LinearMethod = _DENSE
+    shares_weight: bool = False
+    is_lm_head: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.method.apply(self, x)
+        out = self.method.apply(self, x.reshape(-1, x.shape[-1]))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def use_kernels(self, choice: KernelChoice) -> None:
+        """Pick this layer's method once (after its weights are loaded); frees what the method does not read."""
+        self.method = choose_linear_method(self, choice)
+        self.quant = None  # held by the method now, or not usable here
+        if not self.method.reads_weight and not self.shares_weight:
+            self.weight = None  # type: ignore[assignment]
+
+    def amx_pack_bytes(self) -> int:
+        """What a tile-packed copy of this layer's weight would take (0 when it cannot have one)."""
+        if self.weight is None or self.out_features % 32 or self.in_features % 32:
+            return 0
+        return 2 * self.out_features * self.in_features
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether this layer keeps GGUF blocks (waiting for ``use_kernels`` or in its method)."""
+        return self.quant is not None or isinstance(self.method, BlockQuantLinearMethod)
+
+
+def choose_linear_method(layer: Linear, choice: KernelChoice) -> LinearMethod:
+    """The method of one layer, from its weights and the device's choice (see :class:`KernelChoice`)."""
+    weight = layer.weight
+
+    def base() -> LinearMethod:
+        return OneDnnLinearMethod(weight) if choice.onednn and weight is not None else _DENSE
+
+    if choice.amx_linear and choice.ops is not None and amx_packable(weight):
+        return AmxLinearMethod(choice.ops, weight, base())
+    if layer.quant is not None and choice.ops is not None:
+        limit = choice.quant_max_rows
+        return BlockQuantLinearMethod(choice.ops, layer.quant, limit, None if limit is None else base(),
+                                      cast_output=not layer.is_lm_head)
+    return base()
+
+
+def linear_methods(model: nn.Module) -> Counter[str]:
+    """How many linear layers of ``model`` run each method (by class name), for logs and tests."""
+    return Counter(type(m.method).__name__ for m in model.modules() if isinstance(m, Linear))

@@ -1,0 +1,85 @@
+"""The worker: one device, the model on it with its kernels chosen, its KV cache and its model runner."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.errors import InvalidRequestError
+from engine.config import EngineConfig
+from engine.device import Device, get_device
+from engine.models import CausalLM, ModelConfig, load_model, resolve_dtype
+from engine.models.layers.linear import linear_methods
+from engine.worker.model_runner import ModelRunner, RunnerOutput
+from engine.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 2 * 2**30
+
+
+def prepare_model(model: CausalLM, device: Device, dtype: torch.dtype) -> None:
+    """Every layer of a loaded model picks its kernel, once, from what ``device`` offers a ``dtype`` model."""
+    choice = device.kernel_choice(dtype, model.amx_pack_bytes())
+    model.use_kernels(choice)
+    methods = linear_methods(model)
+    logger.info("linear layers: %s; fused norms and activations: %s",
+                ", ".join(f"{n} {name.removesuffix('LinearMethod')}" for name, n in sorted(methods.items())),
+                "cpu_ops" if choice.ops is not None else "PyTorch")
+
+
+class Worker:
+    """Loads the model on its device and runs the steps the executor hands it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = get_device(config.device, num_threads=config.num_threads, kernels=config.kernels)
+        self.device.set_seed(config.seed)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
+                               else resolve_dtype(config.kv_cache_dtype, config.device))
+        self.model = load_model(config.model_path, self.dtype, self.device.torch_device)
+        prepare_model(self.model, self.device, self.dtype)
+        self.runner: ModelRunner | None = None
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    def num_kv_blocks(self) -> int:
+        """KV blocks for the configured memory (``--kv-cache-memory`` on CPU, a share of device memory less what
+        the weights and a step's activations hold on accelerators), or ``--num-kv-blocks``."""
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        mc = self.model.config
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * elem
+        if self.device.name == "cpu":
+            budget = cfg.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
+        else:
+            free, total = self.device.memory_info()
+            budget = int(total * cfg.device_memory_utilization) - (total - free) - self._activation_reserve()
+        num = budget // per_block
+        if num < 1:
+            raise InvalidRequestError("kv_cache_memory", f"{budget} bytes leave no room for one KV block")
+        return int(num)
+
+    def _activation_reserve(self) -> int:
+        """Rough activation peak of a max-size step: hidden states and logits in fp32, with headroom."""
+        mc = self.model.config
+        tokens = self.config.max_num_batched_tokens
+        return (4 * tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size)
+                + 4 * self.config.max_num_seqs * mc.vocab_size * 2)
+
+    def init_runner(self, num_blocks: int, eos_token_ids: set[int]) -> ModelRunner:
+        mc = self.model.config
+        sampler = Sampler(mc.vocab_size, eos_token_ids, seed=self.config.seed, argmax=self.device.row_argmax())
+        self.runner = ModelRunner(self.model, self.device, sampler, num_blocks=num_blocks,
+                                  block_size=self.config.block_size,
+                                  max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                  dtype=self.kv_cache_dtype)
+        return self.runner
+
+
+__all__ = ["Worker", "RunnerOutput", "prepare_model"]
