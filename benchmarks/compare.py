@@ -17,8 +17,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +29,7 @@ import httpx
 
 from benchmarks import bench, plot
 from benchmarks.report import machine_info, utc_timestamp
+from common.procs import free_port, stop_process
 
 PEERS_DIR = Path(__file__).resolve().parent / ".peers"
 
@@ -63,12 +62,6 @@ class SystemSpec:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"  # requests go to this machine only
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def base_name(name: str) -> str:
@@ -140,18 +133,7 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> Non
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
     """SIGTERM to the process group we started (servers spawn workers), SIGKILL after the grace."""
-    if proc.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    stop_process(proc, grace_s, group=True)
 
 
 def merge_results(parts: Sequence[Path], out: Path) -> None:

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = ["vector", "amx"] if ops.has_amx_attention() else ["vector"]
     torch.manual_seed(0)
     shape = kv_cache_shape(ns.blocks, ns.block_size, ns.kv_heads, ns.head_dim)
-    caches = [CpuDevice().allocate_kv_cache(shape, torch.bfloat16).normal_() for _ in range(ns.layers)]
+    caches = [CpuDevice().empty_cache_tensor(shape, torch.bfloat16).normal_() for _ in range(ns.layers)]
     per_seq = (ns.seq_len + ns.block_size - 1) // ns.block_size
     result: dict[str, object] = {"config": vars(ns), "ms_per_call": {}}
     for n in (int(x) for x in ns.seqs.split(",")):

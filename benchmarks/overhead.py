@@ -32,8 +32,6 @@ import json
 import os
 import platform
 import resource
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +41,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from common.procs import free_port, grpc_serving, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_RATIO = 0.95
@@ -158,24 +158,6 @@ def make_prompts(tokenizer: Any, workload: Workload, tag: str) -> list[str]:
 
 
 # -- the gRPC side ----------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _serving(addr: str, service: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(addr) as ch:
-            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
-            return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
-    except grpc.RpcError:
-        return False
-
-
 @contextmanager
 def _process(args: list[str], log: Path, service: str, port: int, timeout: float = 600) -> Iterator[str]:
     """``python -m …`` on 127.0.0.1:``port``, yielded once its health service says SERVING; SIGTERM after."""
@@ -185,7 +167,7 @@ def _process(args: list[str], log: Path, service: str, port: int, timeout: float
     addr = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
-        while not _serving(addr, service):
+        while not grpc_serving(addr, service):
             if proc.poll() is not None:
                 raise RuntimeError(f"{args[0]} exited with {proc.returncode}; see {log}")
             if time.monotonic() > deadline:
@@ -193,19 +175,13 @@ def _process(args: list[str], log: Path, service: str, port: int, timeout: float
             time.sleep(0.5)
         yield addr
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 30)
 
 
 @contextmanager
 def grpc_stack(settings: EngineSettings, log_dir: Path) -> Iterator[str]:
     """An engine and a tokenizer service (shm handoff on, as deployed); yields the public API's address."""
-    engine_port, tok_port = _free_port(), _free_port()
+    engine_port, tok_port = free_port(), free_port()
     with _process(["engine", "--port", str(engine_port), *settings.cli_flags()], log_dir / "overhead-engine.log",
                   "sluice.v1.Engine", engine_port) as engine_addr:
         with _process(["services.tokenizer", "--engine", engine_addr, "--port", str(tok_port)],
@@ -227,7 +203,7 @@ def rest_stack(settings: EngineSettings, log_dir: Path, timeout: float = 600,
 
     from benchmarks.compare import stop, wait_ready
 
-    port, engine_port, tokenizer_port = _free_port(), _free_port(), _free_port()
+    port, engine_port, tokenizer_port = free_port(), free_port(), free_port()
     with open(log_dir / "overhead-serve.log", "ab") as f:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port",
                                  str(port), "--engine-port", str(engine_port), "--tokenizer-port",

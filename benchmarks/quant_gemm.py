@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from engine.kernels import cpu_ops
-from engine.models.llama import onednn_linear, onednn_pack
+from engine.models.layers.linear import onednn_linear, onednn_pack
 from engine.models.quant import QuantWeight
 
 SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576), ("lm_head", 576, 49152)]

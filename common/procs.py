@@ -1,4 +1,6 @@
-"""Processes started by ``sluice serve`` end when it does, even when it is SIGKILLed (Linux PR_SET_PDEATHSIG).
+"""Process helpers: children of ``sluice serve`` end with it, free ports, health probes, stopping a server.
+
+Processes started by ``sluice serve`` end when it does, even when it is SIGKILLed (Linux PR_SET_PDEATHSIG).
 
 The supervisor passes its pid in ``SLUICE_PARENT_PID``; each child calls :func:`die_with_parent` first thing
 in ``main``. Set in the child rather than in a ``preexec_fn``: Python code between fork and exec is unsafe
@@ -10,8 +12,13 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
+import subprocess
 
-ENV_PARENT_PID = "SLUICE_PARENT_PID"
+from common.settings import ENV_PARENT_PID, take_parent_pid
+
+__all__ = ["ENV_PARENT_PID", "die_with_parent", "free_port", "grpc_serving", "stop_process"]
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -20,7 +27,7 @@ def die_with_parent() -> bool:
 
     If the parent is already gone (it died between spawning us and this call), SIGTERM ourselves now.
     """
-    parent = os.environ.pop(ENV_PARENT_PID, None)
+    parent = take_parent_pid()
     if parent is None:
         return False
     try:
@@ -29,6 +36,46 @@ def die_with_parent() -> bool:
             return False
     except (OSError, AttributeError):  # not Linux / no glibc: nothing to arm
         return False
-    if os.getppid() != int(parent):
+    if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
     return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (tests and benchmarks start their servers on it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def grpc_serving(addr: str, service: str = "") -> bool:
+    """Whether the gRPC health service at ``addr`` reports ``service`` ("" = the whole server) SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+            return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 15.0, *, group: bool = False) -> int | None:
+    """SIGTERM (to its process group with ``group``: servers that spawn workers), SIGKILL after ``grace_s``;
+    returns the exit code."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.poll()

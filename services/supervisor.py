@@ -20,7 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.procs import ENV_PARENT_PID
+from common.procs import ENV_PARENT_PID, grpc_serving
+from common.settings import ENV_API_KEY, api_key
 from engine.config import EngineConfig
 from engine.entrypoints.args import add_engine_args, config_from_args
 from services.mindie_config import ConfigFileError, load_mindie_config
@@ -61,19 +62,6 @@ class Child:
         return False
 
 
-def grpc_serving(addr: str, service: str = "") -> bool:
-    """Whether the gRPC health service at ``addr`` reports ``service`` ("" = the whole server) SERVING."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(addr) as ch:
-            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-            return r.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
 def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as r:
@@ -109,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizers", type=int, default=1)
     p.add_argument("--engine-port", type=int, default=50051)
     p.add_argument("--tokenizer-port", type=int, default=50061, help="first tokenizer service port")
-    p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"))
+    p.add_argument("--api-key", default=api_key())
     p.add_argument("--allowed-origins", default=None)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--keepalive-interval", type=float, default=5.0, help="seconds between SSE keep-alive comments")
@@ -199,7 +187,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         if self.env_api_key:
-            os.environ["SLUICE_API_KEY"] = self.env_api_key  # children read it from the environment, not argv
+            os.environ[ENV_API_KEY] = self.env_api_key  # children read it from the environment, not argv
         for child in self.children:
             child.start()
             if not child.wait_ready(lambda: self.stopping):

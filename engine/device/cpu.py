@@ -106,7 +106,7 @@ class CpuDevice(Device):
         self.kernels = KernelSettings.from_env() if kernels is None else kernels
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        tune_malloc(self.kernels.malloc_tuning)
+        self.malloc_tuned = tune_malloc(self.kernels.malloc_tuning)
 
     @property
     def torch_device(self) -> torch.device:

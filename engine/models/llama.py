@@ -127,7 +127,7 @@ class CausalLM(nn.Module):
 
     def use_kernels(self, choice: KernelChoice) -> None:
         """Every layer picks its kernel from ``choice``, once, after the weights are loaded (the device decides
-        the choice: ``Device.prepare_model``)."""
+        the choice: ``Device.kernel_choice``)."""
         for module in self.modules():
             if isinstance(module, KERNEL_LAYERS):
                 module.use_kernels(choice)

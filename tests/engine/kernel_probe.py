@@ -11,6 +11,7 @@ from engine.models import CausalLM
 from engine.models.layers.linear import (
     AmxLinearMethod,
     BlockQuantLinearMethod,
+    DenseLinearMethod,
     Linear,
     LinearMethod,
     OneDnnLinearMethod,
@@ -54,6 +55,11 @@ def blocks_only(layer: Linear) -> bool:
 
 def model_onednn_packed(model: CausalLM) -> bool:
     return any(onednn_packed(m) is not None for m in linears(model))
+
+
+def kernels_chosen(model: CausalLM) -> bool:
+    """Every linear layer runs a kernel of the CPU device's choice (oneDNN, GGUF blocks, AMX), none F.linear."""
+    return all(not isinstance(m.method, DenseLinearMethod) for m in linears(model))
 
 
 def uses_cpu_ops(model: CausalLM) -> bool:

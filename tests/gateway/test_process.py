@@ -6,24 +6,18 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
+from common.procs import free_port
 from tests.gateway.fakes import FakeServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_gateway_process_serves_and_stops(fake_server: FakeServer) -> None:

@@ -24,9 +24,9 @@ class RMSNorm(nn.Module):
         self.ops = choice.ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None:
+        if self.ops is not None and x.dim() == 2 and x.stride(-1) == 1:  # what the kernel takes: [rows, features]
             return self.ops.rms_norm(x, self.weight, self.eps)
-        return self._norm(x)
+        return self._norm(x)  # q/k norms over [tokens, heads, head_dim] views of the fused projection
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual + x`` (the new residual; updated in place by the kernel) and its norm."""

@@ -165,8 +165,7 @@ def test_engine_process_allocates_large_tensors_on_huge_pages_unless_the_user_ch
 _MALLOC_STEPS = (
     "import ctypes, resource\n"
     "from engine.device import CpuDevice\n"
-    "from engine.device.cpu import tune_malloc\n"
-    "CpuDevice()\n"
+    "dev = CpuDevice()\n"
     "libc = ctypes.CDLL('libc.so.6')\n"
     "libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]\n"
     "libc.free.argtypes = [ctypes.c_void_p]\n"
@@ -177,7 +176,7 @@ _MALLOC_STEPS = (
     "step()\n"
     "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
     "for _ in range(5): step()\n"
-    "print(tune_malloc(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n")
+    "print(dev.malloc_tuned, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",

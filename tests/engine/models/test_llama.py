@@ -29,7 +29,14 @@ from engine.models.config import RopeScaling, config_from_hf
 from engine.models.dtype import cpu_has_native_bf16
 from engine.models.gguf_loader import hf_name, unpermute_qk
 from engine.models.layers.linear import SMALL_BATCH_ROWS, linear
-from tests.engine.kernel_probe import amx_packed, dense_weight, model_onednn_packed, prepare, uses_cpu_ops
+from tests.engine.kernel_probe import (
+    amx_packed,
+    dense_weight,
+    kernels_chosen,
+    model_onednn_packed,
+    prepare,
+    uses_cpu_ops,
+)
 from tests.engine.paged_factory import PagedKV
 
 TOL = 1e-4  # fp32 vs fp32: only summation order differs
@@ -73,7 +80,7 @@ PATHS = ["torch", "cpu-kernels"]
 def _prepare(model: CausalLM, path: str) -> CausalLM:
     if path == "cpu-kernels":
         prepare(model, torch.float32)
-        assert model_onednn_packed(model), "oneDNN packing did not happen (SLUICE_CPU_KERNELS=0 or no mkldnn)"
+        assert kernels_chosen(model), "no layer left PyTorch's F.linear (SLUICE_CPU_KERNELS=0 or no mkldnn)"
         assert uses_cpu_ops(model), "engine/kernels/cpu_ops.cpp did not build (see the warning logged)"
     return model
 
@@ -95,7 +102,7 @@ def _hf_logits(hf: PreTrainedModel, ids: list[int]) -> torch.Tensor:
 
 
 def _backend(model: CausalLM) -> AttentionBackend:
-    if model_onednn_packed(model):
+    if uses_cpu_ops(model):
         backend = CpuDevice().attention_backend()
         assert getattr(backend, "decode_kernel", None) is not None, "the CPU decode kernel did not build"
         return backend
@@ -121,7 +128,7 @@ def test_config_read_from_checkpoint(pair: tuple[PreTrainedModel, CausalLM]) -> 
     hf, ours = pair
     cfg = ours.config
     assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
-    assert (ours.lm_head is None) == cfg.tie_word_embeddings
+    assert (ours.lm_head.weight is ours.embed_tokens.weight) == cfg.tie_word_embeddings
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (2, 4, 2)
     assert cfg.head_dim == (32 if cfg.architecture == "qwen3" else 16)
     assert cfg.attention_bias == (cfg.architecture == "qwen2")
