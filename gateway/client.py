@@ -18,12 +18,12 @@ import ipaddress
 import logging
 import math
 import socket
-from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.stream_mux import MuxClient, MuxRequest
 from gateway.backend import (
     Delta,
     FinishReason,
@@ -143,6 +143,8 @@ class GrpcGenerateCall:
 
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+_OK = grpc.StatusCode.OK.value[0]
+_StreamEntry = tuple[int, generation_pb2.GenerateResponse | None, bool, BackendError | None]
 
 
 def _status_error(item: generation_pb2.GenerateStreamItem) -> BackendError:
@@ -152,57 +154,45 @@ def _status_error(item: generation_pb2.GenerateStreamItem) -> BackendError:
                         item.retry_after_seconds or None)
 
 
+class _GenerateStreamProtocol:
+    """``GenerateStream`` for :class:`common.stream_mux.MuxClient`: items by id, ``cancel`` to abort."""
+
+    def entries(self, message: generation_pb2.GenerateStreamResponse) -> Iterator[_StreamEntry]:
+        for item in message.items:
+            error = _status_error(item) if item.end and item.status_code != _OK else None
+            yield item.id, item.response if item.HasField("response") else None, item.end, error
+
+    def abort(self, key: int) -> generation_pb2.GenerateStreamRequest:
+        return generation_pb2.GenerateStreamRequest(id=key, cancel=True)
+
+    def call_error(self, cause: BaseException | None) -> BackendError:
+        # Whatever ended the stream, the requests it carried did not cause it: they fail as unavailable.
+        if cause is None:
+            reason = "the tokenizer service ended the stream"
+        elif isinstance(cause, grpc.aio.AioRpcError):
+            reason = f"the tokenizer stream failed: {cause.code().name}: {cause.details() or ''}"
+        elif isinstance(cause, asyncio.CancelledError):
+            reason = "the gateway is shutting down"
+        else:
+            reason = "the tokenizer stream failed"
+        return BackendError(BackendErrorKind.UNAVAILABLE, reason)
+
+    def deadline_error(self) -> BackendError:
+        return BackendError(BackendErrorKind.DEADLINE_EXCEEDED, "deadline exceeded")
+
+
 class MuxGenerateCall:
     """One request on a :class:`GenerateStream`; ``cancel()`` sends the stream a cancel for it."""
 
-    def __init__(self, stream: GenerateStream, id_: int, timeout: float | None) -> None:
-        self._stream = stream
-        self._id = id_
-        self._items: deque[generation_pb2.GenerateStreamItem | BackendError] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._deadline = asyncio.get_running_loop().time() + timeout if timeout is not None else None
-
-    def deliver(self, item: generation_pb2.GenerateStreamItem | BackendError) -> None:
-        self._items.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+    def __init__(self, request: MuxRequest[generation_pb2.GenerateResponse]) -> None:
+        self._request = request
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self._items:
-                self._waiter = waiter = loop.create_future()
-                expired: list[bool] = []
-
-                def expire(waiter: asyncio.Future[None] = waiter, expired: list[bool] = expired) -> None:
-                    expired.append(True)
-                    waiter.cancel()
-
-                timer = loop.call_at(self._deadline, expire) if self._deadline is not None else None
-                try:
-                    await waiter
-                except asyncio.CancelledError:
-                    if not expired:
-                        raise  # our task was cancelled, not the deadline
-                    self.cancel()
-                    raise BackendError(BackendErrorKind.DEADLINE_EXCEEDED, "deadline exceeded") from None
-                finally:
-                    self._waiter = None
-                    if timer is not None:
-                        timer.cancel()
-                continue
-            item = self._items.popleft()
-            if isinstance(item, BackendError):
-                raise item
-            if item.HasField("response"):
-                yield delta_from_pb(item.response)
-            if item.end:
-                if item.status_code != grpc.StatusCode.OK.value[0]:
-                    raise _status_error(item)
-                return
+        async for response in self._request:
+            yield delta_from_pb(response)
 
     def cancel(self) -> None:
-        self._stream.cancel(self._id)
+        self._request.cancel()
 
 
 class GenerateStream:
@@ -211,78 +201,24 @@ class GenerateStream:
     as their own ``Generate`` calls would have failed)."""
 
     def __init__(self, stub: generation_pb2_grpc.GenerationStub) -> None:
-        self._stub = stub
-        self._call: grpc.aio.StreamStreamCall | None = None
-        # The current call's requests; None ends its request iterator.
-        self._outbox: asyncio.Queue[generation_pb2.GenerateStreamRequest | None] | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._open: dict[int, MuxGenerateCall] = {}
+        self._mux: MuxClient[int, generation_pb2.GenerateStreamRequest, generation_pb2.GenerateStreamResponse,
+                             generation_pb2.GenerateResponse] = MuxClient(stub.GenerateStream,
+                                                                          _GenerateStreamProtocol())
         self._next_id = 0
 
     @property
     def open_requests(self) -> int:
-        return len(self._open)
+        return self._mux.open_requests
 
     def start(self, req: generation_pb2.GenerateRequest, timeout: float | None) -> MuxGenerateCall:
-        msg = generation_pb2.GenerateStreamRequest(id=self._next_id + 1, generate=req)
+        self._next_id += 1
+        msg = generation_pb2.GenerateStreamRequest(id=self._next_id, generate=req)
         if timeout is not None:
             msg.timeout_ms = max(1, math.ceil(timeout * 1000))
-        if self._call is None or self._outbox is None:
-            self._connect()
-        assert self._outbox is not None
-        self._next_id += 1
-        call = MuxGenerateCall(self, self._next_id, timeout)
-        self._open[self._next_id] = call
-        self._outbox.put_nowait(msg)
-        return call
-
-    def cancel(self, id_: int) -> None:
-        if self._open.pop(id_, None) is not None and self._outbox is not None:
-            self._outbox.put_nowait(generation_pb2.GenerateStreamRequest(id=id_, cancel=True))
-
-    def _connect(self) -> None:
-        outbox: asyncio.Queue[generation_pb2.GenerateStreamRequest | None] = asyncio.Queue()
-
-        async def requests() -> AsyncIterator[generation_pb2.GenerateStreamRequest]:
-            while (msg := await outbox.get()) is not None:
-                yield msg
-
-        self._outbox = outbox
-        self._call = call = self._stub.GenerateStream(requests())
-        self._reader = asyncio.ensure_future(self._read(call, outbox))
-
-    async def _read(self, call: grpc.aio.StreamStreamCall,
-                    outbox: asyncio.Queue[generation_pb2.GenerateStreamRequest | None]) -> None:
-        # Whatever ended the stream, the requests it carried did not cause it: they fail as unavailable.
-        reason = "the tokenizer service ended the stream"
-        try:
-            async for message in call:
-                for item in message.items:
-                    target = self._open.pop(item.id, None) if item.end else self._open.get(item.id)
-                    if target is not None:  # else cancelled here already
-                        target.deliver(item)
-        except grpc.aio.AioRpcError as e:
-            reason = f"the tokenizer stream failed: {e.code().name}: {e.details() or ''}"
-        except asyncio.CancelledError:
-            reason = "the gateway is shutting down"
-        except Exception:  # noqa: BLE001 — logged; the requests still fail cleanly
-            log.exception("GenerateStream reader failed")
-            reason = "the tokenizer stream failed"
-        finally:
-            outbox.put_nowait(None)  # ends the call's request iterator (and its task)
-            if self._call is call:  # the next request opens a new call
-                self._call = self._outbox = None
-            stranded, self._open = self._open, {}
-            err = BackendError(BackendErrorKind.UNAVAILABLE, reason)
-            for target in stranded.values():
-                target.deliver(err)
+        return MuxGenerateCall(self._mux.start(self._next_id, msg, timeout=timeout))
 
     async def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        await self._mux.close()
 
 
 class GrpcBackend:

@@ -18,6 +18,7 @@ import numpy as np
 from common.errors import EngineDeadError, InvalidRequestError
 from common.grpc_errors import ERROR_REASON_KEY, status_for
 from common.grpc_server import bind, new_server, stop_event
+from common.stream_mux import SinkMux
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.outputs import EngineCoreOutput
@@ -162,14 +163,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         call = _StreamCall(self, self.engine)
         self.counters["stream_calls"] += 1
         await context.send_initial_metadata(())  # the caller sends nothing before this (EngineStream)
-        reader = asyncio.ensure_future(call.read(request_iterator))
-        try:
-            while (msg := await call.next_message()) is not None:
-                yield msg
-        finally:
-            reader.cancel()
-            call.abort_unfinished()
-        await reader  # re-raises what ended the reading (nothing, when the caller closed its side)
+        async for msg in call.mux.run(request_iterator):
+            yield msg
 
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> engine_pb2.AbortResponse:
@@ -206,37 +201,35 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 
 class _StreamCall:
-    """The requests of one ``Stream`` call: added as they are read, their outputs gathered into one
-    message per engine step (the call's :class:`~engine.entrypoints.async_engine.OutputGroup`), and aborted when
-    the call ends unfinished."""
+    """The requests of one ``Stream`` call, handed to the engine: the protocol of
+    :class:`common.stream_mux.SinkMux` and the call's :class:`~engine.entrypoints.async_engine.OutputGroup`,
+    which gathers a step's outputs of its requests into one message."""
 
     def __init__(self, servicer: EngineServicer, engine: AsyncEngine) -> None:
         self.loop = asyncio.get_running_loop()
         self._servicer = servicer
         self._engine = engine
         # Live requests: id -> shm slot to acknowledge with the first output (None: none, or done).
-        self._live: dict[str, int | None] = {}
-        self._messages: asyncio.Queue[engine_pb2.EngineStreamResponse | None] = asyncio.Queue()
-        self._reading = True
+        self.mux: SinkMux[str, int | None, engine_pb2.EngineStreamRequest, engine_pb2.EngineStreamResponse] = \
+            SinkMux(self)
 
-    async def read(self, requests: AsyncIterator[engine_pb2.EngineStreamRequest]) -> None:
-        try:
-            async for msg in requests:
-                if msg.HasField("generate"):
-                    self._add(msg.generate)
-                elif msg.HasField("abort"):
-                    targets = [t for t in abort_targets_from_pb(msg.abort)
-                               if (t if isinstance(t, str) else t.request_id) in self._live]
-                    if targets:
-                        self._engine.abort(targets)
-        finally:
-            self._reading = False
-            self._maybe_end()
+    def receive(self, msg: engine_pb2.EngineStreamRequest) -> None:
+        if msg.HasField("generate"):
+            self._add(msg.generate)
+        elif msg.HasField("abort"):
+            live = self.mux.requests
+            targets = [t for t in abort_targets_from_pb(msg.abort)
+                       if (t if isinstance(t, str) else t.request_id) in live]
+            if targets:
+                self._engine.abort(targets)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._engine.abort(list(request_ids))
 
     def _add(self, request: engine_pb2.EngineGenerateRequest) -> None:
         rid = request.request_id
         try:
-            if rid in self._live:
+            if rid in self.mux.requests:
                 raise InvalidRequestError("request_id", f"request {rid!r} is already running")
             prompt, released_slot = self._servicer.read_prompt(request)
             params = sampling_params_from_pb(request)
@@ -244,14 +237,13 @@ class _StreamCall:
         except Exception as e:  # noqa: BLE001 — refused: the error entry is its terminal event
             self._refuse(rid, e)
             return
-        self._live[rid] = released_slot
+        self.mux.open(rid, released_slot)
         done.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._added, rid, f))
 
     def _added(self, rid: str, done: Future[None]) -> None:
         if (error := done.exception()) is not None:
-            self._live.pop(rid, None)
             self._refuse(rid, error)
-            self._maybe_end()
+            self.mux.finish(rid)
 
     def _refuse(self, rid: str, error: BaseException) -> None:
         code, message = status_for(error)
@@ -259,41 +251,28 @@ class _StreamCall:
             logger.error("request %s refused: %r", rid, error)
         msg = engine_pb2.EngineStreamResponse()
         msg.errors.add(request_id=rid, code=code.value[0], message=message, reason=error_reason(error))
-        self._messages.put_nowait(msg)
+        self.mux.send(msg)
 
     def deliver(self, outputs: list[EngineCoreOutput]) -> None:
         """One step's outputs of this call's requests (OutputGroup; runs on the event loop)."""
         msg = engine_pb2.EngineStreamResponse()
         counters = self._servicer.counters
+        live = self.mux.requests
         for out in outputs:
             rid = out.request_id
-            if rid not in self._live:
+            if rid not in live:
                 continue
             pb = output_to_pb(out)
             pb.request_id = rid
-            if (slot := self._live[rid]) is not None:
+            if (slot := live[rid]) is not None:
                 pb.released_shm_slot = slot
-                self._live[rid] = None
+                live[rid] = None
+            msg.outputs.append(pb)
             if out.request_finished:
                 counters["finished_requests"] += 1
-                del self._live[rid]
-            msg.outputs.append(pb)
+                self.mux.finish(rid)
         if msg.outputs:
-            self._messages.put_nowait(msg)
-        self._maybe_end()
-
-    def _maybe_end(self) -> None:
-        """The caller closed its side and every request ended: the call ends after what is queued."""
-        if not self._reading and not self._live:
-            self._messages.put_nowait(None)
-
-    async def next_message(self) -> engine_pb2.EngineStreamResponse | None:
-        return await self._messages.get()
-
-    def abort_unfinished(self) -> None:
-        if self._live:
-            self._engine.abort(list(self._live))
-            self._live.clear()
+            self.mux.send(msg)
 
 
 def warm_up(core: EngineCore) -> None:

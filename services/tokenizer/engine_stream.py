@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import TypeAlias
 
 import grpc
 
 from common.grpc_errors import ERROR_REASON_KEY
+from common.stream_mux import MuxClient
 from proto.sluice.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
-_ERROR = engine_pb2.EngineRequestError
-_Item: TypeAlias = engine_pb2.EngineGenerateResponse | grpc.aio.AioRpcError
+_Entry: TypeAlias = tuple[str, engine_pb2.EngineGenerateResponse | None, bool, grpc.aio.AioRpcError | None]
 _Outputs: TypeAlias = AsyncGenerator[engine_pb2.EngineGenerateResponse, None]
 
 
@@ -46,59 +46,31 @@ def error_reason(error: grpc.aio.AioRpcError) -> int:
     return engine_pb2.ERROR_REASON_UNSPECIFIED
 
 
-class _Call:
-    """One open ``Stream`` call: its request queue, the reader of its responses, its live requests."""
+class _EngineStreamProtocol:
+    """``Engine.Stream`` for :class:`common.stream_mux.MuxClient`: outputs and refusals by request id, errors
+    with the status (and typed reason) a ``Generate`` call would have ended with."""
 
-    def __init__(self, stub: engine_pb2_grpc.EngineStub) -> None:
-        self.outgoing: asyncio.Queue[engine_pb2.EngineStreamRequest | None] = asyncio.Queue()
-        self.requests: dict[str, asyncio.Queue[_Item]] = {}
-        self.failed: grpc.aio.AioRpcError | None = None
-        self.rpc = stub.Stream(self._requests())
-        self.reader = asyncio.ensure_future(self._read())
+    def entries(self, message: engine_pb2.EngineStreamResponse) -> Iterator[_Entry]:
+        for err in message.errors:
+            yield err.request_id, None, True, _rpc_error(_STATUS_BY_CODE.get(err.code, grpc.StatusCode.UNKNOWN),
+                                                         err.message, err.reason)
+        for out in message.outputs:
+            yield out.request_id, out, out.request_done, None
 
-    async def _requests(self) -> AsyncIterator[engine_pb2.EngineStreamRequest]:
-        # Nothing goes up before the engine has taken the call (its handler sends the headers first): an
-        # engine without Stream ends the call at once with UNIMPLEMENTED, and a message written into that
-        # ending call could turn the status into an INTERNAL "execute_batch" failure instead.
-        await self.rpc.initial_metadata()
-        if self.rpc.done():
-            return
-        while (msg := await self.outgoing.get()) is not None:
-            yield msg
+    def abort(self, key: str) -> engine_pb2.EngineStreamRequest:
+        return engine_pb2.EngineStreamRequest(abort=engine_pb2.AbortRequest(request_ids=[key]))
 
-    async def _read(self) -> None:
-        try:
-            async for msg in self.rpc:
-                for err in msg.errors:
-                    self._put(err.request_id, _rpc_error(
-                        _STATUS_BY_CODE.get(err.code, grpc.StatusCode.UNKNOWN), err.message, err.reason), last=True)
-                for out in msg.outputs:
-                    self._put(out.request_id, out, last=out.request_done)
-            error = _rpc_error(grpc.StatusCode.UNAVAILABLE, "the engine ended the stream")
-        except grpc.aio.AioRpcError as e:
-            error = e
-        except asyncio.CancelledError:
-            error = _rpc_error(grpc.StatusCode.CANCELLED, "the engine stream was closed")
-        except Exception as e:  # never leave requests waiting on a reader that is gone
-            logger.exception("reading the engine stream failed")
-            error = _rpc_error(grpc.StatusCode.INTERNAL, f"reading the engine stream failed: {e!r}")
-            self.rpc.cancel()
-        self.failed = error
-        self.outgoing.put_nowait(None)  # ends the request iterator if grpc is still reading it
-        for queue in self.requests.values():
-            queue.put_nowait(error)
-        self.requests.clear()
+    def call_error(self, cause: BaseException | None) -> grpc.aio.AioRpcError:
+        if isinstance(cause, grpc.aio.AioRpcError):
+            return cause
+        if cause is None:
+            return _rpc_error(grpc.StatusCode.UNAVAILABLE, "the engine ended the stream")
+        if isinstance(cause, asyncio.CancelledError):
+            return _rpc_error(grpc.StatusCode.CANCELLED, "the engine stream was closed")
+        return _rpc_error(grpc.StatusCode.INTERNAL, f"reading the engine stream failed: {cause!r}")
 
-    def _put(self, request_id: str, item: _Item, *, last: bool) -> None:
-        # Absent: the request was left early (its abort is on the way) or is not this call's.
-        queue = self.requests.pop(request_id, None) if last else self.requests.get(request_id)
-        if queue is not None:
-            queue.put_nowait(item)
-
-    def close(self) -> None:
-        self.outgoing.put_nowait(None)
-        self.rpc.cancel()
-        self.reader.cancel()
+    def deadline_error(self) -> grpc.aio.AioRpcError:
+        return _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")  # unused: no timeouts here
 
 
 class EngineStream:
@@ -106,7 +78,10 @@ class EngineStream:
 
     def __init__(self, stub: engine_pb2_grpc.EngineStub) -> None:
         self._stub = stub
-        self._call: _Call | None = None
+        # The engine's handler sends its headers first; nothing goes up before (see MuxClient).
+        self._mux: MuxClient[str, engine_pb2.EngineStreamRequest, engine_pb2.EngineStreamResponse,
+                             engine_pb2.EngineGenerateResponse] = MuxClient(stub.Stream, _EngineStreamProtocol(),
+                                                                            wait_for_headers=True)
         self.supported: bool | None = None  # None: not known yet; False: the engine has no Stream
 
     async def generate(self, request: engine_pb2.EngineGenerateRequest, *, timeout: float | None = None,
@@ -118,41 +93,30 @@ class EngineStream:
             async for msg in self._generate_unary(request, timeout, metadata):
                 yield msg
             return
-        call = self._open()
         rid = request.request_id
-        if rid in call.requests:  # the engine would refuse it too; its answer could not be told apart
+        if self._mux.is_open(rid):  # the engine would refuse it too; its answer could not be told apart
             raise _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: request {rid!r} is already running")
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        call.requests[rid] = queue
-        call.outgoing.put_nowait(engine_pb2.EngineStreamRequest(generate=request))
+        pending = self._mux.start(rid, engine_pb2.EngineStreamRequest(generate=request))
         done = False
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, grpc.aio.AioRpcError):
-                    done = True
-                    # Every request on the call sees it (several at once when they raced to the first call).
-                    if item.code() is grpc.StatusCode.UNIMPLEMENTED and self.supported is not True:
-                        if self.supported is None:
-                            logger.warning("the engine has no Stream RPC (an older engine?): one Generate "
-                                           "call per request from now on")
-                        self.supported = False
-                        self._call = None
-                        async for msg in self._generate_unary(request, timeout, metadata):
-                            yield msg
-                        return
-                    raise item
+            async for item in pending:
                 self.supported = True
                 done = item.request_done
                 yield item
-                if done:
-                    return
+        except grpc.aio.AioRpcError as error:
+            done = True
+            # Every request on the call sees it (several at once when they raced to the first call).
+            if error.code() is not grpc.StatusCode.UNIMPLEMENTED or self.supported is True:
+                raise
+            if self.supported is None:
+                logger.warning("the engine has no Stream RPC (an older engine?): one Generate "
+                               "call per request from now on")
+            self.supported = False
+            async for msg in self._generate_unary(request, timeout, metadata):
+                yield msg
         finally:
             if not done:
-                call.requests.pop(rid, None)
-                if call.failed is None:
-                    call.outgoing.put_nowait(engine_pb2.EngineStreamRequest(
-                        abort=engine_pb2.AbortRequest(request_ids=[rid])))
+                pending.cancel()  # aborts it over the call
 
     async def _generate_unary(self, request: engine_pb2.EngineGenerateRequest, timeout: float | None,
                               metadata: tuple[tuple[str, str], ...]) -> _Outputs:
@@ -166,17 +130,9 @@ class EngineStream:
             if not finished:
                 call.cancel()
 
-    def _open(self) -> _Call:
-        """The open call, or a new one when there is none or the last one failed (engine restarted)."""
-        if self._call is None or self._call.failed is not None:
-            self._call = _Call(self._stub)
-        return self._call
-
     def reset(self) -> None:
         """Drop the call (the engine restarted): requests on it fail, the next request opens a new one."""
-        if self._call is not None:
-            self._call.close()
-            self._call = None
+        self._mux.reset()
 
     def close(self) -> None:
         self.reset()

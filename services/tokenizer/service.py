@@ -8,7 +8,6 @@ stop strings held back; a matched stop string aborts the engine request).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 import uuid
@@ -20,7 +19,7 @@ import grpc
 import numpy as np
 
 from common.errors import InvalidRequestError
-from common.grpc_errors import status_for
+from common.stream_mux import TaskMux
 from engine.text import IncrementalDetokenizer, Tokenizer
 from proto.shm import ShmRing
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -401,137 +400,56 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 class _Multiplexer:
-    """One ``GenerateStream`` call: a task per open request, whose items go out batched.
-
-    Every item produced while the writer was busy or asleep goes into the next message: the
-    engine's output for one step reaches every request's task in one turn of the event loop,
-    so a step's deltas for all of the stream's requests leave as one message. Each request ends
-    with exactly one end item: written by its task as it finishes, or, for a task cancelled (by
-    the client, its deadline, even before it ever ran), by the task's done-callback.
-    """
+    """One ``GenerateStream`` call: the protocol of :class:`common.stream_mux.TaskMux`, a task per open request
+    whose items go out batched (a step's deltas for every request of the stream in one message), each request
+    ending with exactly one end item that carries the status its own ``Generate`` call would have ended with."""
 
     def __init__(self, servicer: GenerationServicer) -> None:
         self._servicer = servicer
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._timers: dict[int, asyncio.TimerHandle] = {}
-        self._cancelled: set[int] = set()  # by the client: end with CANCELLED
-        self._expired: set[int] = set()  # past their deadline: end with DEADLINE_EXCEEDED
-        self._items: list[generation_pb2.GenerateStreamItem] = []
-        self._ready = asyncio.Event()
-        self._reading = True
-        self._closing = False
-        self._error: Exception | None = None
+        self._mux: TaskMux[int, generation_pb2.GenerateStreamRequest, generation_pb2.GenerateResponse,
+                           generation_pb2.GenerateStreamItem, generation_pb2.GenerateStreamResponse] = TaskMux(self)
+        self.wake()
 
-    async def run(self, requests: AsyncIterator[generation_pb2.GenerateStreamRequest]
-                  ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        reader = asyncio.ensure_future(self._read(requests))
-        try:
-            while True:
-                if self._error is not None:
-                    raise self._error
-                if not self._items:
-                    if (not self._reading or self._servicer.draining) and not self._tasks:
-                        return  # half-closed (or shutting down) and every request ended
-                    self._ready.clear()
-                    await self._ready.wait()
-                    continue
-                items, self._items = self._items, []
-                yield generation_pb2.GenerateStreamResponse(items=items)
-        finally:
-            # The stream is over (half-closed and drained, failed, or cancelled): abort what is still open.
-            self._closing = True
-            reader.cancel()
-            open_tasks = list(self._tasks.values())
-            for task in open_tasks:
-                task.cancel()
-            await asyncio.gather(reader, *open_tasks, return_exceptions=True)
-
-    async def _read(self, requests: AsyncIterator[generation_pb2.GenerateStreamRequest]) -> None:
-        try:
-            async for req in requests:
-                action = req.WhichOneof("action")
-                if action == "generate":
-                    self._start(req)
-                elif action == "cancel":
-                    task = self._tasks.get(req.id)
-                    if task is not None and req.id not in self._cancelled:
-                        self._cancelled.add(req.id)
-                        task.cancel()
-                else:
-                    raise InvalidRequestError("action", "each message needs `generate` or `cancel`")
-        except Exception as e:  # noqa: BLE001 — ends the stream with its status (see run)
-            self._error = e
-        finally:
-            self._reading = False
-            self._ready.set()
-
-    def _start(self, req: generation_pb2.GenerateStreamRequest) -> None:
-        id_ = req.id
-        if id_ in self._tasks:
-            raise InvalidRequestError("id", f"request {id_} is still open on this stream")
-        if self._servicer.draining:
-            self._end(id_, grpc.StatusCode.UNAVAILABLE, "the tokenizer service is shutting down")
-            return
-        timeout = req.timeout_ms / 1000 if req.timeout_ms else None
-        task = asyncio.ensure_future(self._request(id_, req.generate, timeout))
-        self._tasks[id_] = task
-        if timeout:
-            self._timers[id_] = asyncio.get_running_loop().call_later(timeout, self._expire, id_)
-        task.add_done_callback(functools.partial(self._finished, id_))
+    def run(self, requests: AsyncIterator[generation_pb2.GenerateStreamRequest]
+            ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        return self._mux.run(requests)
 
     def wake(self) -> None:
-        self._ready.set()
+        """Shutting down: take no new requests, end once the open ones have (half-closed or not)."""
+        if self._servicer.draining:
+            self._mux.drain()
 
-    def _expire(self, id_: int) -> None:
-        task = self._tasks.get(id_)
-        if task is not None and id_ not in self._cancelled:
-            self._expired.add(id_)
-            task.cancel()
-
-    async def _request(self, id_: int, request: generation_pb2.GenerateRequest, timeout: float | None) -> None:
-        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        try:
-            async for out in self._servicer.generate(request, request_id, timeout=timeout):
-                self._items.append(generation_pb2.GenerateStreamItem(id=id_, response=out))
-                self._ready.set()
-        except asyncio.CancelledError:
-            raise  # ended by _finished
-        except Exception as e:  # noqa: BLE001 — the request's own status, as its Generate call would end
-            code, message = status_for(e)
-            if code is grpc.StatusCode.INTERNAL:
-                logger.exception("unexpected error in GenerateStream request %s", request_id, exc_info=e)
+    def receive(self, req: generation_pb2.GenerateStreamRequest) -> None:
+        action = req.WhichOneof("action")
+        if action == "generate":
+            if req.id in self._mux.requests:
+                raise InvalidRequestError("id", f"request {req.id} is still open on this stream")
+            if self._servicer.draining:
+                self._mux.end(req.id, grpc.StatusCode.UNAVAILABLE, "the tokenizer service is shutting down")
+                return
+            timeout = req.timeout_ms / 1000 if req.timeout_ms else None
+            request_id = req.generate.request_id or f"gen-{uuid.uuid4().hex}"
+            self._mux.spawn(req.id, self._servicer.generate(req.generate, request_id, timeout=timeout),
+                            timeout=timeout, name=request_id)
+        elif action == "cancel":
+            self._mux.cancel(req.id)
         else:
-            code, message = grpc.StatusCode.OK, ""
-        # Here, not in the done-callback: the end then rides on the last delta if that has not left yet.
-        self._end(id_, code, message)
+            raise InvalidRequestError("action", "each message needs `generate` or `cancel`")
 
-    def _finished(self, id_: int, task: asyncio.Task[None]) -> None:
-        del self._tasks[id_]
-        timer = self._timers.pop(id_, None)
-        if timer is not None:
-            timer.cancel()
-        expired, cancelled = id_ in self._expired, id_ in self._cancelled
-        self._expired.discard(id_)
-        self._cancelled.discard(id_)
-        if not task.cancelled():  # it wrote its own end
-            self._ready.set()  # run() may be waiting for the last request to end
-            return
-        if expired:
-            self._end(id_, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-        elif cancelled or not self._closing:
-            self._end(id_, grpc.StatusCode.CANCELLED, "cancelled")
-        # else the whole stream is going away: nobody to tell
+    def item(self, id_: int, response: generation_pb2.GenerateResponse) -> generation_pb2.GenerateStreamItem:
+        return generation_pb2.GenerateStreamItem(id=id_, response=response)
 
-    def _end(self, id_: int, code: grpc.StatusCode, message: str) -> None:
-        """The request's last item: its last delta when that has not left yet, else an item of its own."""
-        last = self._items[-1] if self._items else None
-        if last is None or last.id != id_ or last.end:
-            last = generation_pb2.GenerateStreamItem(id=id_)
-            self._items.append(last)
-        last.end = True
-        last.status_code = code.value[0]
-        last.status_message = message
-        self._ready.set()
+    def end_item(self, id_: int, code: grpc.StatusCode, message: str, last: generation_pb2.GenerateStreamItem | None
+                 ) -> generation_pb2.GenerateStreamItem | None:
+        item = last if last is not None and last.id == id_ and not last.end else generation_pb2.GenerateStreamItem(
+            id=id_)
+        item.end = True
+        item.status_code = code.value[0]
+        item.status_message = message
+        return None if item is last else item
+
+    def pack(self, items: list[generation_pb2.GenerateStreamItem]) -> generation_pb2.GenerateStreamResponse:
+        return generation_pb2.GenerateStreamResponse(items=items)
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
