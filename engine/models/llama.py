@@ -31,8 +31,8 @@ class Attention(nn.Module):
         self.config = config
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, on_heads=True) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, on_heads=True) if config.qk_norm else None
         self.rotary = rotary  # one module shared by every layer; its buffers are not persistent
         self.scale = config.head_dim ** -0.5
 

@@ -8,6 +8,7 @@ import torch
 from engine.config import KernelSettings
 from engine.device import CpuDevice
 from engine.models import CausalLM
+from engine.models.layers.activation import silu_and_mul
 from engine.models.layers.linear import (
     AmxLinearMethod,
     BlockQuantLinearMethod,
@@ -16,6 +17,7 @@ from engine.models.layers.linear import (
     LinearMethod,
     OneDnnLinearMethod,
 )
+from engine.models.layers.norm import KernelNorm
 from engine.worker.worker import prepare_model
 
 
@@ -63,7 +65,7 @@ def kernels_chosen(model: CausalLM) -> bool:
 
 
 def uses_cpu_ops(model: CausalLM) -> bool:
-    return model.norm.ops is not None and model.layers[0].mlp.act.ops is not None
+    return isinstance(model.norm.method, KernelNorm) and model.layers[0].mlp.act.fn is not silu_and_mul
 
 
 def dense_weight(layer: Linear) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """SiLU-and-mul over a fused gate/up projection: PyTorch ops, or the CPU kernels' one pass over memory."""
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -10,18 +10,20 @@ from torch import nn
 from engine.device.kernel_choice import KernelChoice
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` of ``x = [gate | up]`` (the last dimension split in halves)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: Any = None
+        self.fn: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
 
     def use_kernels(self, choice: KernelChoice) -> None:
-        self.ops = choice.ops
+        self.fn = silu_and_mul if choice.ops is None else choice.ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None:
-            return self.ops.silu_and_mul(x)
-        gate, up = x.split(x.shape[-1] // 2, dim=-1)
-        return F.silu(gate) * up
+        return self.fn(x)

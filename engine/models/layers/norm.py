@@ -10,33 +10,61 @@ from torch import nn
 from engine.device.kernel_choice import KernelChoice
 
 
-class RMSNorm(nn.Module):
-    """Computed by PyTorch ops (float32 inside, cast back before the weight, as transformers does), or by the CPU
-    kernels' one-pass ``rms_norm`` / ``add_rms_norm`` once ``use_kernels`` hands it ``ops``: the same values."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised in float32 and cast back before the weight, as transformers does."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
 
-    def __init__(self, size: int, eps: float) -> None:
+
+class TorchNorm:
+    """PyTorch ops: any shape."""
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+
+class KernelNorm(TorchNorm):
+    """The CPU kernels' one-pass ``rms_norm`` / ``add_rms_norm`` (the residual updated in place), on
+    [rows, features] hidden states."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops.rms_norm(x, weight, eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.add_rms_norm(x, residual, weight, eps), residual
+
+
+_TORCH = TorchNorm()
+
+
+class RMSNorm(nn.Module):
+    """``on_heads``: a q/k norm over [tokens, heads, head_dim] views of the fused projection, which stays on
+    PyTorch's ops (the kernels take whole contiguous rows)."""
+
+    def __init__(self, size: int, eps: float, *, on_heads: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.ops: Any = None
+        self.on_heads = on_heads
+        self.method: TorchNorm = _TORCH
 
     def use_kernels(self, choice: KernelChoice) -> None:
-        self.ops = choice.ops
+        self.method = KernelNorm(choice.ops) if choice.ops is not None and not self.on_heads else _TORCH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None and x.dim() == 2 and x.stride(-1) == 1:  # what the kernel takes: [rows, features]
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self._norm(x)  # q/k norms over [tokens, heads, head_dim] views of the fused projection
+        return self.method.norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``residual + x`` (the new residual; updated in place by the kernel) and its norm."""
-        if self.ops is not None:
-            return self.ops.add_rms_norm(x, residual, self.weight, self.eps), residual
-        residual = residual + x
-        return self._norm(residual), residual
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        """``residual + x`` (the new residual) and its norm."""
+        return self.method.add_and_norm(x, residual, self.weight, self.eps)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,11 +46,12 @@ class RotaryEmbedding(torch.nn.Module):
         self.config = config
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
-        self.ops: Any = None
+        self.rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                              tuple[torch.Tensor, torch.Tensor]] = _rotate_pair
 
     def use_kernels(self, choice: KernelChoice) -> None:
         """With the CPU kernels, rotate in place (on the fused projection's output, no copies)."""
-        self.ops = choice.ops
+        self.rotate = _rotate_pair if choice.ops is None else _InPlaceRotary(choice.ops)
 
     def build_cache(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """Fills the caches; called once the model is on its device (its buffers start empty)."""
@@ -63,13 +65,25 @@ class RotaryEmbedding(torch.nn.Module):
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, Hq, D], key [T, Hkv, D]. Returns the rotated pair (the same tensors, rotated in
         place, with the CPU kernels)."""
-        if self.ops is not None:
-            self.ops.rotary_(query, positions, self.cos_cache, self.sin_cache)
-            self.ops.rotary_(key, positions, self.cos_cache, self.sin_cache)
-            return query, key
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        return self.rotate(positions, query, key, self.cos_cache, self.sin_cache)
+
+
+def _rotate_pair(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
+                 sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
+    sin = sin_cache[positions].unsqueeze(1)
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+class _InPlaceRotary:
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+
+    def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
+                 sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ops.rotary_(query, positions, cos_cache, sin_cache)
+        self.ops.rotary_(key, positions, cos_cache, sin_cache)
+        return query, key
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

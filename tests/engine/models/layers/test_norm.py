@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from engine.device.kernel_choice import KernelChoice
 from engine.models.layers.activation import SiluAndMul
-from engine.models.layers.norm import RMSNorm
+from engine.models.layers.norm import KernelNorm, RMSNorm, TorchNorm
 
 
 def _norm(ops: Any = None) -> RMSNorm:
@@ -41,8 +41,14 @@ def test_kernels_compute_what_the_torch_ops_do(ops: Any) -> None:
     assert new_residual is kept  # updated in place by the kernel
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(new_residual, expected_residual, rtol=1e-6, atol=1e-6)
-    heads = torch.randn(5, 3, 48)  # q/k norms over head views: PyTorch's op even with kernels
-    torch.testing.assert_close(fused(heads), plain(heads), rtol=0, atol=0)
+    head_norm = RMSNorm(48, 1e-6, on_heads=True)  # q/k norms over head views: PyTorch's op even with kernels
+    head_norm.use_kernels(KernelChoice(ops=ops))
+    assert isinstance(head_norm.method, TorchNorm) and not isinstance(head_norm.method, KernelNorm)
+    assert isinstance(fused.method, KernelNorm)
+    heads = torch.randn(16, 5, 3, 48)[::2, :, 1]  # a strided view, as q is of the fused projection
+    with torch.no_grad():
+        head_norm.weight.copy_(plain.weight)
+    torch.testing.assert_close(head_norm(heads), plain(heads), rtol=0, atol=0)
 
 
 def test_silu_and_mul_both_ways(ops: Any) -> None:
