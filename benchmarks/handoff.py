@@ -50,7 +50,7 @@ MODES = ("inline", "shm")
 # the array view of the repeated field and copies the message for inline ids), instead of a tokenizer's list.
 ID_MODES = ("inline.ids", "shm.ids")
 TARGET_RATIO = 5.0
-_MSG_LIMIT = 64 * 2**20  # the limit engine/server.py and services/tokenizer/server.py set
+_MSG_LIMIT = 64 * 2**20  # the limit common/grpc_server.py sets for every server
 
 
 @dataclass(frozen=True)
@@ -295,7 +295,8 @@ def breakdown(size: int, settings: HandoffSettings) -> dict[str, float]:
     out["inline.parse"] = _median_us(lambda: engine_pb2.EngineGenerateRequest.FromString(wire), r)
     out["inline.list(repeated)"] = _median_us(lambda: list(repeated), r)
     out["inline.asarray(repeated).tolist()"] = _median_us(lambda: np.asarray(repeated).tolist(), r)
-    out["inline.asarray(repeated)"] = _median_us(lambda: np.asarray(repeated), r)  # what engine/server.py does
+    # What engine/entrypoints/grpc_servicer.py does:
+    out["inline.asarray(repeated)"] = _median_us(lambda: np.asarray(repeated), r)
     out["inline.wire_bytes"] = float(len(wire))
     with ShmRing(max(size * 2, 1024)) as ring, ShmReader() as reader:
         reader.register(ring.name, ring.size_bytes)
