@@ -125,7 +125,11 @@ class EngineCore:
         t1 = time.perf_counter()
         prepare_s = 0.0
         if sched.scheduled or sched.block_copies:
-            run = self.executor.execute_model(sched)
+            try:
+                run = self.executor.execute_model(sched)
+            except BaseException:
+                self._pending = outputs + self._pending  # outputs taken above are not lost with the step
+                raise
             prepare_s = self.executor.last_prepare_s
             t2 = time.perf_counter()
             step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs)

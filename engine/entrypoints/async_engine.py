@@ -276,3 +276,7 @@ class AsyncEngine:
         """End every sequence of every in-flight request with an ERROR output and free its blocks."""
         self.core.abort_requests(list(self._sinks), reason=FinishReason.ERROR)
         self._hand_back(self.core.step())  # nothing is left to run: the step hands back the ERROR outputs
+        # A request the scheduler had already ended (aborted just before the failed step took its output)
+        # still gets exactly one terminal output.
+        self._hand_back([EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, request_finished=True)
+                         for rid in list(self._sinks)])

@@ -182,7 +182,7 @@ def choose_linear_method(layer: Linear, choice: KernelChoice) -> LinearMethod:
     if layer.quant is not None and choice.ops is not None:
         limit = choice.quant_max_rows
         return BlockQuantLinearMethod(choice.ops, layer.quant, limit, None if limit is None else base(),
-                                      cast_output=not layer.is_lm_head)
+                                      cast_output=not (layer.is_lm_head and layer.shares_weight))
     return base()
 
 

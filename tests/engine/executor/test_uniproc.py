@@ -50,3 +50,21 @@ def test_core_steps_through_the_executor_and_returns_every_block(checkpoint: Pat
     assert sorted(o.index for o in outputs if o.finished) == [0, 1]
     assert sum(o.request_finished for o in outputs) == 1 and outputs[-1].request_finished
     assert core.scheduler.block_manager.num_free_blocks == 32
+
+
+def test_a_failed_step_keeps_the_outputs_it_had_taken(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = EngineCore(EngineConfig(model=str(checkpoint), dtype="float32", num_kv_blocks=32))
+    core.add_request("gone", [1, 2, 3], SamplingParams(max_tokens=4))
+    core.add_request("running", [4, 5, 6], SamplingParams(max_tokens=4))
+    core.abort_requests(["gone"])  # its ABORT output waits for the next step
+
+    def fail(_: object) -> None:
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(core.executor, "execute_model", fail)
+    with pytest.raises(RuntimeError):
+        core.step()
+    monkeypatch.undo()
+    outputs = core.step()
+    gone = [o for o in outputs if o.request_id == "gone"]
+    assert len(gone) == 1 and gone[0].request_finished

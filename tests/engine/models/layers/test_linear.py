@@ -88,11 +88,12 @@ def test_blocks_with_a_row_limit_hand_larger_steps_to_onednn() -> None:
     assert ops.calls == [("quant", 1), ("quant", BF16_QUANT_MAX_ROWS)]
 
 
-def test_an_lm_head_on_blocks_keeps_float32_logits() -> None:
-    layer = _layer(torch.bfloat16, blocks=True)
-    layer.is_lm_head = True
-    layer.use_kernels(KernelChoice(ops=FakeOps(layer.weight.detach().clone()), onednn=True, quant_max_rows=2))
-    assert layer(torch.randn(1, 32, dtype=torch.bfloat16)).dtype == torch.float32
+def test_a_tied_lm_head_on_blocks_keeps_float32_logits_an_untied_one_the_models_dtype() -> None:
+    for tied, dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        layer = _layer(torch.bfloat16, blocks=True)
+        layer.is_lm_head, layer.shares_weight = True, tied
+        layer.use_kernels(KernelChoice(ops=FakeOps(layer.weight.detach().clone()), onednn=True, quant_max_rows=2))
+        assert layer(torch.randn(1, 32, dtype=torch.bfloat16)).dtype == dtype
 
 
 def test_amx_replaces_blocks_for_decode_sized_bfloat16_steps() -> None:
