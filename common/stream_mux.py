@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
@@ -217,7 +218,7 @@ class MuxClient(Generic[K, Req, Resp, P]):
 
 
 # -- server half ----------------------------------------------------------------------------------------------
-class _MuxServer(Generic[K, V, Req, Resp]):
+class _MuxServer(ABC, Generic[K, V, Req, Resp]):
     """One call's server side: reads the client's messages into ``receive``, writes what :meth:`_take` gives
     as it becomes ready, ends once the client half-closed (or :meth:`drain`) and every request ended, and
     aborts the unfinished ones when the call ends any other way. An error ``receive`` raises ends the call."""
@@ -266,11 +267,13 @@ class _MuxServer(Generic[K, V, Req, Resp]):
         self._draining = True
         self._ready.set()
 
+    @abstractmethod
     def _take(self) -> Resp | None:
-        raise NotImplementedError
+        """The next message to send, or None when nothing is ready."""
 
+    @abstractmethod
     async def _abort_unfinished(self) -> None:
-        raise NotImplementedError
+        """Abort the requests still open when the call ends."""
 
 
 class SinkProtocol(Protocol[K, Req_contra]):
