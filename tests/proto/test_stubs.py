@@ -87,7 +87,7 @@ def test_finish_reasons_are_the_agreed_ones() -> None:
     assert [v.name for v in common_pb2.FinishReason.DESCRIPTOR.values] == [
         "FINISH_REASON_UNSPECIFIED", "FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_REASON_EOS",
         "FINISH_REASON_STOP_STRING", "FINISH_REASON_ABORTED", "FINISH_REASON_TIME_LIMIT",
-        "FINISH_REASON_ERROR",
+        "FINISH_REASON_ERROR", "FINISH_REASON_TOOL_CALLS",
     ]
     assert common_pb2.FINISH_REASON_UNSPECIFIED == 0
 
@@ -124,11 +124,12 @@ def test_token_ids_are_packed() -> None:
     assert ids.SerializeToString() == b"\x0a\x03\x01\x02\x03"
 
 
-def test_guided_decoding_reserves_room() -> None:
-    desc = generation_pb2.GuidedDecoding.DESCRIPTOR
-    assert desc.fields == []
-    text = (PROTO_ROOT / "sluice/v1/generation.proto").read_text()
-    assert 'reserved "json_schema", "json_object", "regex", "choice", "grammar";' in text
+def test_guided_decoding_is_one_oneof_shared_by_both_services() -> None:
+    desc = common_pb2.GuidedDecoding.DESCRIPTOR
+    assert [f.name for f in desc.oneofs_by_name["kind"].fields] == [
+        "json_schema", "json_object", "regex", "choice", "grammar"]
+    assert generation_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["guided"].message_type is desc
+    assert engine_pb2.EngineGenerateRequest.DESCRIPTOR.fields_by_name["guided"].message_type is desc
 
 
 def _descriptor_set(tmp_path: Path) -> descriptor_pb2.FileDescriptorSet:

@@ -3,7 +3,7 @@ from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -17,6 +17,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
     FINISH_REASON_TIME_LIMIT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
+
+class BeamStopping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BEAM_STOPPING_UNSPECIFIED: _ClassVar[BeamStopping]
+    BEAM_STOPPING_EARLY: _ClassVar[BeamStopping]
+    BEAM_STOPPING_NEVER: _ClassVar[BeamStopping]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -25,6 +32,10 @@ FINISH_REASON_STOP_STRING: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 FINISH_REASON_TIME_LIMIT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
+BEAM_STOPPING_UNSPECIFIED: BeamStopping
+BEAM_STOPPING_EARLY: BeamStopping
+BEAM_STOPPING_NEVER: BeamStopping
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -70,3 +81,59 @@ class Usage(_message.Message):
     completion_tokens: int
     cached_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GuidedDecoding(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: Choices
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class BeamSearch(_message.Message):
+    __slots__ = ("beam_width", "length_penalty", "early_stopping")
+    BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    beam_width: int
+    length_penalty: float
+    early_stopping: BeamStopping
+    def __init__(self, beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[BeamStopping, str]] = ...) -> None: ...
+
+class PromptTokenLogprob(_message.Message):
+    __slots__ = ("token_id", "text", "text_bytes", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    text: str
+    text_bytes: bytes
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[PromptTopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., text_bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[PromptTopLogprob, _Mapping]]] = ...) -> None: ...
+
+class PromptTopLogprob(_message.Message):
+    __slots__ = ("token_id", "text", "text_bytes", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    text: str
+    text_bytes: bytes
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., text_bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ...) -> None: ...

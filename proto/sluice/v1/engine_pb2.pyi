@@ -40,7 +40,7 @@ class EngineStoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class EngineGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "prompt_shm", "sampling", "stopping", "logprobs", "priority", "n", "stream_interval")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_shm", "sampling", "stopping", "logprobs", "priority", "n", "stream_interval", "guided", "prompt_logprobs", "best_of", "beam_search")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_SHM_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,10 @@ class EngineGenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BEST_OF_FIELD_NUMBER: _ClassVar[int]
+    BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _common_pb2.TokenIds
     prompt_shm: SharedMemoryRef
@@ -59,7 +63,11 @@ class EngineGenerateRequest(_message.Message):
     priority: int
     n: int
     stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., prompt_shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[EngineStoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    guided: _common_pb2.GuidedDecoding
+    prompt_logprobs: int
+    best_of: int
+    beam_search: _common_pb2.BeamSearch
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., prompt_shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[EngineStoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., stream_interval: _Optional[int] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ...) -> None: ...
 
 class TokenIdLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -78,7 +86,7 @@ class EngineTokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenIdLogprob, _Mapping]]] = ...) -> None: ...
 
 class EngineGenerateResponse(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "released_shm_slot", "error_message", "request_id", "request_done")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "released_shm_slot", "error_message", "request_id", "request_done", "cumulative_logprob", "prompt_logprobs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +97,8 @@ class EngineGenerateResponse(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_DONE_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[EngineTokenLogprobs]
@@ -99,7 +109,9 @@ class EngineGenerateResponse(_message.Message):
     error_message: str
     request_id: str
     request_done: bool
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[EngineTokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., released_shm_slot: _Optional[int] = ..., error_message: _Optional[str] = ..., request_id: _Optional[str] = ..., request_done: _Optional[bool] = ...) -> None: ...
+    cumulative_logprob: float
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptTokenLogprob]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[EngineTokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., released_shm_slot: _Optional[int] = ..., error_message: _Optional[str] = ..., request_id: _Optional[str] = ..., request_done: _Optional[bool] = ..., cumulative_logprob: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class EngineStreamRequest(_message.Message):
     __slots__ = ("generate", "abort")
