@@ -14,10 +14,76 @@ from typing import Protocol
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call an assistant turn of the history made."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as the client sent it
+
+
+@dataclass(frozen=True)
 class ChatTurn:
     role: str
     content: str
     name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None  # on a "tool" turn: the call it answers
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call."""
+
+    name: str
+    description: str = ""
+    parameters: str = ""  # its JSON schema as JSON text; empty: no parameters
+
+
+class GuidedKind(enum.Enum):
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
+
+
+@dataclass(frozen=True)
+class Guided:
+    """One output constraint: ``spec`` is the schema's JSON text, the regex or the grammar;
+    ``choices`` the strings of a CHOICE; JSON_OBJECT needs neither."""
+
+    kind: GuidedKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+
+class ToolChoiceMode(enum.Enum):
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    FUNCTION = "function"  # the one named function
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: ToolChoiceMode
+    function_name: str = ""  # with FUNCTION
+
+
+class BeamStopping(enum.Enum):
+    """vLLM's ``early_stopping``: False, True or "never"."""
+
+    DEFAULT = False
+    EARLY = True
+    NEVER = "never"
+
+
+@dataclass(frozen=True)
+class BeamSearch:
+    beam_width: int
+    length_penalty: float | None = None
+    early_stopping: BeamStopping = BeamStopping.DEFAULT
 
 
 @dataclass(frozen=True)
@@ -48,6 +114,13 @@ class GenerationParams:
     top_logprobs: int = 0
     echo: bool = False
     stream_interval: int | None = None   # tokens per streamed delta (vLLM's); None: the engine's --stream-interval
+    prompt_logprobs: int | None = None  # alternatives per prompt position (vLLM's); None: no prompt logprobs
+    guided: Guided | None = None
+    priority: int = 0
+    best_of: int | None = None  # generate this many, return the n best; None: n
+    beam_search: BeamSearch | None = None
+    tool_choice: ToolChoice | None = None  # None: the backend's default (auto with tools)
+    parallel_tool_calls: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +131,10 @@ class Prompt:
     token_ids: tuple[int, ...] | None = None
     chat: tuple[ChatTurn, ...] | None = None
     add_generation_prompt: bool = True
+    # Chat only:
+    tools: tuple[Tool, ...] = ()
+    chat_template: str | None = None
+    chat_template_kwargs: str = ""  # a JSON object's text; empty: none
 
 
 class FinishReason(enum.Enum):
@@ -68,6 +145,7 @@ class FinishReason(enum.Enum):
     ABORTED = "aborted"
     TIME_LIMIT = "time_limit"
     ERROR = "error"
+    TOOL_CALLS = "tool_calls"
 
     @property
     def openai(self) -> str:
@@ -78,6 +156,8 @@ class FinishReason(enum.Enum):
             return "length"
         if self is FinishReason.ABORTED:
             return "abort"
+        if self is FinishReason.TOOL_CALLS:
+            return "tool_calls"
         return "error"
 
 
@@ -99,6 +179,27 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptTokenLogprob:
+    """A prompt token's log probability given the tokens before it (None for the first)."""
+
+    token_id: int
+    text: str
+    logprob: float | None
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """Part of a call the model made: the first of a call has its id and name, later ones
+    further fragments of its arguments' JSON text."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -117,6 +218,8 @@ class Delta:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error_message: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    prompt_logprobs: tuple[PromptTokenLogprob, ...] = ()  # on a sequence's first delta, when asked for
 
 
 @dataclass(frozen=True)

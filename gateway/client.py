@@ -14,10 +14,8 @@ all of that tokenizer's requests instead of one message per request.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import math
-import socket
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
@@ -25,23 +23,31 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.stream_mux import MuxClient, MuxRequest
 from gateway.backend import (
+    BeamSearch,
+    BeamStopping,
     Delta,
     FinishReason,
     GenerationParams,
+    Guided,
+    GuidedKind,
     ModelInfo,
     Prompt,
+    PromptTokenLogprob,
     TokenizeResult,
     TokenLogprob,
+    ToolCallDelta,
+    ToolChoice,
+    ToolChoiceMode,
     TopLogprob,
     Usage,
 )
 from gateway.errors import BackendError, BackendErrorKind
+from gateway.targets import channel_options, grpc_target
 from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("gateway")
 
 HEALTH_SERVICE = "sluice.v1.Generation"
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 128k-token prompts as ids and their logprobs fit easily
 
 _CODES = {
     grpc.StatusCode.INVALID_ARGUMENT: BackendErrorKind.INVALID_ARGUMENT,
@@ -64,52 +70,14 @@ _FINISH = {
     common_pb2.FINISH_REASON_ABORTED: FinishReason.ABORTED,
     common_pb2.FINISH_REASON_TIME_LIMIT: FinishReason.TIME_LIMIT,
     common_pb2.FINISH_REASON_ERROR: FinishReason.ERROR,
+    common_pb2.FINISH_REASON_TOOL_CALLS: FinishReason.TOOL_CALLS,
 }
 
-
-def grpc_target(addresses: Sequence[str]) -> str:
-    """One channel target for all tokenizer services.
-
-    A full target (``dns:///name:port``, ``ipv4:…``, ``unix:…``) is used as is;
-    one ``host:port`` becomes ``dns:///host:port`` (re-resolved, so every A
-    record is balanced over); several become a static ``ipv4:``/``ipv6:`` list,
-    host names resolved once here.
-    """
-    addrs = [a.strip() for a in addresses if a.strip()]
-    if not addrs:
-        raise ValueError("no tokenizer address given")
-    if len(addrs) == 1:
-        addr = addrs[0]
-        return addr if ":/" in addr or addr.split(":", 1)[0] in ("ipv4", "ipv6", "unix", "dns") else f"dns:///{addr}"
-    resolved = [_resolve(a) for a in addrs]
-    families = {ip.version for ip, _ in resolved}
-    if len(families) != 1:
-        raise ValueError("tokenizer addresses mix IPv4 and IPv6")
-    if families == {4}:
-        return "ipv4:" + ",".join(f"{ip}:{port}" for ip, port in resolved)
-    return "ipv6:" + ",".join(f"[{ip}]:{port}" for ip, port in resolved)
-
-
-def _resolve(addr: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    host, sep, port_s = addr.rpartition(":")
-    if not sep or not port_s.isdigit():
-        raise ValueError(f"tokenizer address {addr!r} is not host:port")
-    host = host.strip("[]")
-    try:
-        return ipaddress.ip_address(host), int(port_s)
-    except ValueError:
-        infos = socket.getaddrinfo(host, int(port_s), type=socket.SOCK_STREAM)
-        ips = [ipaddress.ip_address(i[4][0]) for i in infos]
-        ips.sort(key=lambda ip: ip.version)  # prefer IPv4, the common case for "localhost"
-        return ips[0], int(port_s)
-
-
-def channel_options() -> list[tuple[str, object]]:
-    return [
-        ("grpc.lb_policy_name", "round_robin"),
-        ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-    ]
+_BEAM_STOPPING = {
+    BeamStopping.DEFAULT: common_pb2.BEAM_STOPPING_UNSPECIFIED,
+    BeamStopping.EARLY: common_pb2.BEAM_STOPPING_EARLY,
+    BeamStopping.NEVER: common_pb2.BEAM_STOPPING_NEVER,
+}
 
 
 def to_backend_error(err: grpc.aio.AioRpcError) -> BackendError:
@@ -312,12 +280,52 @@ class GrpcBackend:
 
 
 def _chat_to_pb(prompt: Prompt) -> generation_pb2.Chat:
-    chat = generation_pb2.Chat(add_generation_prompt=prompt.add_generation_prompt)
+    chat = generation_pb2.Chat(add_generation_prompt=prompt.add_generation_prompt,
+                               chat_template_kwargs=prompt.chat_template_kwargs)
+    if prompt.chat_template is not None:
+        chat.chat_template = prompt.chat_template
     for turn in prompt.chat or ():
         msg = chat.messages.add(role=turn.role, content=turn.content)
         if turn.name is not None:
             msg.name = turn.name
+        if turn.tool_call_id is not None:
+            msg.tool_call_id = turn.tool_call_id
+        for call in turn.tool_calls:
+            msg.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
+    for tool in prompt.tools:
+        chat.tools.add(name=tool.name, description=tool.description, parameters=tool.parameters)
     return chat
+
+
+def _guided_to_pb(guided: Guided, out: common_pb2.GuidedDecoding) -> None:
+    if guided.kind is GuidedKind.JSON_SCHEMA:
+        out.json_schema = guided.spec
+    elif guided.kind is GuidedKind.JSON_OBJECT:
+        out.json_object = True
+    elif guided.kind is GuidedKind.REGEX:
+        out.regex = guided.spec
+    elif guided.kind is GuidedKind.CHOICE:
+        out.choice.choices.extend(guided.choices)
+    else:
+        out.grammar = guided.spec
+
+
+def _tool_choice_to_pb(choice: ToolChoice, out: generation_pb2.ToolChoice) -> None:
+    if choice.mode is ToolChoiceMode.NONE:
+        out.none = True
+    elif choice.mode is ToolChoiceMode.AUTO:
+        out.auto = True
+    elif choice.mode is ToolChoiceMode.REQUIRED:
+        out.required = True
+    else:
+        out.function_name = choice.function_name
+
+
+def _beam_search_to_pb(beam: BeamSearch, out: common_pb2.BeamSearch) -> None:
+    out.beam_width = beam.beam_width
+    if beam.length_penalty is not None:
+        out.length_penalty = beam.length_penalty
+    out.early_stopping = _BEAM_STOPPING[beam.early_stopping]
 
 
 def generate_request_to_pb(prompt: Prompt, p: GenerationParams, request_id: str) -> generation_pb2.GenerateRequest:
@@ -352,6 +360,19 @@ def generate_request_to_pb(prompt: Prompt, p: GenerationParams, request_id: str)
     r.echo = p.echo
     if p.stream_interval is not None:
         r.stream_interval = p.stream_interval
+    if p.prompt_logprobs is not None:
+        r.prompt_logprobs = p.prompt_logprobs
+    if p.guided is not None:
+        _guided_to_pb(p.guided, req.guided)
+    req.priority = p.priority
+    if p.best_of is not None:
+        req.best_of = p.best_of
+    if p.beam_search is not None:
+        _beam_search_to_pb(p.beam_search, req.beam_search)
+    if p.tool_choice is not None:
+        _tool_choice_to_pb(p.tool_choice, req.tool_choice)
+    if p.parallel_tool_calls is not None:
+        req.parallel_tool_calls = p.parallel_tool_calls
     return req
 
 
@@ -372,5 +393,11 @@ def delta_from_pb(msg: generation_pb2.GenerateResponse) -> Delta:
         finish_reason=_FINISH.get(msg.finish_reason),
         stop_reason=stop_reason,
         error_message=msg.error_message,
+        tool_calls=tuple(ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in msg.tool_calls),
+        prompt_logprobs=tuple(
+            PromptTokenLogprob(p.token_id, p.text, p.logprob if p.HasField("logprob") else None,
+                               tuple(TopLogprob(t.token_id, t.text, t.text_bytes, t.logprob) for t in p.top_logprobs))
+            for p in msg.prompt_logprobs
+        ),
     )
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from gateway.errors import ApiError, bad_request
 
 UINT32_MAX = 2**32 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.backend import Delta, FinishReason, TokenLogprob, Usage
+from gateway.backend import Delta, FinishReason, PromptTokenLogprob, TokenLogprob, ToolCallDelta, Usage
+from gateway.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 
 
 def usage_json(usage: Usage) -> dict[str, object]:
@@ -17,11 +18,24 @@ def usage_json(usage: Usage) -> dict[str, object]:
 
 
 @dataclass
+class ToolCallSoFar:
+    id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+
+    def json(self) -> dict[str, object]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": "".join(self.arguments)}}
+
+
+@dataclass
 class Choice:
     """What one choice has produced so far."""
 
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[PromptTokenLogprob, ...] = ()
+    tool_calls: dict[int, ToolCallSoFar] = field(default_factory=dict)  # by the calls' index
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error_message: str = ""
@@ -46,12 +60,15 @@ class ResponseBuilder:
     """The shapes of one request's response: completions or chat, whole or chunked."""
 
     def __init__(self, *, is_chat: bool, request_id: str, created: int, model: str, num_choices: int,
-                 logprobs: bool) -> None:
+                 logprobs: bool, prompt_logprobs: bool = False, echo: bool = False, echo_prefix: str = "") -> None:
         self.is_chat = is_chat
         self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{request_id}"
         self.created = created
         self.model = model
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs asked for
+        self.echo = echo  # completions: the prompt's tokens lead the logprobs
+        self.echo_prefix = echo_prefix  # chat: the gateway's own echo
         self.choices = [Choice() for _ in range(num_choices)]
 
     def _head(self, obj: str) -> dict[str, object]:
@@ -64,6 +81,11 @@ class ResponseBuilder:
         choice.text.append(delta.text)
         choice.text_length += len(delta.text)
         choice.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs:
+            choice.prompt_logprobs = delta.prompt_logprobs
+        for call in delta.tool_calls:
+            so_far = choice.tool_calls.setdefault(call.index, ToolCallSoFar(call.id, call.name))
+            so_far.arguments.append(call.arguments)
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
             choice.stop_reason = delta.stop_reason
@@ -77,36 +99,63 @@ class ResponseBuilder:
         choices = []
         for index, choice in enumerate(self.choices):
             text = "".join(choice.text)
-            logprobs = self._logprobs(choice.logprobs, 0) if self.logprobs else None
             item: dict[str, object]
             if self.is_chat:
-                item = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+                item = {"index": index, "message": self._message(self.echo_prefix + text, choice),
+                        "logprobs": chat_logprobs(choice.logprobs) if self.logprobs else None}
             else:
+                logprobs = completion_logprobs(choice.logprobs, 0, self._echoed(choice.prompt_logprobs)) \
+                    if self.logprobs else None
                 item = {"index": index, "text": text, "logprobs": logprobs}
+                if self.prompt_logprobs:
+                    item["prompt_logprobs"] = vllm_prompt_logprobs(choice.prompt_logprobs)
             item["finish_reason"] = choice.finish_reason.openai if choice.finish_reason else None
             item["stop_reason"] = choice.stop_reason
             choices.append(item)
         out["choices"] = choices
+        if self.is_chat and self.prompt_logprobs:
+            # vLLM puts chat's on the response: every choice has the same prompt.
+            out["prompt_logprobs"] = vllm_prompt_logprobs(self.choices[0].prompt_logprobs if self.choices else ())
         out["usage"] = usage_json(usage)
         return out
+
+    def _echoed(self, prompt: tuple[PromptTokenLogprob, ...]) -> tuple[PromptTokenLogprob, ...]:
+        return prompt if self.echo else ()
+
+    @staticmethod
+    def _message(text: str, choice: Choice) -> dict[str, object]:
+        if not choice.tool_calls:
+            return {"role": "assistant", "content": text}
+        calls = [choice.tool_calls[i].json() for i in sorted(choice.tool_calls)]
+        return {"role": "assistant", "content": text or None, "tool_calls": calls}
 
     # -- stream chunks ---------------------------------------------------
 
     def role_chunks(self) -> list[dict[str, object]]:
-        """Chat streams open each choice with the assistant role (as OpenAI and vLLM do)."""
+        """Chat streams open each choice with the assistant role (as OpenAI and vLLM do), then the
+        echoed last message (vLLM's chat echo)."""
         if not self.is_chat:
             return []
-        return [self._chunk(i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None})
-                for i in range(len(self.choices))]
+        chunks = [self._chunk(i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None})
+                  for i in range(len(self.choices))]
+        if self.echo_prefix:
+            chunks += [self._chunk(i, {"delta": {"content": self.echo_prefix}, "logprobs": None})
+                       for i in range(len(self.choices))]
+        return chunks
 
     def delta_chunk(self, index: int, delta: Delta, text_offset: int) -> dict[str, object] | None:
         """The chunk of one delta (already :meth:`add`-ed), or None when it carries nothing."""
-        if not delta.text and not delta.logprobs and delta.finish_reason is None:
+        if not delta.text and not delta.logprobs and not delta.tool_calls and delta.finish_reason is None:
             return None  # text held back by the detokenizer: nothing to tell the client yet
-        logprobs = self._logprobs(list(delta.logprobs), text_offset) if self.logprobs else None
+        body: dict[str, object]
         if self.is_chat:
-            body: dict[str, object] = {"delta": {"content": delta.text} if delta.text else {}, "logprobs": logprobs}
+            message: dict[str, object] = {"content": delta.text} if delta.text else {}
+            if delta.tool_calls:
+                message["tool_calls"] = [_tool_call_chunk(c) for c in delta.tool_calls]
+            body = {"delta": message, "logprobs": chat_logprobs(delta.logprobs) if self.logprobs else None}
         else:
+            logprobs = completion_logprobs(delta.logprobs, text_offset, self._echoed(delta.prompt_logprobs)) \
+                if self.logprobs else None
             body = {"text": delta.text, "logprobs": logprobs}
         if delta.finish_reason is not None:
             body["stop_reason"] = delta.stop_reason
@@ -123,24 +172,10 @@ class ResponseBuilder:
         out["choices"] = [{"index": index, **body, "finish_reason": finish.openai if finish else None}]
         return out
 
-    # -- logprobs --------------------------------------------------------
 
-    def _logprobs(self, entries: list[TokenLogprob], text_offset: int) -> dict[str, object]:
-        if self.is_chat:
-            return {"content": [
-                {"token": e.text, "logprob": e.logprob, "bytes": list(e.text_bytes),
-                 "top_logprobs": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text_bytes)}
-                                  for t in e.top]}
-                for e in entries
-            ]}
-        # The legacy completions format: parallel lists; top_logprobs maps text to logprob.
-        offsets = []
-        for e in entries:
-            offsets.append(text_offset)
-            text_offset += len(e.text)
-        return {
-            "tokens": [e.text for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{e.text: e.logprob, **{t.text: t.logprob for t in e.top}} for e in entries],
-            "text_offset": offsets,
-        }
+def _tool_call_chunk(call: ToolCallDelta) -> dict[str, object]:
+    """OpenAI's streamed call: id, type and name on a call's first delta, then argument fragments."""
+    if call.id or call.name:
+        return {"index": call.index, "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": call.index, "function": {"arguments": call.arguments}}

@@ -2,18 +2,21 @@
 
 Everything a client can get wrong is checked here, before any backend call,
 and reported as a 400 naming the field. Unknown fields are ignored, as OpenAI
-and vLLM do; features that would silently change the output if ignored
-(guided decoding, beam search) are refused instead.
+and vLLM do; known fields Sluice does not honour are refused by name, never
+dropped.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from gateway.backend import ChatTurn, GenerationParams, Prompt
+from gateway.backend import BeamSearch, BeamStopping, ChatTurn, GenerationParams, Prompt, ToolChoiceMode
 from gateway.errors import bad_request
 from gateway.fields import (
+    INT32_MAX,
+    INT32_MIN,
     INT64_MAX,
     INT64_MIN,
     UINT32_MAX,
@@ -26,6 +29,8 @@ from gateway.fields import (
     opt_str,
     token_ids,
 )
+from gateway.guided import parse_guided
+from gateway.tools import parse_tool_calls, parse_tool_choice, parse_tools
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_LENGTH = 256  # characters; the detokenizer holds back this much text
@@ -33,7 +38,17 @@ MAX_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one batched completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-_UNSUPPORTED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag")
+# Known fields Sluice does not honour, and what to use instead.
+_REFUSED = {
+    "suffix": "`suffix` is not supported.",
+    "structural_tag": "`structural_tag` is not supported; use `guided_grammar` or `response_format`.",
+    "guided_whitespace_pattern": "`guided_whitespace_pattern` is not supported.",
+    "functions": "`functions` (deprecated by OpenAI) is not supported; use `tools`.",
+    "function_call": "`function_call` (deprecated by OpenAI) is not supported; use `tool_choice`.",
+}
+# Sampling fields beam search does not use, with the values that mean "off": any other is refused with it.
+_NOT_FOR_BEAMS: dict[str, tuple[object, ...]] = {"temperature": (0,), "top_p": (1,), "top_k": (0, -1), "min_p": (0,),
+                                                 "seed": ()}
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,7 @@ class GenerationRequest:
     params: GenerationParams
     stream: bool
     include_usage: bool
+    echo_prefix: str = ""  # chat echo: the gateway starts each choice's content with it
 
 
 @dataclass(frozen=True)
@@ -64,16 +80,14 @@ class DetokenizeRequest:
 
 def parse_completion(body: Mapping[str, object], max_n: int) -> GenerationRequest:
     prompts = _prompts(body)
-    if opt_str(body, "suffix"):
-        raise bad_request("suffix", "`suffix` is not supported.")
+    if body.get("tools") is not None or body.get("tool_choice") is not None:
+        name = "tools" if body.get("tools") is not None else "tool_choice"
+        raise bad_request(name, f"`{name}` is for /v1/chat/completions.")
     logprobs = opt_int(body, "logprobs", 0, MAX_LOGPROBS)
     max_tokens = opt_int(body, "max_tokens", 1, UINT32_MAX)
     params = _params(body, max_n, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                      logprobs=logprobs is not None, top_logprobs=logprobs or 0, echo=bool(opt_bool(body, "echo")))
-    best_of = opt_int(body, "best_of", 1, max_n)
-    if best_of is not None and best_of != params.n:
-        raise bad_request("best_of", "`best_of` other than `n` is not supported.")
-    stream, include_usage = _stream(body)
+    stream, include_usage = _stream(body, params)
     return GenerationRequest(False, opt_str(body, "model"), prompts, params, stream, include_usage)
 
 
@@ -86,14 +100,24 @@ def parse_chat(body: Mapping[str, object], max_n: int) -> GenerationRequest:
     max_tokens = opt_int(body, "max_completion_tokens", 1, UINT32_MAX)
     if max_tokens is None:
         max_tokens = opt_int(body, "max_tokens", 1, UINT32_MAX)
-    fmt = opt_object(body, "response_format")
-    if fmt is not None and fmt.get("type") != "text":
-        raise bad_request("response_format", "Only `response_format` of type `text` is supported.")
+    tools = parse_tools(body)
+    tool_choice = parse_tool_choice(body, tools)
     params = _params(body, max_n, max_tokens, logprobs=logprobs, top_logprobs=top_logprobs or 0, echo=False)
+    if params.guided is not None and tool_choice is not None and tool_choice.mode in (ToolChoiceMode.REQUIRED,
+                                                                                      ToolChoiceMode.FUNCTION):
+        raise bad_request("tool_choice", "`tool_choice` that forces a call constrains the output itself: it "
+                                         "cannot be combined with `response_format` or guided decoding.")
+    kwargs = opt_object(body, "chat_template_kwargs")
+    params = replace(params, tool_choice=tool_choice, parallel_tool_calls=opt_bool(body, "parallel_tool_calls"))
     add_generation_prompt = opt_bool(body, "add_generation_prompt")
-    prompt = Prompt(chat=turns, add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt)
-    stream, include_usage = _stream(body)
-    return GenerationRequest(True, opt_str(body, "model"), (prompt,), params, stream, include_usage)
+    prompt = Prompt(chat=turns, add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
+                    tools=tools, chat_template=opt_str(body, "chat_template"),
+                    chat_template_kwargs="" if kwargs is None else json.dumps(kwargs, ensure_ascii=False))
+    stream, include_usage = _stream(body, params)
+    # vLLM's chat echo: a conversation ending in an assistant turn is continued, and the answer repeats it.
+    echo = bool(opt_bool(body, "echo")) and turns[-1].role == "assistant"
+    return GenerationRequest(True, opt_str(body, "model"), (prompt,), params, stream, include_usage,
+                             turns[-1].content if echo else "")
 
 
 def parse_tokenize(body: Mapping[str, object]) -> TokenizeRequest:
@@ -115,8 +139,10 @@ def parse_detokenize(body: Mapping[str, object]) -> DetokenizeRequest:
     return DetokenizeRequest(opt_str(body, "model"), token_ids(body.get("tokens"), "tokens", allow_empty=True))
 
 
-def _stream(body: Mapping[str, object]) -> tuple[bool, bool]:
+def _stream(body: Mapping[str, object], params: GenerationParams) -> tuple[bool, bool]:
     stream = bool(opt_bool(body, "stream"))
+    if stream and params.prompt_logprobs is not None:  # as vLLM: they would come before the first token
+        raise bad_request("prompt_logprobs", "`prompt_logprobs` are not available when `stream` is true.")
     options = opt_object(body, "stream_options")
     if options is None:
         return stream, False
@@ -186,8 +212,16 @@ def _message(msg: object, name: str) -> ChatTurn:
         raise bad_request(f"{name}.content",
                           f"`{name}.content` must be a string or an array of text parts, got {json_type(content)}.")
     author = opt_str(msg, "name")
+    tool_calls = parse_tool_calls(msg, name)
+    if tool_calls and role != "assistant":
+        raise bad_request(f"{name}.tool_calls", f"`{name}.tool_calls` is only for assistant messages.")
+    tool_call_id = opt_str(msg, "tool_call_id")
+    if role == "tool" and not tool_call_id:
+        raise bad_request(f"{name}.tool_call_id", f"`{name}.tool_call_id` is required for a tool message.")
+    if role != "tool" and tool_call_id is not None:
+        raise bad_request(f"{name}.tool_call_id", f"`{name}.tool_call_id` is only for tool messages.")
     # "developer" is OpenAI's newer name for the system role; templates know "system".
-    return ChatTurn("system" if role == "developer" else role, text, author)
+    return ChatTurn("system" if role == "developer" else role, text, author, tool_calls, tool_call_id)
 
 
 def _text_part(part: object, name: str) -> str:
@@ -229,19 +263,19 @@ def _logit_bias(body: Mapping[str, object]) -> dict[int, float]:
 
 def _params(body: Mapping[str, object], max_n: int, max_tokens: int | None, *, logprobs: bool, top_logprobs: int,
             echo: bool) -> GenerationParams:
-    for name in _UNSUPPORTED:
+    for name, message in _REFUSED.items():
         if body.get(name) is not None:
-            raise bad_request(name, f"`{name}` (guided decoding) is not supported yet.")
-    if opt_bool(body, "use_beam_search"):
-        raise bad_request("use_beam_search", "Beam search is not supported.")
+            raise bad_request(name, message)
     opt_str(body, "user")  # accepted and unused, but it must be a string
     min_tokens = opt_int(body, "min_tokens", 0, UINT32_MAX) or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request("min_tokens", f"`min_tokens` must be <= max_tokens ({max_tokens}), got {min_tokens}.")
     top_k = opt_int(body, "top_k", -1, UINT32_MAX)
     stop_token_ids = body.get("stop_token_ids")
+    n = opt_int(body, "n", 1, max_n) or 1
+    best_of, beam_search = _best_of_and_beam(body, n, max_n)
     return GenerationParams(
-        n=opt_int(body, "n", 1, max_n) or 1,
+        n=n,
         temperature=opt_float(body, "temperature", 0.0, 2.0),
         top_p=opt_float(body, "top_p", 0.0, 1.0, lo_open=True),
         top_k=None if top_k in (None, -1, 0) else top_k,  # vLLM spells "disabled" 0 or -1
@@ -262,4 +296,34 @@ def _params(body: Mapping[str, object], max_n: int, max_tokens: int | None, *, l
         top_logprobs=top_logprobs,
         echo=echo,
         stream_interval=opt_int(body, "stream_interval", 1, UINT32_MAX),
+        prompt_logprobs=opt_int(body, "prompt_logprobs", 0, MAX_LOGPROBS),
+        guided=parse_guided(body),
+        priority=opt_int(body, "priority", INT32_MIN, INT32_MAX) or 0,
+        best_of=best_of,
+        beam_search=beam_search,
     )
+
+
+def _best_of_and_beam(body: Mapping[str, object], n: int, max_n: int) -> tuple[int | None, BeamSearch | None]:
+    """``best_of`` (more candidates than ``n``), or beam search as vLLM spells it: ``use_beam_search``
+    with ``best_of`` (else ``n``) beams, ``length_penalty`` and ``early_stopping``."""
+    best_of = opt_int(body, "best_of", 1, max_n)
+    if best_of is not None and best_of < n:
+        raise bad_request("best_of", f"`best_of` must be >= n ({n}), got {best_of}.")
+    length_penalty = opt_float(body, "length_penalty", -10.0, 10.0)
+    early = body.get("early_stopping")
+    if early is not None and not isinstance(early, bool) and early != "never":
+        raise bad_request("early_stopping", "`early_stopping` must be true, false or \"never\".")
+    if not opt_bool(body, "use_beam_search"):
+        # Their defaults change nothing; any other value would be ignored without beams.
+        if length_penalty not in (None, 1.0):
+            raise bad_request("length_penalty", "`length_penalty` needs `use_beam_search` set to true.")
+        if early not in (None, False):
+            raise bad_request("early_stopping", "`early_stopping` needs `use_beam_search` set to true.")
+        return (best_of if best_of is not None and best_of > n else None), None
+    for name, off in _NOT_FOR_BEAMS.items():
+        raw = body.get(name)
+        if raw is not None and raw not in off:
+            raise bad_request(name, f"`{name}` does not apply to beam search (`use_beam_search`).")
+    stopping = BeamStopping.DEFAULT if early is None else BeamStopping(early)
+    return None, BeamSearch(best_of or n, length_penalty, stopping)

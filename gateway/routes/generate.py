@@ -57,7 +57,9 @@ class _Run:
             raise
         self.stream = DeltaStream(calls, req.params.n)
         self.builder = ResponseBuilder(is_chat=req.is_chat, request_id=rid, created=int(time.time()), model=model,
-                                       num_choices=num_prompts * req.params.n, logprobs=req.params.logprobs)
+                                       num_choices=num_prompts * req.params.n, logprobs=req.params.logprobs,
+                                       prompt_logprobs=req.params.prompt_logprobs is not None,
+                                       echo=req.params.echo, echo_prefix=req.echo_prefix)
         self.usage = UsageSum(num_prompts)
         self.tracker: GenerationTracker = state.metrics.track(model)
 
@@ -65,7 +67,7 @@ class _Run:
         """Account for a delta; return its choice index and text offset."""
         index = self.stream.choice_index(prompt_index, delta)
         self.usage.update(prompt_index, delta.usage)
-        if delta.token_ids or delta.text:
+        if delta.token_ids or delta.text or delta.tool_calls:
             self.tracker.token()
         if delta.finish_reason is FinishReason.ERROR:
             log.error("request %s: choice %d failed in the backend: %s", self.rid, index, delta.error_message)

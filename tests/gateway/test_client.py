@@ -87,7 +87,8 @@ def test_finish_reasons(pb: int, reason: FinishReason | None) -> None:
 
 
 def test_openai_finish_reasons() -> None:
-    assert [r.openai for r in FinishReason] == ["stop", "length", "stop", "stop", "abort", "length", "error"]
+    assert [r.openai for r in FinishReason] == ["stop", "length", "stop", "stop", "abort", "length", "error",
+                                              "tool_calls"]
 
 
 def test_delta_conversion() -> None:

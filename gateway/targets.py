@@ -1,0 +1,54 @@
+"""Where the gateway's gRPC channels go: one target for every tokenizer service, and the options."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Sequence
+
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 128k-token prompts as ids and their logprobs fit easily
+
+
+def grpc_target(addresses: Sequence[str]) -> str:
+    """One channel target for all tokenizer services.
+
+    A full target (``dns:///name:port``, ``ipv4:…``, ``unix:…``) is used as is;
+    one ``host:port`` becomes ``dns:///host:port`` (re-resolved, so every A
+    record is balanced over); several become a static ``ipv4:``/``ipv6:`` list,
+    host names resolved once here.
+    """
+    addrs = [a.strip() for a in addresses if a.strip()]
+    if not addrs:
+        raise ValueError("no tokenizer address given")
+    if len(addrs) == 1:
+        addr = addrs[0]
+        return addr if ":/" in addr or addr.split(":", 1)[0] in ("ipv4", "ipv6", "unix", "dns") else f"dns:///{addr}"
+    resolved = [_resolve(a) for a in addrs]
+    families = {ip.version for ip, _ in resolved}
+    if len(families) != 1:
+        raise ValueError("tokenizer addresses mix IPv4 and IPv6")
+    if families == {4}:
+        return "ipv4:" + ",".join(f"{ip}:{port}" for ip, port in resolved)
+    return "ipv6:" + ",".join(f"[{ip}]:{port}" for ip, port in resolved)
+
+
+def _resolve(addr: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    host, sep, port_s = addr.rpartition(":")
+    if not sep or not port_s.isdigit():
+        raise ValueError(f"tokenizer address {addr!r} is not host:port")
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host), int(port_s)
+    except ValueError:
+        infos = socket.getaddrinfo(host, int(port_s), type=socket.SOCK_STREAM)
+        ips = [ipaddress.ip_address(i[4][0]) for i in infos]
+        ips.sort(key=lambda ip: ip.version)  # prefer IPv4, the common case for "localhost"
+        return ips[0], int(port_s)
+
+
+def channel_options() -> list[tuple[str, object]]:
+    return [
+        ("grpc.lb_policy_name", "round_robin"),
+        ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ]
