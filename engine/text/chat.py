@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -111,8 +112,45 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
                 raise InvalidRequestError("messages", f"messages[{i}] ({role}) has no content")
         else:
             copy["content"] = _content_text(content, i)
+        if message.get("tool_calls"):
+            copy["tool_calls"] = _tool_calls(message["tool_calls"], i)
         out.append(copy)
     return out
+
+
+def _tool_calls(calls: Any, index: int) -> list[Any]:
+    """Copies of an assistant turn's calls with JSON-text arguments parsed: templates write them with
+    ``tojson`` or iterate over them (as vLLM passes them)."""
+    if not isinstance(calls, list):
+        raise InvalidRequestError("messages", f"messages[{index}].tool_calls must be a list")
+    out: list[Any] = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"])
+            except ValueError as e:
+                raise InvalidRequestError("messages", f"messages[{index}].tool_calls[{j}].function.arguments "
+                                                      f"is not valid JSON: {e}") from e
+            if not isinstance(arguments, dict):
+                raise InvalidRequestError("messages", f"messages[{index}].tool_calls[{j}].function.arguments "
+                                                      "must be a JSON object")
+            call = {**call, "function": {**function, "arguments": arguments}}
+        out.append(call)
+    return out
+
+
+def load_chat_template(value: str) -> str:
+    """A ``--chat-template`` value: a file's path, or the template itself (as vLLM reads the flag)."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:  # a long inline template is not a valid path
+        pass
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and it does not look like a template")
 
 
 def _content_text(content: Any, index: int) -> str:
