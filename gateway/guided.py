@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from gateway.backend import Guided, GuidedKind
 from gateway.errors import bad_request
-from gateway.fields import json_type, opt_bool, opt_object, opt_str
+from gateway.fields import json_type, opt_object, opt_str
 
 MAX_SPEC_BYTES = 64 * 1024  # a schema's JSON text, a regex or a grammar
 MAX_CHOICES = 1024
@@ -78,8 +78,12 @@ def _response_format(body: Mapping[str, object]) -> Guided | None:
     if not isinstance(spec, dict):
         raise bad_request("response_format.json_schema",
                           f"`response_format.json_schema` must be an object, got {json_type(spec)}.")
-    opt_str(spec, "name")  # OpenAI's label for the schema: checked, not needed
-    opt_bool(spec, "strict")  # strict or not, the output always matches the schema
+    # OpenAI's label for the schema, and its strictness: checked, not needed (the output always matches).
+    for key, kind in (("name", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec.get(key), kind):
+            field = f"response_format.json_schema.{key}"
+            raise bad_request(field, f"`{field}` must be a {'string' if kind is str else 'boolean'}, "
+                                     f"got {json_type(spec.get(key))}.")
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema",

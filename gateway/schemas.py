@@ -46,6 +46,8 @@ _REFUSED = {
     "functions": "`functions` (deprecated by OpenAI) is not supported; use `tools`.",
     "function_call": "`function_call` (deprecated by OpenAI) is not supported; use `tool_choice`.",
 }
+# Chat's fields, refused by completions (with a hint).
+_CHAT_ONLY = {"tools": "", "tool_choice": "", "top_logprobs": " (completions take `logprobs`, an integer)"}
 # Sampling fields beam search does not use, with the values that mean "off": any other is refused with it.
 _NOT_FOR_BEAMS: dict[str, tuple[object, ...]] = {"temperature": (0,), "top_p": (1,), "top_k": (0, -1), "min_p": (0,),
                                                  "seed": ()}
@@ -80,9 +82,9 @@ class DetokenizeRequest:
 
 def parse_completion(body: Mapping[str, object], max_n: int) -> GenerationRequest:
     prompts = _prompts(body)
-    if body.get("tools") is not None or body.get("tool_choice") is not None:
-        name = "tools" if body.get("tools") is not None else "tool_choice"
-        raise bad_request(name, f"`{name}` is for /v1/chat/completions.")
+    for name, hint in _CHAT_ONLY.items():  # completions would ignore them
+        if body.get(name) is not None:
+            raise bad_request(name, f"`{name}` is for /v1/chat/completions{hint}.")
     logprobs = opt_int(body, "logprobs", 0, MAX_LOGPROBS)
     max_tokens = opt_int(body, "max_tokens", 1, UINT32_MAX)
     params = _params(body, max_n, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,

@@ -9,10 +9,18 @@ What it does is chosen by the prompt (the text, or the last chat message):
   * ``gap:SECONDS`` — waits between messages;
   * ``fail`` — ends choice 0 with FINISH_REASON_ERROR;
   * ``streamfail:CODE`` — on a GenerateStream, fails the whole stream with that status;
+  * ``toolcalls`` — each sequence calls get_weather({"city": "Paris"}) in two
+    deltas, then get_time({}), and ends with TOOL_CALLS (no text);
+  * ``json`` — each sequence generates the JSON text of ``JSON_ANSWER`` in pieces;
   * anything else — each of the n sequences generates "Hel", "lo", " world"
     (token ids 10, 11, 12), interleaved, then ends: LENGTH when max_tokens cut
     it, STOP_STRING with the first stop string if any were given, else EOS.
 Prompt tokens: the number of words of the text, or of token ids.
+With ``echo`` (text prompts), each sequence's first text starts with the
+prompt; with ``prompt_logprobs`` (or echo with logprobs) its first message
+carries one entry per word (of the text, or of the chat messages): token id i + 1, text " word" (the first without the
+space, and without a logprob), logprob -0.25 * i, and ``prompt_logprobs`` (else
+``top_logprobs``) alternatives: id 200 + j, text "pj", logprob -1 - j.
 ``GenerateStream`` runs the same behaviours per request, multiplexed.
 """
 
@@ -28,6 +36,13 @@ from grpc_health.v1._async import HealthServicer
 from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 PIECES = (("Hel", 10), ("lo", 11), (" world", 12))
+JSON_ANSWER = {"name": "Ada", "age": 36}
+JSON_PIECES = (('{"name": ', 30), ('"Ada", ', 31), ('"age": 36}', 32))
+TOOL_CALLS = (  # (index, id, name, arguments fragment) per step
+    (0, "call_0", "get_weather", '{"city": '),
+    (0, "", "", '"Paris"}'),
+    (1, "call_1", "get_time", "{}"),
+)
 MODEL_NAME = "fake-model"
 
 
@@ -84,18 +99,27 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         n = request.n or 1
         prompt_tokens = prompt_tokens_of(request)
         max_tokens = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else None
-        steps = len(PIECES) if max_tokens is None else min(len(PIECES), max_tokens)
+        pieces = JSON_PIECES if command == "json" else PIECES
+        steps = len(pieces) if max_tokens is None else min(len(pieces), max_tokens)
         completion_tokens = 0
         for step in range(steps):
             for index in range(n):
-                text, token = PIECES[step]
+                piece, token = pieces[step]
+                text = "" if command == "toolcalls" else piece
+                if step == 0 and request.response.echo and request.WhichOneof("input") == "text":
+                    text = request.text + text
                 completion_tokens += 1
                 msg = generation_pb2.GenerateResponse(
                     request_id=request.request_id, index=index, text=text, token_ids=[token],
                     usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                            cached_tokens=1))
+                if command == "toolcalls":
+                    call_index, call_id, name, arguments = TOOL_CALLS[step]
+                    msg.tool_calls.add(index=call_index, id=call_id, name=name, arguments=arguments)
+                if step == 0:
+                    _add_prompt_logprobs(msg, request)
                 if request.response.logprobs:
-                    lp = msg.logprobs.add(token_id=token, text=text, text_bytes=text.encode(), logprob=-0.5)
+                    lp = msg.logprobs.add(token_id=token, text=piece, text_bytes=piece.encode(), logprob=-0.5)
                     for k in range(request.response.top_logprobs):
                         lp.top_logprobs.add(token_id=100 + k, text=f"alt{k}", text_bytes=f"alt{k}".encode(),
                                             logprob=-1.0 - k)
@@ -206,6 +230,25 @@ class _RequestContext:
         raise _Aborted(code, details, int(dict(trailing_metadata).get("retry-after", 0)))
 
 
+def _add_prompt_logprobs(msg: generation_pb2.GenerateResponse, request: generation_pb2.GenerateRequest) -> None:
+    r = request.response
+    if r.HasField("prompt_logprobs"):
+        alternatives = r.prompt_logprobs
+    elif r.echo and r.logprobs:
+        alternatives = r.top_logprobs
+    else:
+        return
+    words = " ".join(m.content for m in request.chat.messages).split() if request.HasField("chat") else \
+        request.text.split()
+    for i, word in enumerate(words):
+        entry = msg.prompt_logprobs.add(token_id=i + 1, text=word if i == 0 else f" {word}")
+        if i == 0:
+            continue
+        entry.logprob = -0.25 * i
+        for j in range(alternatives):
+            entry.top_logprobs.add(token_id=200 + j, text=f"p{j}", text_bytes=f"p{j}".encode(), logprob=-1.0 - j)
+
+
 def _finish(msg: generation_pb2.GenerateResponse, request: generation_pb2.GenerateRequest,
             max_tokens: int | None, steps: int, *, fail: bool) -> None:
     if fail:
@@ -213,6 +256,8 @@ def _finish(msg: generation_pb2.GenerateResponse, request: generation_pb2.Genera
         msg.error_message = "device lost at /work/secret/path"
     elif max_tokens is not None and steps == max_tokens:
         msg.finish_reason = common_pb2.FINISH_REASON_LENGTH
+    elif msg.tool_calls:
+        msg.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
     elif request.stopping.stop:
         msg.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
         msg.stop_string = request.stopping.stop[0]

@@ -109,6 +109,7 @@ async def test_vllm_extras_reach_the_backend(gateway: Gateway) -> None:
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"42": 5, "7": -100}, "echo": True,
         "user": "u1", "unknown_field": {"ignored": True}})
     assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == "xHello world"  # echoed by the service (the fake's way)
     sent = gateway.backend_calls.generate_requests[0]
     assert sent.sampling.top_k == 5
     assert sent.sampling.min_p == pytest.approx(0.1)

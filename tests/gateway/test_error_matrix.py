@@ -21,6 +21,9 @@ MAX_BODY = 4096
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
+OBJ = {"type": "object"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": OBJ}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 @dataclass
@@ -93,8 +96,97 @@ REJECTED = [
     Case("chat-stream-interval-float", CHAT, chat(messages=[{"role": "user", "content": "x"}], stream_interval=1.5),
          param="stream_interval"),
     Case("repetition-penalty-zero", COMP, comp(repetition_penalty=0), param="repetition_penalty"),
-    Case("response-format-json", CHAT, chat(response_format={"type": "json_object"}), param="response_format"),
-    Case("guided-json", COMP, comp(guided_json={"type": "object"}), param="guided_json"),
+    Case("suffix", COMP, comp(suffix="x"), param="suffix"),
+    Case("echo-not-bool", COMP, comp(echo="yes"), param="echo"),
+    # structured outputs
+    Case("two-constraints", COMP, comp(guided_json=OBJ, guided_regex="x"), param="guided_regex"),
+    Case("response-format-and-guided", CHAT, chat(response_format={"type": "json_object"}, guided_choice=["a"]),
+         param="guided_choice"),
+    Case("guided-and-structured-outputs", CHAT, chat(guided_grammar="root ::= \"a\"",
+                                                     structured_outputs={"regex": "a"}),
+         param="structured_outputs.regex"),
+    Case("structured-outputs-two-keys", CHAT, chat(structured_outputs={"regex": "a", "choice": ["a"]}),
+         param="structured_outputs.choice"),
+    Case("structured-outputs-unknown-key", COMP, comp(structured_outputs={"structural_tag": "x"}),
+         param="structured_outputs.structural_tag"),
+    Case("structured-outputs-not-object", COMP, comp(structured_outputs="json"), param="structured_outputs"),
+    Case("structured-outputs-json-object-string", COMP, comp(structured_outputs={"json_object": "yes"}),
+         param="structured_outputs.json_object"),
+    Case("guided-backend-other", COMP, comp(guided_regex="x", guided_decoding_backend="xgrammar"),
+         param="guided_decoding_backend"),
+    Case("guided-json-array", COMP, comp(guided_json=[1]), param="guided_json"),
+    Case("guided-json-bad-text", CHAT, chat(guided_json="{not json"), param="guided_json"),
+    Case("guided-regex-empty", COMP, comp(guided_regex=""), param="guided_regex"),
+    Case("guided-grammar-not-string", COMP, comp(guided_grammar=5), param="guided_grammar"),
+    Case("guided-choice-empty", COMP, comp(guided_choice=[]), param="guided_choice"),
+    Case("guided-choice-bad-item", CHAT, chat(guided_choice=["a", 1]), param="guided_choice[1]"),
+    Case("structural-tag", COMP, comp(structural_tag="{}"), param="structural_tag"),
+    Case("response-format-unknown-type", CHAT, chat(response_format={"type": "xml"}), param="response_format.type"),
+    Case("response-format-not-object", CHAT, chat(response_format="json"), param="response_format"),
+    Case("response-format-no-json-schema", CHAT, chat(response_format={"type": "json_schema"}),
+         param="response_format.json_schema"),
+    Case("response-format-no-schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+         param="response_format.json_schema.schema"),
+    Case("response-format-strict-not-bool", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": OBJ, "strict": "yes"}}),
+         param="response_format.json_schema.strict"),
+    # tools
+    Case("tools-not-array", CHAT, chat(tools={"type": "function"}), param="tools"),
+    Case("tool-not-function", CHAT, chat(tools=[{"type": "retrieval"}]), param="tools[0].type"),
+    Case("tool-without-name", CHAT, chat(tools=[{"type": "function", "function": {"parameters": OBJ}}]),
+         param="tools[0].function.name"),
+    Case("tool-parameters-not-object", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": [1]}}]), param="tools[0].function.parameters"),
+    Case("tool-names-repeat", CHAT, chat(tools=[TOOL, TOOL]), param="tools[1].function.name"),
+    Case("tool-choice-unknown", CHAT, chat(tools=[TOOL], tool_choice="maybe"), param="tool_choice"),
+    Case("tool-choice-unknown-function", CHAT, chat(tools=[TOOL], tool_choice={
+        "type": "function", "function": {"name": "g"}}), param="tool_choice"),
+    Case("tool-choice-bad-shape", CHAT, chat(tools=[TOOL], tool_choice={"type": "function"}), param="tool_choice"),
+    Case("tool-choice-without-tools", CHAT, chat(tool_choice="required"), param="tool_choice"),
+    Case("tool-choice-forced-with-guided", CHAT, chat(tools=[TOOL], tool_choice="required", guided_regex="x"),
+         param="tool_choice"),
+    Case("tools-in-completions", COMP, comp(tools=[TOOL]), param="tools"),
+    Case("top-logprobs-in-completions", COMP, comp(top_logprobs=2), param="top_logprobs"),
+    Case("tool-choice-in-completions", COMP, comp(tool_choice="auto"), param="tool_choice"),
+    Case("legacy-functions", CHAT, chat(functions=[{"name": "f"}]), param="functions"),
+    Case("legacy-function-call", CHAT, chat(function_call="auto"), param="function_call"),
+    Case("parallel-tool-calls-not-bool", CHAT, chat(tools=[TOOL], parallel_tool_calls="no"),
+         param="parallel_tool_calls"),
+    Case("tool-message-without-id", CHAT, chat(messages=[*USER, {"role": "tool", "content": "sunny"}]),
+         param="messages[1].tool_call_id"),
+    Case("tool-call-id-on-user", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_call_id": "c"}]),
+         param="messages[0].tool_call_id"),
+    Case("tool-calls-on-user", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": [CALL]}]),
+         param="messages[0].tool_calls"),
+    Case("tool-call-without-id", CHAT, chat(messages=[*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), param="messages[1].tool_calls[0].id"),
+    Case("tool-call-arguments-object", CHAT, chat(messages=[*USER, {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": {}}}]}]), param="messages[1].tool_calls[0].function.arguments"),
+    Case("tool-call-arguments-not-json", CHAT, chat(messages=[*USER, {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": "{city"}}]}]),
+         param="messages[1].tool_calls[0].function.arguments"),
+    Case("chat-template-not-string", CHAT, chat(chat_template=["x"]), param="chat_template"),
+    Case("chat-template-kwargs-not-object", CHAT, chat(chat_template_kwargs="x"), param="chat_template_kwargs"),
+    # best_of, beam search and the limits on n
+    Case("chat-n-too-large", CHAT, chat(n=17), param="n"),
+    Case("best-of-below-n", COMP, comp(n=3, best_of=2), param="best_of"),
+    Case("best-of-above-max-n", COMP, comp(best_of=17), param="best_of"),
+    Case("beam-width-above-max-n", CHAT, chat(use_beam_search=True, best_of=17), param="best_of"),
+    Case("beam-n-above-max-n", COMP, comp(use_beam_search=True, n=17), param="n"),
+    Case("use-beam-search-not-bool", COMP, comp(use_beam_search="yes"), param="use_beam_search"),
+    Case("length-penalty-without-beams", COMP, comp(length_penalty=0.5), param="length_penalty"),
+    Case("early-stopping-without-beams", COMP, comp(early_stopping=True), param="early_stopping"),
+    Case("early-stopping-bad", COMP, comp(use_beam_search=True, early_stopping="sometimes"), param="early_stopping"),
+    Case("length-penalty-range", COMP, comp(use_beam_search=True, length_penalty=50), param="length_penalty"),
+    Case("beams-with-temperature", COMP, comp(use_beam_search=True, temperature=0.7), param="temperature"),
+    Case("beams-with-top-k", CHAT, chat(use_beam_search=True, top_k=5), param="top_k"),
+    Case("beams-with-seed", COMP, comp(use_beam_search=True, seed=1), param="seed"),
+    # prompt_logprobs, priority
+    Case("prompt-logprobs-too-large", COMP, comp(prompt_logprobs=21), param="prompt_logprobs"),
+    Case("prompt-logprobs-negative", CHAT, chat(prompt_logprobs=-1), param="prompt_logprobs"),
+    Case("prompt-logprobs-with-stream", COMP, comp(prompt_logprobs=1, stream=True), param="prompt_logprobs"),
+    Case("priority-string", COMP, comp(priority="high"), param="priority"),
+    Case("priority-beyond-int32", CHAT, chat(priority=2**31), param="priority"),
     Case("unknown-model", COMP, comp(model="gpt-4"), status=404, param="model"),
     Case("unknown-model-chat", CHAT, chat(model="nope"), status=404, param="model"),
     Case("body-too-large", COMP, comp(prompt="x" * (MAX_BODY + 10)), status=413),
@@ -230,3 +322,29 @@ async def test_retry_after_comes_from_the_backend_when_it_says(gateway: Gateway)
     r = await gateway.client.post(COMP, json=comp(prompt="busy:7"))
     check_error_body(r, 429)
     assert r.headers["retry-after"] == "7"
+
+
+SIZES = [
+    ("guided_json", {"guided_json": {"type": "object", "description": "x" * (64 * 1024)}}),
+    ("response_format.json_schema.schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "big", "schema": {"type": "object", "description": "x" * (64 * 1024)}}}}),
+    ("guided_regex", {"guided_regex": "a" * (64 * 1024 + 1)}),
+    ("structured_outputs.grammar", {"structured_outputs": {"grammar": "a" * (64 * 1024 + 1)}}),
+    ("guided_choice", {"guided_choice": ["a"] * 1025}),
+    ("guided_choice", {"guided_choice": ["x" * 1024] * 65}),  # 1024 entries at most, 64 KiB in all
+]
+
+
+@pytest.mark.parametrize(("param", "fields"), SIZES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(SIZES)])
+async def test_constraints_are_bounded(gateway: Gateway, param: str, fields: dict[str, Any]) -> None:
+    r = await gateway.client.post(CHAT, json=chat(**fields))
+    check_error_body(r, 400, param)
+    assert gateway.backend_calls.generate_requests == []
+
+
+async def test_constraints_at_their_bounds_are_accepted(gateway: Gateway) -> None:
+    for fields in ({"guided_regex": "a" * (64 * 1024)}, {"guided_choice": ["a"] * 1024}):
+        r = await gateway.client.post(CHAT, json=chat(**fields))
+        assert r.status_code == 200, r.text
+    regex, choice = (req.guided for req in gateway.backend_calls.generate_requests)
+    assert regex.regex == "a" * (64 * 1024) and list(choice.choice.choices) == ["a"] * 1024
