@@ -6,7 +6,16 @@ import asyncio
 
 import pytest
 
-from gateway.backend import ChatTurn, FinishReason, GenerationParams, Prompt, Usage
+from gateway.backend import (
+    ChatTurn,
+    FinishReason,
+    GenerationParams,
+    Prompt,
+    PromptTokenLogprob,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
 from gateway.client import GrpcBackend, delta_from_pb, generate_request_to_pb, grpc_target
 from gateway.errors import BackendError, BackendErrorKind
 from proto.sluice.v1 import common_pb2, generation_pb2
@@ -81,6 +90,7 @@ def test_chat_prompt_is_converted() -> None:
     (common_pb2.FINISH_REASON_ABORTED, FinishReason.ABORTED),
     (common_pb2.FINISH_REASON_TIME_LIMIT, FinishReason.TIME_LIMIT),
     (common_pb2.FINISH_REASON_ERROR, FinishReason.ERROR),
+    (common_pb2.FINISH_REASON_TOOL_CALLS, FinishReason.TOOL_CALLS),
 ])
 def test_finish_reasons(pb: int, reason: FinishReason | None) -> None:
     assert delta_from_pb(generation_pb2.GenerateResponse(finish_reason=pb)).finish_reason is reason
@@ -104,6 +114,20 @@ def test_delta_conversion() -> None:
     assert d.logprobs[0].token_id == 4 and d.logprobs[0].top[0].text == "c"
     assert delta_from_pb(generation_pb2.GenerateResponse(stop_string="END")).stop_reason == "END"
     assert delta_from_pb(generation_pb2.GenerateResponse()).stop_reason is None
+
+
+def test_delta_tool_calls_and_prompt_logprobs() -> None:
+    msg = generation_pb2.GenerateResponse(tool_calls=[
+        generation_pb2.ToolCallDelta(index=1, id="c1", name="f", arguments='{"a"'),
+        generation_pb2.ToolCallDelta(index=1, arguments=": 1}")])
+    first = msg.prompt_logprobs.add(token_id=5, text="Hi")
+    second = msg.prompt_logprobs.add(token_id=6, text="!", logprob=-0.5)
+    second.top_logprobs.add(token_id=7, text="?", text_bytes=b"?", logprob=-0.25)
+    d = delta_from_pb(msg)
+    assert d.tool_calls == (ToolCallDelta(1, "c1", "f", '{"a"'), ToolCallDelta(1, "", "", ": 1}"))
+    assert d.prompt_logprobs == (PromptTokenLogprob(5, "Hi", None),
+                                 PromptTokenLogprob(6, "!", -0.5, (TopLogprob(7, "?", b"?", -0.25),)))
+    assert not first.HasField("logprob")
 
 
 pytest_anyio = pytest.mark.anyio
