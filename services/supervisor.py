@@ -24,6 +24,7 @@ from common.procs import ENV_PARENT_PID, grpc_serving
 from common.settings import ENV_API_KEY, api_key
 from engine.config import EngineConfig
 from engine.entrypoints.args import add_engine_args, config_from_args
+from engine.text.tool_parsers import TOOL_PARSERS
 from services.mindie_config import ConfigFileError, load_mindie_config
 
 logger = logging.getLogger("sluice.serve")
@@ -87,6 +88,16 @@ def engine_flags(config: EngineConfig) -> list[str]:
     return flags
 
 
+def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
+    """The tokenizer services' own flags (chat template, tool calling), passed on as given."""
+    flags = ["--chat-template", ns.chat_template] if ns.chat_template is not None else []
+    if ns.enable_auto_tool_choice:
+        flags.append("--enable-auto-tool-choice")
+    if ns.tool_call_parser is not None:
+        flags += ["--tool-call-parser", ns.tool_call_parser]
+    return flags
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-mux", action=argparse.BooleanOptionalAction, default=True,
                    help="gateways multiplex requests on one GenerateStream per tokenizer service (one message per "
                         "engine step for all of its requests); --no-tokenizer-mux: a Generate call per request")
+    p.add_argument("--chat-template", default=None,
+                   help="a chat template (file path or the template itself) used instead of the model's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='parse tool calls out of the output for tool_choice "auto" (needs --tool-call-parser)')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model family's tool-call syntax")
     p.add_argument("--log-level", default="info")
     add_engine_args(p)
     return p
@@ -114,6 +131,8 @@ def resolve_settings(argv: list[str]) -> argparse.Namespace:
     """Flags over the MindIE config over defaults."""
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if ns.config:
         try:
             from_file = load_mindie_config(ns.config)
@@ -155,7 +174,7 @@ class Supervisor:
                             ready_timeout=_ENGINE_READY_TIMEOUT)
         tok_addrs = [f"127.0.0.1:{ns.tokenizer_port + i}" for i in range(ns.tokenizers)]
         model_flags = (["--model", config.model] if config.model else []) + (
-            ["--tokenizer", config.tokenizer] if config.tokenizer else [])
+            ["--tokenizer", config.tokenizer] if config.tokenizer else []) + tokenizer_flags(ns)
         self.tokenizers = [
             Child(f"tokenizer-{i}", [py, "-m", "services.tokenizer", "--engine", engine_addr, "--host", "127.0.0.1",
                                      "--port", str(ns.tokenizer_port + i), "--served-model-name",

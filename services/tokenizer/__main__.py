@@ -7,6 +7,9 @@ import asyncio
 import logging
 
 from common.procs import die_with_parent
+from engine.text.chat import load_chat_template
+from engine.text.tool_parsers import TOOL_PARSERS
+from services.tokenizer.tools import ToolSettings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,9 +23,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--shm-tokens", type=int, default=4 * 2**20,
                         help="capacity of this replica's shared-memory ring in tokens (0 = always inline ids)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a chat template (file path or the template itself) used instead of the model's")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='parse tool calls out of the output for tool_choice "auto" (needs --tool-call-parser)')
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="the model family's tool-call syntax")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
     ns = parser.parse_args(argv)
+    try:
+        tools = ToolSettings(ns.enable_auto_tool_choice, ns.tool_call_parser)
+        chat_template = load_chat_template(ns.chat_template) if ns.chat_template is not None else None
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s tokenizer: %(message)s")
     from services.tokenizer.server import serve
 
@@ -34,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         pass
     asyncio.run(serve(engine_addr=ns.engine, host=ns.host, port=ns.port, model=ns.model, tokenizer=ns.tokenizer,
                       served_model_name=ns.served_model_name, shm_tokens=ns.shm_tokens,
-                      shutdown_grace=ns.shutdown_timeout))
+                      shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from engine.config import DEFAULT_SERVED_NAME, default_model_path
 from engine.text import Tokenizer
 from proto.sluice.v1 import generation_pb2_grpc
 from services.tokenizer.service import GenerationServicer
+from services.tokenizer.tools import ToolSettings
 
 logger = logging.getLogger(__name__)
 
@@ -19,9 +20,13 @@ SERVICE_NAME = "sluice.v1.Generation"
 
 
 async def serve(*, engine_addr: str, host: str, port: int, model: str | None, tokenizer: str | None,
-                served_model_name: str | None, shm_tokens: int, shutdown_grace: float = 10.0) -> None:
+                served_model_name: str | None, shm_tokens: int, shutdown_grace: float = 10.0,
+                chat_template: str | None = None, tools: ToolSettings | None = None) -> None:
+    """``chat_template``: the template text (``--chat-template``, already read), used instead of the model's."""
     model_path = model or default_model_path()
     tok = Tokenizer.from_pretrained(tokenizer or model_path)
+    if chat_template is not None:
+        tok.chat_template = chat_template
     channel = grpc.aio.insecure_channel(engine_addr, options=CHANNEL_OPTIONS)
     server, health_service = new_server(SERVICE_NAME)
     name = served_model_name or (DEFAULT_SERVED_NAME if model is None else None)
@@ -30,7 +35,7 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
 
         name = EngineConfig(model=model).model_name
     servicer = GenerationServicer(tok, channel, served_model_name=name, model_path=model_path,
-                                  shm_tokens=shm_tokens)
+                                  shm_tokens=shm_tokens, tools=tools)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await health_service.set_serving(False)
     bind_port = bind(server, host, port)

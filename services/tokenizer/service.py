@@ -12,24 +12,24 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import numpy as np
 
 from common.errors import InvalidRequestError
-from common.stream_mux import TaskMux
 from engine.text import IncrementalDetokenizer, Tokenizer
 from proto.shm import ShmRing
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.tokenizer.chat import render_chat
+from services.tokenizer.engine_request import check_options, engine_options
 from services.tokenizer.engine_stream import EngineStream, error_reason
+from services.tokenizer.multiplexer import Multiplexer
+from services.tokenizer.outputs import SequenceOutput, Usage
+from services.tokenizer.tools import ToolSettings, plan_tools
 
 logger = logging.getLogger(__name__)
-
-_MAX_STOP_STRINGS = 16
-_MAX_STOP_LEN = 256
-_MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -39,16 +39,6 @@ class EngineInfo:
     vocab_size: int
     eos_token_ids: list[int]
     bos_token_id: int | None
-
-
-@dataclass
-class _Seq:
-    """Detokenization state of one of a request's n sequences."""
-
-    index: int
-    detok: IncrementalDetokenizer
-    completion_tokens: int = 0
-    finished: bool = False
 
 
 @dataclass
@@ -65,30 +55,11 @@ class _Handoff:
             self.ring.release(self.slot)
 
 
-@dataclass
-class _Usage:
-    prompt: int
-    cached: int = 0
-    per_seq: dict[int, int] = field(default_factory=dict)
-
-    def pb(self) -> common_pb2.Usage:
-        return common_pb2.Usage(prompt_tokens=self.prompt, completion_tokens=sum(self.per_seq.values()),
-                                cached_tokens=self.cached)
-
-
-_ENGINE_FINISH = {
-    common_pb2.FINISH_REASON_EOS: common_pb2.FINISH_REASON_EOS,
-    common_pb2.FINISH_REASON_STOP: common_pb2.FINISH_REASON_STOP,
-    common_pb2.FINISH_REASON_LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    common_pb2.FINISH_REASON_ABORTED: common_pb2.FINISH_REASON_ABORTED,
-    common_pb2.FINISH_REASON_ERROR: common_pb2.FINISH_REASON_ERROR,
-}
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, engine_channel: grpc.aio.Channel, *, served_model_name: str,
-                 model_path: str, shm_tokens: int = 0) -> None:
+                 model_path: str, shm_tokens: int = 0, tools: ToolSettings | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tools = tools or ToolSettings()
         self.engine = engine_pb2_grpc.EngineStub(engine_channel)
         self.engine_stream = EngineStream(self.engine)
         self.served_model_name = served_model_name
@@ -97,7 +68,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._ring = ShmRing(shm_tokens) if shm_tokens > 0 else None
         self._shm_registered = False
         self.draining = False
-        self._streams: set[_Multiplexer] = set()
+        self._streams: set[Multiplexer] = set()
 
     # -- engine handshake ---------------------------------------------------------------------------------
     async def engine_info(self, refresh: bool = False) -> EngineInfo:
@@ -154,7 +125,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        mux = _Multiplexer(self)
+        mux = Multiplexer(self)
         self._streams.add(mux)
         try:
             async for message in mux.run(request_iterator):
@@ -167,25 +138,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """One request's deltas, for ``Generate`` and ``GenerateStream`` alike; errors raise (typed, or the
         engine call's ``AioRpcError``). ``timeout``: seconds left of the caller's deadline, for the engine call."""
         self._check_model(request.model)
+        check_options(request)
+        plan = plan_tools(request, self.tools)
         prompt_ids = self.prompt_ids(request)  # its length against max_model_len: the engine's to check
-        stop = list(request.stopping.stop)
-        if len(stop) > _MAX_STOP_STRINGS or any(len(s) > _MAX_STOP_LEN or not s for s in stop):
-            raise InvalidRequestError("stop", f"at most {_MAX_STOP_STRINGS} non-empty stop strings of at most "
-                                              f"{_MAX_STOP_LEN} characters")
-        if request.response.top_logprobs > _MAX_TOP_LOGPROBS:
-            raise InvalidRequestError("top_logprobs", f"must be in [0, {_MAX_TOP_LOGPROBS}]")
-        if request.response.HasField("stream_interval") and request.response.stream_interval < 1:
-            raise InvalidRequestError("stream_interval", "must be an integer >= 1")
         n = request.n or 1
         skip_special = (request.response.skip_special_tokens
                         if request.response.HasField("skip_special_tokens") else True)
-        seqs = {i: _Seq(i, IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=skip_special,
-                                                  stop=stop,
-                                                  include_stop_str_in_output=request.stopping.include_stop_str_in_output))
-                for i in range(n)}
-        usage = _Usage(prompt=len(prompt_ids))
+        echo = self._echo_text(request, prompt_ids) if request.response.echo else None
+        seqs = {i: SequenceOutput(i, self.tokenizer, IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, skip_special_tokens=skip_special, stop=list(request.stopping.stop),
+            include_stop_str_in_output=request.stopping.include_stop_str_in_output), tools=plan.stream(), echo=echo)
+            for i in range(n)}
+        usage = Usage(prompt=len(prompt_ids))
         source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
-        engine_req, handoff = await self.engine_request(request, request_id, prompt_ids, n, source=source)
+        engine_req, handoff = await self.engine_request(engine_options(request, request_id, n, plan.guided),
+                                                        prompt_ids, source=source)
         time_limit = request.stopping.time_limit_ms / 1000 if request.stopping.HasField("time_limit_ms") else None
         deadline = time.monotonic() + time_limit if time_limit else None
         call = self.engine_stream.generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
@@ -196,7 +163,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     for seq in seqs.values():
                         if not seq.finished:
                             seq.finished = True
-                            yield self._final(request_id, seq, usage, common_pb2.FINISH_REASON_TIME_LIMIT)
+                            yield seq.final(request_id, usage, common_pb2.FINISH_REASON_TIME_LIMIT)
                     return
                 if msg.HasField("released_shm_slot"):
                     handoff.release()
@@ -205,7 +172,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if live is None or live.finished:
                     continue  # ended here by a stop string: what the engine sends until its abort lands
                 seq = live
-                out = self._delta(request_id, seq, msg, usage, request.response)
+                out = seq.delta(request_id, msg, usage, request.response)
                 if out is None:
                     continue
                 yield out
@@ -225,54 +192,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             handoff.release()
             await call.aclose()  # unfinished: aborts the engine request
 
-    def _delta(self, request_id: str, seq: _Seq, msg: engine_pb2.EngineGenerateResponse, usage: _Usage,
-               options: generation_pb2.ResponseOptions) -> generation_pb2.GenerateResponse | None:
-        ids = list(msg.token_ids)
-        before = seq.detok.num_output_tokens
-        delta = seq.detok.add_tokens(ids) if ids else None
-        # Under a stream interval a message holds several tokens: those after a stop string are not
-        # generated as far as the client is concerned (not returned, not counted).
-        del ids[seq.detok.num_output_tokens - before:]
-        seq.completion_tokens += len(ids)
-        usage.per_seq[seq.index] = seq.completion_tokens
-        text = delta.text if delta else ""
-        out = generation_pb2.GenerateResponse(request_id=request_id, index=seq.index, text=text, token_ids=ids,
-                                              usage=usage.pb())
-        if options.logprobs:
-            for tok, lp in zip(ids, msg.logprobs):
-                entry = out.logprobs.add(token_id=tok, logprob=lp.logprob, text=self._token_text(tok),
-                                         text_bytes=self.tokenizer.token_to_bytes(tok))
-                tops = sorted(lp.top_logprobs, key=lambda t: -t.logprob)[: options.top_logprobs]
-                for t in tops:
-                    entry.top_logprobs.add(token_id=t.token_id, logprob=t.logprob, text=self._token_text(t.token_id),
-                                           text_bytes=self.tokenizer.token_to_bytes(t.token_id))
-        if delta is not None and delta.stop_string is not None:
-            seq.finished = True
-            out.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
-            out.stop_string = delta.stop_string
-            return out
-        if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-            seq.finished = True
-            out.text += seq.detok.finish()
-            if seq.detok.stop_string is not None:
-                out.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
-                out.stop_string = seq.detok.stop_string
-            else:
-                out.finish_reason = _ENGINE_FINISH.get(msg.finish_reason, common_pb2.FINISH_REASON_ERROR)
-                if out.finish_reason == common_pb2.FINISH_REASON_STOP and ids:
-                    out.stop_token_id = ids[-1]
-                if out.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                    out.error_message = msg.error_message or "the engine failed while generating"
-            return out
-        return out if (text or ids) else None
-
-    def _final(self, request_id: str, seq: _Seq, usage: _Usage,
-               reason: common_pb2.FinishReason) -> generation_pb2.GenerateResponse:
-        return generation_pb2.GenerateResponse(request_id=request_id, index=seq.index, text=seq.detok.finish(),
-                                               usage=usage.pb(), finish_reason=reason)
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.token_to_bytes(token_id).decode("utf-8", errors="replace")
+    def _echo_text(self, request: generation_pb2.GenerateRequest, prompt_ids: list[int] | np.ndarray) -> str:
+        """The prompt as the client gave it: its text, or its ids decoded as they are (special tokens too)."""
+        if request.WhichOneof("input") == "text":
+            return request.text
+        return self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
 
     async def _abort_engine(self, request_id: str, index: int | None = None) -> None:
         """Abort the engine request, or only its sequence ``index`` (its siblings go on)."""
@@ -284,22 +208,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             logger.warning("abort of %s (sequence %s) did not reach the engine", request_id,
                            "all" if index is None else index)
 
-    async def engine_request(self, request: generation_pb2.GenerateRequest, request_id: str,
-                              prompt_ids: list[int] | np.ndarray, n: int, *, source: common_pb2.TokenIds | None = None
-                              ) -> tuple[engine_pb2.EngineGenerateRequest, _Handoff]:
-        """The engine request for ``prompt_ids``: a shm reference when the ring has room, else inline ids
-        (copied message to message from ``source``, the public request's token ids, when given)."""
-        st = request.stopping
-        stopping = engine_pb2.EngineStoppingCriteria(min_tokens=st.min_tokens, stop_token_ids=st.stop_token_ids,
-                                                     ignore_eos=st.ignore_eos)
-        if st.HasField("max_tokens"):
-            stopping.max_tokens = st.max_tokens
-        req = engine_pb2.EngineGenerateRequest(request_id=request_id, sampling=request.sampling, stopping=stopping,
-                                               priority=request.priority, n=n)
-        if request.response.logprobs:
-            req.logprobs = request.response.top_logprobs
-        if request.response.HasField("stream_interval"):
-            req.stream_interval = request.response.stream_interval
+    async def engine_request(self, req: engine_pb2.EngineGenerateRequest, prompt_ids: list[int] | np.ndarray, *,
+                             source: common_pb2.TokenIds | None = None
+                             ) -> tuple[engine_pb2.EngineGenerateRequest, _Handoff]:
+        """``req`` with ``prompt_ids``: a shm reference when the ring has room, else inline ids (copied message
+        to message from ``source``, the public request's token ids, when given)."""
         handoff = _Handoff(None)
         if await self.ensure_shm() and self._ring is not None:
             ref = self._ring.put(prompt_ids)
@@ -335,17 +248,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return ids
 
     def _render(self, chat: generation_pb2.Chat) -> str:
-        if not chat.messages:
-            raise InvalidRequestError("messages", "at least one message is required")
-        messages: list[dict[str, Any]] = []
-        for m in chat.messages:
-            msg: dict[str, Any] = {"role": m.role, "content": m.content}
-            if m.HasField("name"):
-                msg["name"] = m.name
-            messages.append(msg)
-        add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        template = chat.chat_template if chat.HasField("chat_template") else None
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, chat_template=template)
+        return render_chat(self.tokenizer, chat)
 
     def _check_model(self, model: str) -> None:
         if model and model != self.served_model_name:
@@ -397,59 +300,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if info.bos_token_id is not None:
             resp.bos_token_id = info.bos_token_id
         return resp
-
-
-class _Multiplexer:
-    """One ``GenerateStream`` call: the protocol of :class:`common.stream_mux.TaskMux`, a task per open request
-    whose items go out batched (a step's deltas for every request of the stream in one message), each request
-    ending with exactly one end item that carries the status its own ``Generate`` call would have ended with."""
-
-    def __init__(self, servicer: GenerationServicer) -> None:
-        self._servicer = servicer
-        self._mux: TaskMux[int, generation_pb2.GenerateStreamRequest, generation_pb2.GenerateResponse,
-                           generation_pb2.GenerateStreamItem, generation_pb2.GenerateStreamResponse] = TaskMux(self)
-        self.wake()
-
-    def run(self, requests: AsyncIterator[generation_pb2.GenerateStreamRequest]
-            ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        return self._mux.run(requests)
-
-    def wake(self) -> None:
-        """Shutting down: take no new requests, end once the open ones have (half-closed or not)."""
-        if self._servicer.draining:
-            self._mux.drain()
-
-    def receive(self, req: generation_pb2.GenerateStreamRequest) -> None:
-        action = req.WhichOneof("action")
-        if action == "generate":
-            if req.id in self._mux.requests:
-                raise InvalidRequestError("id", f"request {req.id} is still open on this stream")
-            if self._servicer.draining:
-                self._mux.end(req.id, grpc.StatusCode.UNAVAILABLE, "the tokenizer service is shutting down")
-                return
-            timeout = req.timeout_ms / 1000 if req.timeout_ms else None
-            request_id = req.generate.request_id or f"gen-{uuid.uuid4().hex}"
-            self._mux.spawn(req.id, self._servicer.generate(req.generate, request_id, timeout=timeout),
-                            timeout=timeout, name=request_id)
-        elif action == "cancel":
-            self._mux.cancel(req.id)
-        else:
-            raise InvalidRequestError("action", "each message needs `generate` or `cancel`")
-
-    def item(self, id_: int, response: generation_pb2.GenerateResponse) -> generation_pb2.GenerateStreamItem:
-        return generation_pb2.GenerateStreamItem(id=id_, response=response)
-
-    def end_item(self, id_: int, code: grpc.StatusCode, message: str, last: generation_pb2.GenerateStreamItem | None
-                 ) -> generation_pb2.GenerateStreamItem | None:
-        item = last if last is not None and last.id == id_ and not last.end else generation_pb2.GenerateStreamItem(
-            id=id_)
-        item.end = True
-        item.status_code = code.value[0]
-        item.status_message = message
-        return None if item is last else item
-
-    def pack(self, items: list[generation_pb2.GenerateStreamItem]) -> generation_pb2.GenerateStreamResponse:
-        return generation_pb2.GenerateStreamResponse(items=items)
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:

@@ -11,9 +11,14 @@ const texts = {};
 let finish = null;
 let usage = null;
 let messages = 0;
+const toolCalls = []; // sequence 0's calls, reassembled from their deltas
 call.on("data", (msg) => {
   messages += 1;
   texts[msg.index] = (texts[msg.index] || "") + msg.text;
+  for (const d of msg.index === 0 ? msg.tool_calls : []) {
+    if (d.index === toolCalls.length) toolCalls.push({ id: d.id, name: d.name, arguments: d.arguments });
+    else toolCalls[d.index].arguments += d.arguments;
+  }
   usage = msg.usage;
   if (msg.finish_reason !== "FINISH_REASON_UNSPECIFIED") finish = msg.finish_reason;
 });
@@ -22,6 +27,6 @@ call.on("error", (err) => {
   process.exit(0);
 });
 call.on("end", () => {
-  console.log(JSON.stringify({ text: texts[0] || "", finish_reason: finish, usage, messages }));
+  console.log(JSON.stringify({ text: texts[0] || "", finish_reason: finish, usage, messages, tool_calls: toolCalls }));
   client.close();
 });

@@ -12,7 +12,7 @@ import pytest
 
 from common.errors import InvalidRequestError
 from proto.sluice.v1 import generation_pb2
-from services.tokenizer.service import _Multiplexer
+from services.tokenizer.multiplexer import Multiplexer as _Multiplexer
 
 
 class StandIn:

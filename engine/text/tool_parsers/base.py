@@ -64,7 +64,10 @@ class ToolCallStream(ABC):
     """Turns one sequence's text, fed in pieces, into content and call deltas; ``finish`` flushes the rest.
 
     ``max_calls`` (parallel_tool_calls false: 1) drops the calls after that many, and their text.
+    ``calls_whole``: a call is emitted only once complete, so an output cut short still made whole calls.
     """
+
+    calls_whole = True
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls

@@ -77,6 +77,8 @@ class NamedToolParser(ToolParser):
 
 
 class _NamedStream(ToolCallStream):
+    calls_whole = False  # the arguments stream as they come: cut short, they are cut short
+
     def __init__(self, name: str) -> None:
         super().__init__(max_calls=1)
         self._name = name

@@ -1,0 +1,94 @@
+"""A public ``Chat`` message rendered into a prompt: messages, tools and template variables for the template."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from common.errors import InvalidRequestError
+from engine.text import Tokenizer
+from proto.sluice.v1 import generation_pb2
+
+# Names the renderer sets itself; a chat_template_kwargs entry may not replace them.
+_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "chat_template", "special_tokens"})
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A validated ``Tool``: ``parameters`` is a JSON object schema, or None when the function takes none."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any] | None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The shape transformers' ``apply_chat_template(tools=...)`` passes JSON-schema tools in."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+def tool_specs(chat: generation_pb2.Chat) -> list[ToolSpec]:
+    specs: list[ToolSpec] = []
+    for i, tool in enumerate(chat.tools):
+        if not tool.name:
+            raise InvalidRequestError("tools", f"tools[{i}] has no function name")
+        if any(s.name == tool.name for s in specs):
+            raise InvalidRequestError("tools", f"tools[{i}]: the function name {tool.name!r} is used twice")
+        parameters = None
+        if tool.parameters:
+            try:
+                parameters = json.loads(tool.parameters)
+            except ValueError as e:
+                raise InvalidRequestError("tools", f"tools[{i}] ({tool.name}): parameters is not JSON: {e}") from e
+            if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+                raise InvalidRequestError("tools", f"tools[{i}] ({tool.name}): parameters must be a JSON schema "
+                                                   "of an object")
+        specs.append(ToolSpec(tool.name, tool.description, parameters))
+    return specs
+
+
+def render_chat(tokenizer: Tokenizer, chat: generation_pb2.Chat) -> str:
+    """The prompt text; the request's template wins over the service's (``--chat-template``, already the
+    tokenizer's) and the model's."""
+    if not chat.messages:
+        raise InvalidRequestError("messages", "at least one message is required")
+    messages = [_message(m) for m in chat.messages]
+    tools = [s.template_dict() for s in tool_specs(chat)] or None
+    add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    template = chat.chat_template if chat.HasField("chat_template") else None
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, chat_template=template,
+                                         tools=tools, **_template_kwargs(chat.chat_template_kwargs))
+
+
+def _message(m: generation_pb2.ChatMessage) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.HasField("name"):
+        msg["name"] = m.name
+    if m.tool_calls:
+        if not m.content:
+            msg["content"] = None  # OpenAI's null content of a turn that only calls tools; templates test it
+        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+    if m.HasField("tool_call_id"):
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
+
+
+def _template_kwargs(raw: str) -> dict[str, Any]:
+    if not raw:
+        return {}
+    try:
+        kwargs = json.loads(raw)
+    except ValueError as e:
+        raise InvalidRequestError("chat_template_kwargs", f"is not JSON: {e}") from e
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs", "must be a JSON object")
+    reserved = sorted(_RESERVED & kwargs.keys())
+    if reserved:
+        raise InvalidRequestError("chat_template_kwargs", f"may not set {', '.join(reserved)} (set by the request)")
+    return kwargs

@@ -1,0 +1,32 @@
+"""services/supervisor.py: the tokenizer services get the chat-template and tool-calling flags as given."""
+
+from __future__ import annotations
+
+import pytest
+
+from services import supervisor
+
+
+def tokenizer_argvs(*flags: str) -> list[list[str]]:
+    ns = supervisor.resolve_settings(["--tokenizers", "2", *flags])
+    return [child.argv for child in supervisor.Supervisor(ns, supervisor.config_from_args(ns)).tokenizers]
+
+
+def test_tool_flags_and_chat_template_go_to_every_tokenizer_service() -> None:
+    for argv in tokenizer_argvs("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                "--chat-template", "/models/qwen.jinja"):
+        tail = argv[argv.index("--chat-template"):]
+        assert tail[:5] == ["--chat-template", "/models/qwen.jinja", "--enable-auto-tool-choice",
+                            "--tool-call-parser", "hermes"]
+    for argv in tokenizer_argvs():
+        assert not {"--chat-template", "--enable-auto-tool-choice", "--tool-call-parser"} & set(argv)
+
+
+def test_auto_tool_choice_without_a_parser_and_unknown_parsers_are_refused(capsys: pytest.CaptureFixture[str]
+                                                                           ) -> None:
+    with pytest.raises(SystemExit):
+        supervisor.resolve_settings(["--enable-auto-tool-choice"])
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        supervisor.resolve_settings(["--tool-call-parser", "mistral"])
+    assert "invalid choice: 'mistral'" in capsys.readouterr().err
