@@ -95,6 +95,12 @@ class EngineCore:
             if bad is not None:
                 raise InvalidRequestError("prompt_token_ids", f"token id {bad} is out of range [0, {self.vocab_size})")
         params.validate(self.vocab_size)
+        limit = self.config.max_num_seqs
+        if params.beam_search is not None and params.beam_search.beam_width > limit:
+            raise InvalidRequestError("beam_search.beam_width", f"must be <= max_num_seqs ({limit}), got "
+                                                                f"{params.beam_search.beam_width}")
+        if params.best_of is not None and params.best_of > limit:
+            raise InvalidRequestError("best_of", f"must be <= max_num_seqs ({limit}), got {params.best_of}")
         request = Request(request_id, prompt_token_ids, params, arrival_time=arrival_time, priority=priority)
         self.scheduler.add_request(request)
         return request
@@ -108,6 +114,13 @@ class EngineCore:
             request_id, index = (target, None) if isinstance(target, str) else (target.request_id, target.index)
             for req in self.scheduler.abort_request(request_id, index, reason=reason):
                 self.executor.release([req.seq_id])
+                if req.holds_outputs:   # best_of, beams: its n outputs, none of which was reported yet
+                    if req.ends_request:
+                        self._pending += [EngineCoreOutput(
+                            req.request_id, [], finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
+                            num_cached_tokens=req.num_cached_tokens, index=i,
+                            request_finished=i == req.num_returned - 1) for i in range(req.num_returned)]
+                    continue
                 self._pending.append(EngineCoreOutput(
                     req.request_id, [], finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=req.num_cached_tokens, index=req.index, request_finished=req.ends_request))
@@ -132,12 +145,12 @@ class EngineCore:
                 raise
             prepare_s = self.executor.last_prepare_s
             t2 = time.perf_counter()
-            step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs)
+            step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs, run.beam_candidates)
         else:
             t2 = time.perf_counter()
             step_outputs = self.scheduler.update_from_output(sched, {}, {})
         t3 = time.perf_counter()
-        finished = [o.seq_id for o in step_outputs if o.finished]
+        finished = self.scheduler.ended   # best_of reports n of its sequences, but every one ended
         if finished:
             self.executor.release(finished)
         self.total_steps += 1

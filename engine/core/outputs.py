@@ -21,6 +21,8 @@ class EngineCoreOutput:
     index: int = 0                  # which of the request's n sequences
     # The core's word that the whole request has ended (every sequence of it): its last output, set once.
     request_finished: bool = False
+    # Sum of the sequence's token logprobs, on its last output: with best_of, beam search, or logprobs asked.
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

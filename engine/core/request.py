@@ -6,10 +6,14 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core.beam import BeamSearchState
 
 TOKEN_DTYPE = np.int32
 
@@ -81,6 +85,14 @@ class Request:
         self.output_token_ids: list[int] = []
         # Each entry: (sampled token logprob, {token id: logprob} of the top-k) when logprobs asked.
         self.output_logprobs: list[tuple[float, dict[int, float]]] = []
+        # Sum of the sampled tokens' logprobs (raw model distribution), kept when the sampler reports them.
+        self.cumulative_logprob = 0.0
+        # best_of and beam search: nothing is reported until the request ends, then its ``num_returned`` best
+        # sequences (forks keep both, their params lose best_of as they lose n).
+        self.holds_outputs = sampling_params.holds_outputs
+        self.num_returned = sampling_params.n
+        # Beam search: the search's state, one object shared by the request's beams (None otherwise).
+        self.beam: BeamSearchState | None = None
         self.num_reported_tokens = 0         # output tokens already in an EngineCoreOutput (stream interval)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0           # prompt tokens served from the prefix cache (first schedule)
@@ -132,6 +144,8 @@ class Request:
         self._num_tokens = other._num_tokens
         self.prompt_token_ids = self._tokens[:len(other.prompt_token_ids)]
         self.output_token_ids = list(other.output_token_ids)
+        self.output_logprobs = list(other.output_logprobs)
+        self.cumulative_logprob = other.cumulative_logprob
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, index={self.index}, tokens={self.num_tokens}, "

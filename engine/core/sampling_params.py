@@ -4,11 +4,42 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from common.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5  # below this temperature sampling is greedy (vLLM's _SAMPLING_EPS; the sampler agrees)
+
+
+EarlyStopping = bool | Literal["never"]
+
+
+@dataclass(frozen=True)
+class BeamSearch:
+    """Beam search instead of sampling, with Hugging Face transformers' rules (``generate(num_beams=...)``).
+
+    A finished beam scores ``cumulative_logprob / num_output_tokens ** length_penalty``. ``early_stopping``:
+    False stops when no running beam can beat the finished ones judged at the current length; True as soon as
+    ``beam_width`` beams finished; "never" when none can beat them at any length up to max_tokens.
+    """
+
+    beam_width: int
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = False
+
+    def validate(self) -> None:
+        _check(_int(self.beam_width) and self.beam_width >= 1, "beam_search.beam_width",
+               f"must be an integer >= 1, got {self.beam_width!r}")
+        _check(_finite(self.length_penalty), "beam_search.length_penalty",
+               f"must be a finite number, got {self.length_penalty!r}")
+        _check(self.early_stopping in (True, False, "never") and not _int(self.early_stopping),
+               "beam_search.early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
+
+
+# What beam search cannot honour as Hugging Face does (its processors act on log-softmaxed scores): refused.
+_NOT_WITH_BEAMS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                   "logit_bias": None, "logprobs": None, "best_of": None}
 
 
 @dataclass
@@ -41,6 +72,11 @@ class SamplingParams:
     # Stream a sequence's tokens in groups of this many (the first token and the last group go out at
     # once); raises the engine's --stream-interval for this request, never lowers it. None: the engine's.
     stream_interval: int | None = None
+    # Sample this many sequences, report the n with the highest cumulative logprob when all have ended.
+    best_of: int | None = None
+    # Beam search instead of sampling (temperature, top_p, top_k, min_p and seed then do not apply); the n
+    # best beams are reported when the request ends.
+    beam_search: BeamSearch | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +97,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def holds_outputs(self) -> bool:
+        """Outputs are held until the request ends, then its n best sequences are reported (best_of, beams)."""
+        return self.best_of is not None or self.beam_search is not None
+
+    @property
+    def num_forked(self) -> int:
+        """Sequences its first sample is taken for (the fork); beam search forks its own beams, one at a time."""
+        return 1 if self.beam_search is not None else self.best_of or self.n
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequestError` naming the first bad field."""
@@ -88,6 +134,15 @@ class SamplingParams:
         _check(self.stream_interval is None or (_int(self.stream_interval) and self.stream_interval >= 1),
                "stream_interval", f"must be an integer >= 1, got {self.stream_interval!r}")
         _check(self.seed is None or _int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _check(self.best_of is None or (_int(self.best_of) and self.best_of >= self.n), "best_of",
+               f"must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.beam_search is not None:
+            _check(isinstance(self.beam_search, BeamSearch), "beam_search", "must be a BeamSearch")
+            self.beam_search.validate()
+            _check(self.n <= self.beam_search.beam_width, "n",
+                   f"must be <= beam_search.beam_width ({self.beam_search.beam_width}), got {self.n}")
+            for name, neutral in _NOT_WITH_BEAMS.items():
+                _check(getattr(self, name) in (neutral, {}), name, "is not supported with beam search")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():

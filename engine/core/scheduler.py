@@ -17,16 +17,27 @@ taken n times: the scheduler then forks the other n - 1 sequences from it
 (sharing its blocks, copy-on-write). Its sequences are named ``(request_id,
 index)``; the scheduler alone decides when the whole request has ended and
 says so on its last output (``EngineCoreOutput.request_finished``).
+
+best_of forks its sequences the same way but holds their outputs: when the
+last ends, the ``n`` with the highest cumulative logprob are reported. Beam
+search (``engine.core.beam`` decides) keeps ``width`` beams of one request that
+are scheduled together or not at all (a beam's recomputed prefill stops one
+token short until all of them can sample in the same step), preempted together,
+and rewritten after each step: a beam chosen several times is copied (blocks
+shared, copy-on-write), one not chosen is overwritten. The n best hypotheses
+are reported when the search ends.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from common.errors import InvalidRequestError, QueueFullError
 from engine.config import EngineConfig
+from engine.core.beam import BeamSearchState, Candidates, Continuation, Hypothesis, rewrite_beams
 from engine.core.block_manager import BlockManager
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, Request, RequestStatus, SequenceId
@@ -42,8 +53,10 @@ class ScheduledRequest:
     num_new_tokens: int
     start: int            # request.num_computed_tokens when scheduled
     sample: bool          # start + num_new_tokens == request.num_tokens: the runner samples for it
-    # Tokens the runner samples for it: n for a request with n > 1 sampling for the first time, else 1.
+    # Tokens the runner samples for it: n (best_of) for a request with n > 1 sampling for the first time, else 1.
     num_samples: int = 1
+    # Beam search: the runner returns this many (token, logprob) proposals of the beam instead of a sample.
+    num_beam_candidates: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -102,6 +115,7 @@ class Scheduler:
         self._arrival_seq: dict[SequenceId, int] = {}   # ties of arrival_time, and the fcfs order
         self._next_seq = 0
         self._finished_ids: list[SequenceId] = []
+        self.ended: list[SequenceId] = []   # the sequences the last update_from_output ended
         self.num_preemptions = 0
         self.num_prompt_tokens = 0       # prompt tokens computed (recomputation after preemption included)
         self.num_generation_tokens = 0   # tokens sampled
@@ -157,6 +171,11 @@ class Scheduler:
         limit = self.config.max_queued_requests
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"{len(self.waiting)} requests are already waiting (max_queued_requests={limit})")
+        params = request.sampling_params
+        if params.beam_search is not None:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            request.beam = BeamSearchState(params.beam_search, num_stop_tokens=len(stops),
+                                           max_new_tokens=params.max_tokens or self.max_model_len - num_prompt)
         request.status = RequestStatus.WAITING
         self._track(request)
         self._insert(self.waiting, request, front=False)
@@ -172,6 +191,8 @@ class Scheduler:
         first = self.requests.get(SequenceId(request_id))
         if first is None:
             return []
+        if first.holds_outputs:
+            index = None   # which sequences it reports is decided at its end: one of them cannot end alone
         n = first.sampling_params.n   # > 1 only before the fork
         if index is not None and n > 1:
             if not 0 <= index < n:
@@ -193,13 +214,13 @@ class Scheduler:
         if seq_id in self.requests:
             raise ValueError(f"{seq_id} already exists")
         seed = parent.sampling_params.seed
-        params = parent.sampling_params.clone(n=1, seed=None if seed is None else seed + index)
+        params = parent.sampling_params.clone(n=1, best_of=None, seed=None if seed is None else seed + index)
         child = Request(parent.request_id, parent.prompt_token_ids, params, arrival_time=parent.arrival_time,
                         priority=parent.priority, index=index)
         child.sequences = parent.sequences
         child.sequences.append(child)
         child.copy_tokens_from(parent)
-        child.output_logprobs = list(parent.output_logprobs)
+        child.holds_outputs, child.num_returned, child.beam = parent.holds_outputs, parent.num_returned, parent.beam
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_scheduled_time = parent.first_scheduled_time
@@ -218,69 +239,128 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
 
+        # A unit is a request's sequence, or all the beams of a beam search: scheduled and preempted as one.
+        units = self._units(self.running)
         # A prefill chunk ahead of decodes in the queue (priority policy) leaves one token for each of them.
         num_pending_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            i += 1
-            remaining = request.num_tokens - request.num_computed_tokens
-            if remaining == 1:
-                num_pending_decodes -= 1
-                num_new = 1
-            else:
-                num_new = min(remaining, budget - num_pending_decodes)
-                if num_new <= 0:
-                    continue
+        u = 0
+        while u < len(units) and budget > 0:
+            unit = units[u]
+            u += 1
+            num_pending_decodes -= sum(1 for r in unit if r.num_tokens - r.num_computed_tokens == 1)
+            plan = self._plan(unit, budget, num_pending_decodes)
+            if not plan:
+                continue
             # Short of blocks: preempt from the tail, which this step has not scheduled yet, until it fits.
-            while not self.block_manager.allocate(request, num_new):
-                victim = self.running.pop()
-                if victim is not request and victim.num_tokens - victim.num_computed_tokens == 1:
-                    num_pending_decodes -= 1
-                self._preempt(victim)
-                out.preempted.append(victim.seq_id)
-                if victim is request:
-                    break
-            if request.status is RequestStatus.PREEMPTED:
-                break   # it was the last running request
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            preempted_self = False
+            for request, num_new in plan:
+                while not preempted_self and not self.block_manager.allocate(request, num_new):
+                    victims = units.pop()
+                    if victims is not unit:
+                        num_pending_decodes -= sum(1 for r in victims if r.num_tokens - r.num_computed_tokens == 1)
+                    preempted_self = victims is unit
+                    for victim in victims:
+                        self.running.remove(victim)
+                        self._preempt(victim)
+                        out.preempted.append(victim.seq_id)
+            if preempted_self:
+                break   # it was the last running unit
+            scheduled += [self._scheduled(request, num_new) for request, num_new in plan]
+            budget -= sum(num_new for _, num_new in plan)
 
         # Admitting while running requests are being evicted would only evict them again.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            computed = self.block_manager.get_computed_blocks(request)
-            num_cached = len(computed) * self.block_manager.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate(request, num_new, computed):
+        while not out.preempted and self.waiting and budget > 0:
+            unit = self._units(self.waiting[:1])[0]
+            if len(self.running) + len(unit) > self.config.max_num_seqs:
+                break
+            admitted = self._admit(unit, budget)
+            if admitted is None:
                 break   # strict queue order: later requests do not overtake the head
-            self.waiting.pop(0)
-            request.num_computed_tokens = num_cached
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = num_cached
-            out.num_prefix_hit_tokens += num_cached
-            request.status = RequestStatus.RUNNING
-            self._insert(self.running, request, front=False)
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            for request, num_new, num_cached in admitted:
+                self.waiting.remove(request)
+                request.num_computed_tokens = num_cached
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.monotonic()
+                    request.num_cached_tokens = num_cached
+                out.num_prefix_hit_tokens += num_cached
+                request.status = RequestStatus.RUNNING
+                self._insert(self.running, request, front=False)
+                if num_new:
+                    scheduled.append(self._scheduled(request, num_new))
+                    budget -= num_new
 
         out.scheduled = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
         out.num_batched_tokens = sum(s.num_new_tokens for s in scheduled)
         out.block_copies = self.block_manager.pop_block_copies()
         return out
 
+    def _units(self, queue: list[Request]) -> list[list[Request]]:
+        """The queue's scheduling units in queue order: a sequence alone, or every live beam of a beam search
+        (once, where its first beam stands)."""
+        units: list[list[Request]] = []
+        seen: set[str] = set()
+        for request in queue:
+            if request.beam is None:
+                units.append([request])
+            elif request.request_id not in seen:
+                seen.add(request.request_id)
+                units.append([s for s in request.sequences if not s.is_finished])
+        return units
+
+    @staticmethod
+    def _plan(unit: list[Request], budget: int, num_pending_decodes: int) -> list[tuple[Request, int]]:
+        """(sequence, tokens to compute) of a running unit this step; prefill chunks leave one token of
+        ``budget`` for each of the ``num_pending_decodes`` queued behind it."""
+        remaining = [r.num_tokens - r.num_computed_tokens for r in unit]
+        if all(n == 1 for n in remaining):   # the beams of a search sample together, or wait
+            return [(r, 1) for r in unit] if len(unit) == 1 or budget >= len(unit) else []
+        if len(unit) == 1:
+            num_new = min(remaining[0], budget - num_pending_decodes)
+            return [(unit[0], num_new)] if num_new > 0 else []
+        # Recomputed beams stop one token short, so that all of them reach their last token together.
+        plan: list[tuple[Request, int]] = []
+        budget -= num_pending_decodes
+        for request, n in zip(unit, remaining):
+            num_new = min(n - 1, budget)
+            if num_new > 0:
+                plan.append((request, num_new))
+                budget -= num_new
+        return plan
+
+    def _admit(self, unit: list[Request], budget: int) -> list[tuple[Request, int, int]] | None:
+        """Give a waiting unit its blocks, all or none: (sequence, tokens to compute, cached tokens) of each,
+        or None (nothing claimed) when the blocks are short."""
+        admitted: list[tuple[Request, int, int]] = []
+        for request in unit:
+            computed = self.block_manager.get_computed_blocks(request)
+            num_cached = len(computed) * self.block_manager.block_size
+            short = 1 if len(unit) > 1 else 0   # beams stop one token short (see _plan)
+            num_new = max(0, min(request.num_tokens - num_cached - short, budget))
+            if not self.block_manager.allocate(request, num_new, computed):
+                for done, _, _ in admitted:
+                    self.block_manager.free(done)
+                return None
+            admitted.append((request, num_new, num_cached))
+            budget -= num_new
+        return admitted
+
     def update_from_output(self, out: SchedulerOutput, sampled: dict[SequenceId, list[int]],
-                           logprobs: dict[SequenceId, list[Logprob]] | None = None) -> list[EngineCoreOutput]:
+                           logprobs: dict[SequenceId, list[Logprob]] | None = None,
+                           beam_candidates: Mapping[SequenceId, Candidates] | None = None) -> list[EngineCoreOutput]:
         """Apply one executed step: advance progress, cache full blocks, append samples, finish and free.
 
         Returns one output per sequence that got tokens to report (forked ones
         included, after the sequence they were forked from): every token at once,
         or, under a stream interval of N, the first token at once, then groups of
         N, then the rest when the sequence finishes. ``sampled`` must hold tokens
-        for every sequence of ``ScheduledRequest.sample_seq_ids``.
+        for every sequence of ``ScheduledRequest.sample_seq_ids``, ``beam_candidates``
+        proposals for every beam that sampled. Requests that hold their outputs
+        (best_of, beam search) report their best sequences once, when they end.
+        ``ended`` lists every sequence that ended.
         """
         outputs: list[EngineCoreOutput] = []
+        num_finished = len(self._finished_ids)
+        beams: dict[str, list[Request]] = {}
         for s in out.scheduled:
             request = s.request
             if request.status is not RequestStatus.RUNNING:
@@ -291,6 +371,9 @@ class Scheduler:
             seq_ids = s.sample_seq_ids
             if not seq_ids:
                 continue
+            if request.beam is not None:
+                beams.setdefault(request.request_id, []).append(request)
+                continue
             missing = [seq_id for seq_id in seq_ids if not sampled.get(seq_id)]
             if missing:
                 raise ValueError(f"no sampled token for {missing} (sampled: {sorted(sampled)})")
@@ -298,16 +381,22 @@ class Scheduler:
             if len(seq_ids) > 1:
                 # Fork before the first sequence appends, so each starts from its pre-sample state.
                 seqs += [self.fork_request(request, seq_id.index) for seq_id in seq_ids[1:]]
-                request.sampling_params = request.sampling_params.clone(n=1)
+                request.sampling_params = request.sampling_params.clone(n=1, best_of=None)
             aborted, request.aborted_before_fork = request.aborted_before_fork, set()
             for seq in seqs:
                 if seq.index in aborted:
                     self._finish(seq, FinishReason.ABORT)
                 else:
                     self._append(seq, sampled[seq.seq_id], logprobs.get(seq.seq_id) if logprobs else None)
+                if seq.holds_outputs:
+                    outputs += self._best_outputs(seq) if seq.ends_request else []
+                    continue
                 report = self._report(seq)
                 if report is not None:
                     outputs.append(report)
+        for group in beams.values():
+            outputs += self._beam_step(group, beam_candidates or {})
+        self.ended = self._finished_ids[num_finished:]
         return outputs
 
     # ----- helpers -------------------------------------------------------------------
@@ -315,8 +404,9 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         sample = request.num_computed_tokens + num_new == request.num_tokens
         # n > 1 only until the fork: the forked sequences, and the first one after it, have n = 1.
-        n = request.sampling_params.n if sample else 1
-        return ScheduledRequest(request, num_new, request.num_computed_tokens, sample, n)
+        n = request.sampling_params.num_forked if sample else 1
+        num_candidates = request.beam.num_candidates if sample and request.beam is not None else 0
+        return ScheduledRequest(request, num_new, request.num_computed_tokens, sample, n, num_candidates)
 
     def _preempt(self, victim: Request) -> None:
         """Free the victim's blocks and queue it first in line; its outputs stay and are recomputed."""
@@ -330,8 +420,9 @@ class Scheduler:
     def _append(self, request: Request, tokens: list[int], lps: list[Logprob] | None) -> None:
         for j, token in enumerate(tokens):
             request.append_output_token(token)
-            if lps is not None:
+            if lps is not None:   # the runner reports them for best_of even when the request asked for none
                 request.output_logprobs.append(lps[j])
+                request.cumulative_logprob += lps[j][0]
             self.num_generation_tokens += 1
             reason = self._stop_reason(request, token)
             if reason is not None:
@@ -351,10 +442,85 @@ class Scheduler:
                 and request.num_output_tokens - start < interval):
             return None
         request.num_reported_tokens = request.num_output_tokens
+        cumulative = (request.cumulative_logprob
+                      if request.finish_reason is not None and request.sampling_params.logprobs is not None else None)
         return EngineCoreOutput(request.request_id, request.output_token_ids[start:],
                                 request.output_logprobs[start:] if request.output_logprobs else None,
                                 request.finish_reason, request.num_prompt_tokens, request.num_cached_tokens,
-                                index=request.index, request_finished=request.ends_request)
+                                index=request.index, request_finished=request.ends_request,
+                                cumulative_logprob=cumulative)
+
+    def _best_outputs(self, request: Request) -> list[EngineCoreOutput]:
+        """The ended best_of request's ``num_returned`` sequences with the highest cumulative logprob, best
+        first, renumbered 0..n-1, each whole in one output."""
+        best = sorted(request.sequences, key=lambda s: (-s.cumulative_logprob, s.index))[:request.num_returned]
+        asked = request.sampling_params.logprobs is not None
+        return [EngineCoreOutput(s.request_id, list(s.output_token_ids), list(s.output_logprobs) if asked else None,
+                                 s.finish_reason, s.num_prompt_tokens, s.num_cached_tokens, index=i,
+                                 request_finished=i == len(best) - 1, cumulative_logprob=s.cumulative_logprob)
+                for i, s in enumerate(best)]
+
+    def _beam_step(self, beams: list[Request], candidates: Mapping[SequenceId, Candidates]) -> list[EngineCoreOutput]:
+        """One step of a beam search whose beams all sampled: rewrite them, or end the search and report."""
+        beams.sort(key=lambda b: b.index)
+        live = [s for s in beams[0].sequences if not s.is_finished]
+        if len(live) != len(beams) or any(b.seq_id not in candidates for b in beams):
+            raise ValueError(f"beams {[b.seq_id for b in beams]} of {len(live)} sampled without all proposals")
+        state = beams[0].beam
+        assert state is not None
+        params = beams[0].sampling_params
+        num_output = beams[0].num_output_tokens + 1   # after this step's token
+
+        def stop_reason(token: int) -> FinishReason | None:
+            if num_output < params.min_tokens:
+                return None
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+            return FinishReason.EOS if not params.ignore_eos and token in self.eos_token_ids else None
+
+        continuations = state.step([(b.output_token_ids, b.cumulative_logprob) for b in beams],
+                                   [candidates[b.seq_id] for b in beams], stop_reason,
+                                   self._beams_at_length_limit(beams[0], state.width))
+        if state.done:
+            return self._end_beams(beams, state.best(beams[0].num_returned))
+        # The first step forks the other beams (sharing the prompt's blocks); a shorter step ends the extra.
+        first_step = len(beams) == 1
+        while len(beams) < len(continuations):
+            beams.append(self.fork_request(beams[0], max(s.index for s in beams[0].sequences) + 1))
+        for extra in beams[len(continuations):]:
+            self._finish(extra, FinishReason.LENGTH)
+        del beams[len(continuations):]
+        if first_step:   # every beam is a copy of the one they all extend: each continues itself
+            continuations = [Continuation(j, c.token_id, c.cumulative_logprob) for j, c in enumerate(continuations)]
+        rewrite_beams(self.block_manager, beams, continuations)
+        self.num_generation_tokens += len(beams)
+        for beam in beams:
+            if beam.first_token_time is None:
+                beam.first_token_time = time.monotonic()
+        return []
+
+    def _beams_at_length_limit(self, beam: Request, width: int) -> bool:
+        """The next token ends every beam: max_tokens, max_model_len, or a group too big to recompute alone."""
+        params = beam.sampling_params
+        num_tokens = beam.num_tokens + 1
+        bs = self.block_manager.block_size
+        return ((params.max_tokens is not None and beam.num_output_tokens + 1 >= params.max_tokens)
+                or num_tokens >= self.max_model_len
+                or width * -(-num_tokens // bs) > self.block_manager.num_blocks)
+
+    def _end_beams(self, beams: list[Request], best: list[Hypothesis]) -> list[EngineCoreOutput]:
+        """End the search: free every beam, report the best hypotheses as outputs 0..n-1, best first."""
+        for beam in beams:
+            self._finish(beam, FinishReason.LENGTH)
+        first = beams[0]
+        outputs = [EngineCoreOutput(first.request_id, list(h.token_ids), None, h.finish_reason,
+                                    first.num_prompt_tokens, first.num_cached_tokens, index=i,
+                                    cumulative_logprob=h.cumulative_logprob) for i, h in enumerate(best)]
+        if not outputs:   # no hypothesis at all (cannot happen with a vocabulary of 2 * width tokens)
+            outputs.append(EngineCoreOutput(first.request_id, [], None, FinishReason.LENGTH,
+                                            first.num_prompt_tokens, first.num_cached_tokens))
+        outputs[-1].request_finished = True
+        return outputs
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         """Why ``request`` stops after appending ``token``; stop tokens are checked before length limits."""

@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, SequenceId
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import BeamSearch, EarlyStopping, SamplingParams
 from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.stats_logger import DEFAULT_INTERVAL_S
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -37,6 +37,12 @@ _FINISH_TO_PB = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORTED,
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+_EARLY_STOPPING: dict[int, EarlyStopping] = {
+    common_pb2.BEAM_STOPPING_UNSPECIFIED: False,
+    common_pb2.BEAM_STOPPING_EARLY: True,
+    common_pb2.BEAM_STOPPING_NEVER: "never",
 }
 
 
@@ -73,7 +79,19 @@ def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest) -> SamplingPa
         kw["logprobs"] = req.logprobs
     if req.HasField("stream_interval"):
         kw["stream_interval"] = req.stream_interval  # 0 is refused by SamplingParams as INVALID_ARGUMENT
+    if req.best_of:
+        kw["best_of"] = req.best_of
+    if req.HasField("beam_search"):
+        kw["beam_search"] = beam_search_from_pb(req.beam_search, kw["n"])
     return SamplingParams(**kw)
+
+
+def beam_search_from_pb(msg: common_pb2.BeamSearch, n: int) -> BeamSearch:
+    if msg.early_stopping not in _EARLY_STOPPING:
+        raise InvalidRequestError("beam_search.early_stopping", f"unknown value {msg.early_stopping}")
+    return BeamSearch(beam_width=msg.beam_width or n,
+                      length_penalty=msg.length_penalty if msg.HasField("length_penalty") else 1.0,
+                      early_stopping=_EARLY_STOPPING[msg.early_stopping])
 
 
 def abort_targets_from_pb(msg: engine_pb2.AbortRequest) -> list[str | SequenceId]:
@@ -89,6 +107,8 @@ def output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineGenerateResponse:
         index=out.index, token_ids=out.new_token_ids, prompt_tokens=out.num_prompt_tokens,
         cached_tokens=out.num_cached_tokens, request_done=out.request_finished,
         finish_reason=_FINISH_TO_PB[out.finish_reason] if out.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED)
+    if out.cumulative_logprob is not None:
+        msg.cumulative_logprob = out.cumulative_logprob
     for lp, top in out.new_logprobs or ():
         msg.logprobs.add(logprob=lp, top_logprobs=[engine_pb2.TokenIdLogprob(token_id=t, logprob=v)
                                                    for t, v in top.items()])

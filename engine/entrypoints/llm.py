@@ -24,7 +24,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.core.outputs import CompletionOutput, EngineCoreOutput, RequestOutput  # noqa: E402
 from engine.core.request import FinishReason, SequenceId  # noqa: E402
-from engine.core.sampling_params import SamplingParams  # noqa: E402
+from engine.core.sampling_params import BeamSearch, EarlyStopping, SamplingParams  # noqa: E402
 from engine.text import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,34 @@ class _Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's offline beam search parameters (``LLM.beam_search``); the search follows transformers' rules."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = False
+
+
+@dataclass
+class BeamSearchSequence:
+    """One returned beam: ``tokens`` holds the prompt's ids then the beam's (vLLM's layout); ``text`` the beam's."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str | None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 class LLM:
@@ -84,6 +112,17 @@ class LLM:
         items = self._normalize_prompts(prompts)
         params = self._broadcast_params(sampling_params, len(items))
         return self._run(items, params, priority)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+                    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt: its ``beam_width`` best beams (by length-penalised score), best first."""
+        items = self._normalize_prompts(prompts)
+        sp = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                            beam_search=BeamSearch(params.beam_width, params.length_penalty, params.early_stopping))
+        results = self._run(items, [sp] * len(items), None)
+        return [BeamSearchOutput([BeamSearchSequence(r.prompt_token_ids + c.token_ids, c.text,
+                                                     c.cumulative_logprob or 0.0, c.finish_reason)
+                                  for c in r.outputs]) for r in results]
 
     def chat(
         self,
@@ -207,6 +246,8 @@ class LLM:
             for lp, top in out.new_logprobs[:used]:
                 seq.logprobs.append(top)
                 seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + lp
+        if out.cumulative_logprob is not None:   # the engine's sum (best_of and beams report no logprobs)
+            seq.cumulative_logprob = out.cumulative_logprob
         if delta is not None and delta.stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", delta.stop_string
             seq.text = seq.detok.output_text

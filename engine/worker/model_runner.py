@@ -29,10 +29,12 @@ Logprob = tuple[float, dict[int, float]]
 
 @dataclass
 class RunnerOutput:
-    """Sampled token ids (and logprobs, when asked) per sequence."""
+    """Sampled token ids (and logprobs, when asked) per sequence; a beam's proposals instead of a sample."""
 
     sampled: dict[SequenceId, list[int]] = field(default_factory=dict)
     logprobs: dict[SequenceId, list[Logprob]] = field(default_factory=dict)
+    # Beam search: (token ids, logprobs) of each beam's most likely next tokens, most likely first.
+    beam_candidates: dict[SequenceId, tuple[list[int], list[float]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -97,17 +99,39 @@ class ModelRunner:
                 return RunnerOutput()
             idx = torch.tensor(sample_idx, dtype=torch.int64, device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx), dtype=None)
+            runner_out = RunnerOutput()
+            beams = [i for i, s in enumerate(sampling) if s.num_beam_candidates]
+            if beams:
+                sampling, logits = self._propose(sampling, logits, beams, runner_out)
+                if not sampling:
+                    return runner_out
             row_of, rows, owners = self._sampling_rows(sampling)
             if len(row_of) != len(sampling):
                 logits = logits.index_select(0, torch.tensor(row_of, device=logits.device))
             result = self.sampler(logits, rows)
         # The sampler hands back host lists; on accelerators that read is the copy back.
-        runner_out = RunnerOutput()
         for seq_id, token, lp in zip(owners, result.token_ids, result.logprobs):
             runner_out.sampled[seq_id] = [token]
             if lp is not None:
                 runner_out.logprobs[seq_id] = [lp]
         return runner_out
+
+    def _propose(self, sampling: list[ScheduledRequest], logits: torch.Tensor, beams: list[int],
+                 runner_out: RunnerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """Beam rows get their proposals instead of a sample; returns the other rows and their logits."""
+        index = torch.tensor(beams, device=logits.device)
+        rows = [SamplingRow(params=sampling[i].request.sampling_params,
+                            prompt_token_ids=sampling[i].request.prompt_token_ids,
+                            output_token_ids=sampling[i].request.output_token_ids, generator=None) for i in beams]
+        num = max(sampling[i].num_beam_candidates for i in beams)
+        proposals = self.sampler.beam_candidates(logits.index_select(0, index), rows, num)
+        for i, (ids, logprobs) in zip(beams, proposals):
+            k = sampling[i].num_beam_candidates
+            runner_out.beam_candidates[sampling[i].request.seq_id] = (ids[:k], logprobs[:k])
+        others = [i for i in range(len(sampling)) if not sampling[i].num_beam_candidates]
+        if others:
+            logits = logits.index_select(0, torch.tensor(others, device=logits.device))
+        return [sampling[i] for i in others], logits
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor,
                                                                     AttentionMetadata, list[int]]:
@@ -164,7 +188,8 @@ class ModelRunner:
                 row_of.append(i)
                 rows.append(SamplingRow(params=params, prompt_token_ids=req.prompt_token_ids,
                                         output_token_ids=req.output_token_ids,
-                                        generator=self._generator(seq_id, params, offset)))
+                                        generator=self._generator(seq_id, params, offset),
+                                        cumulative=req.holds_outputs))
                 owners.append(seq_id)
         return row_of, rows, owners
 

@@ -45,12 +45,14 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] | np.ndarray   # the request's int32 buffer, as the core keeps it
     output_token_ids: list[int]
     generator: torch.Generator | None  # the request's seeded generator; None = the sampler's shared one
+    # The sampled token's logprob is wanted even without ``params.logprobs`` (best_of ranks by their sum).
+    cumulative: bool = False
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]               # one per row
-    logprobs: list[Logprobs | None]    # per row; None where params.logprobs is None
+    logprobs: list[Logprobs | None]    # per row; None where params.logprobs is None and not row.cumulative
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
@@ -71,8 +73,8 @@ def _needs_penalties(params: SamplingParams) -> bool:
 def _is_plain_greedy(row: SamplingRow) -> bool:
     """True when the row's token is the argmax of the raw logits and nothing else is asked."""
     p = row.params
-    return (is_greedy(p) and p.logprobs is None and not p.logit_bias and not _needs_penalties(p)
-            and len(row.output_token_ids) >= p.min_tokens)
+    return (is_greedy(p) and p.logprobs is None and not row.cumulative and not p.logit_bias
+            and not _needs_penalties(p) and len(row.output_token_ids) >= p.min_tokens)
 
 
 class Sampler:
@@ -121,6 +123,18 @@ class Sampler:
         self._apply_logit_bias(x, rows)
         self._apply_min_tokens(x, rows)
         return self._apply_penalties(x, rows)
+
+    def beam_candidates(self, logits: torch.Tensor, rows: list[SamplingRow], num: int
+                        ) -> list[tuple[list[int], list[float]]]:
+        """Each beam row's ``num`` most likely next tokens and their logprobs, most likely first.
+
+        As transformers' beam search: log_softmax of the float32 logits, then min_tokens masks the stop
+        tokens (after the softmax: the other tokens' logprobs are not renormalised).
+        """
+        x = torch.log_softmax(self._trim(logits).to(torch.float32), dim=-1)
+        self._apply_min_tokens(x, rows)
+        values, ids = torch.topk(x, min(num, x.shape[1]), dim=-1)
+        return list(zip(ids.tolist(), values.tolist()))
 
     def _trim(self, logits: torch.Tensor) -> torch.Tensor:
         # Some models pad their output layer past the tokenizer's vocabulary: never sample a padding column.
@@ -237,7 +251,7 @@ class Sampler:
 
     def _logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor,
                   rows: list[SamplingRow]) -> list[Logprobs | None]:
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None or row.cumulative]
         result: list[Logprobs | None] = [None] * len(rows)
         if not wanted:
             return result
