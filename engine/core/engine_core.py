@@ -94,7 +94,12 @@ class EngineCore:
             bad = lo if lo < 0 else hi if hi >= self.vocab_size else None
             if bad is not None:
                 raise InvalidRequestError("prompt_token_ids", f"token id {bad} is out of range [0, {self.vocab_size})")
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.config.max_logprobs)
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            # vLLM refuses it too: under fcfs a priority would be silently ignored.
+            raise InvalidRequestError("priority", f"must be 0 under the {self.config.scheduling_policy} scheduling "
+                                                  f"policy (start the engine with --scheduling-policy priority), "
+                                                  f"got {priority}")
         request = Request(request_id, prompt_token_ids, params, arrival_time=arrival_time, priority=priority)
         self.scheduler.add_request(request)
         return request
@@ -132,7 +137,8 @@ class EngineCore:
                 raise
             prepare_s = self.executor.last_prepare_s
             t2 = time.perf_counter()
-            step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs)
+            step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs,
+                                                             run.prompt_logprobs)
         else:
             t2 = time.perf_counter()
             step_outputs = self.scheduler.update_from_output(sched, {}, {})

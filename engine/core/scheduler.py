@@ -29,7 +29,7 @@ from common.errors import InvalidRequestError, QueueFullError
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, Request, RequestStatus, SequenceId
+from engine.core.request import FinishReason, PromptLogprobsChunk, Request, RequestStatus, SequenceId
 
 Logprob = tuple[float, dict[int, float]]
 
@@ -44,6 +44,9 @@ class ScheduledRequest:
     sample: bool          # start + num_new_tokens == request.num_tokens: the runner samples for it
     # Tokens the runner samples for it: n for a request with n > 1 sampling for the first time, else 1.
     num_samples: int = 1
+    # Set (to the request's prompt_logprobs k) when the runner computes the logprobs of the prompt tokens this
+    # chunk's positions predict; None for every other chunk (no full-vocabulary logits for them).
+    num_prompt_logprobs: int | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -200,6 +203,7 @@ class Scheduler:
         child.sequences.append(child)
         child.copy_tokens_from(parent)
         child.output_logprobs = list(parent.output_logprobs)
+        child.prompt_logprobs = parent.prompt_logprobs
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_scheduled_time = parent.first_scheduled_time
@@ -247,13 +251,25 @@ class Scheduler:
             budget -= num_new
 
         # Admitting while running requests are being evicted would only evict them again.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        admit = not out.preempted
+        while admit and self.waiting and budget > 0:
             request = self.waiting[0]
-            computed = self.block_manager.get_computed_blocks(request)
+            if len(self.running) >= self.config.max_num_seqs:
+                freed = self._preempt_for(request, scheduled, out)   # no seat: a better request takes one
+                if freed is None:
+                    break
+                budget += freed
+                continue
+            # A request still owing prompt logprobs computes every prompt position: no cached blocks (as vLLM v1).
+            computed = [] if request.needs_prompt_logprobs else self.block_manager.get_computed_blocks(request)
             num_cached = len(computed) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(request, num_new, computed):
-                break   # strict queue order: later requests do not overtake the head
+                freed = self._preempt_for(request, scheduled, out)   # short of blocks: the same
+                if freed is None:
+                    break   # strict queue order: later requests do not overtake the head
+                budget += freed
+                continue
             self.waiting.pop(0)
             request.num_computed_tokens = num_cached
             if request.first_scheduled_time is None:
@@ -264,14 +280,18 @@ class Scheduler:
             self._insert(self.running, request, front=False)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            # Room was just made for it: the victim (a prefix hit can fit it again) waits for the next step.
+            admit = not out.preempted
 
         out.scheduled = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
         out.num_batched_tokens = sum(s.num_new_tokens for s in scheduled)
-        out.block_copies = self.block_manager.pop_block_copies()
+        out.block_copies += self.block_manager.pop_block_copies()
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[SequenceId, list[int]],
-                           logprobs: dict[SequenceId, list[Logprob]] | None = None) -> list[EngineCoreOutput]:
+                           logprobs: dict[SequenceId, list[Logprob]] | None = None,
+                           prompt_logprobs: dict[SequenceId, PromptLogprobsChunk] | None = None
+                           ) -> list[EngineCoreOutput]:
         """Apply one executed step: advance progress, cache full blocks, append samples, finish and free.
 
         Returns one output per sequence that got tokens to report (forked ones
@@ -288,6 +308,8 @@ class Scheduler:
             request.num_computed_tokens = s.start + s.num_new_tokens
             self.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens) - s.start)
             self.block_manager.cache_blocks(request, request.num_computed_tokens)
+            if prompt_logprobs and (chunk := prompt_logprobs.get(request.seq_id)) is not None:
+                request.add_prompt_logprobs(chunk)   # before a fork below copies them
             seq_ids = s.sample_seq_ids
             if not seq_ids:
                 continue
@@ -316,13 +338,36 @@ class Scheduler:
         sample = request.num_computed_tokens + num_new == request.num_tokens
         # n > 1 only until the fork: the forked sequences, and the first one after it, have n = 1.
         n = request.sampling_params.n if sample else 1
-        return ScheduledRequest(request, num_new, request.num_computed_tokens, sample, n)
+        # Positions before the prompt's last one predict prompt tokens (its last predicts the first output).
+        wants_prompt = request.needs_prompt_logprobs and request.num_computed_tokens < request.num_prompt_tokens - 1
+        return ScheduledRequest(request, num_new, request.num_computed_tokens, sample, n,
+                                request.sampling_params.prompt_logprobs if wants_prompt else None)
+
+    def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest], out: SchedulerOutput) -> int | None:
+        """Priority policy: preempt the worst running request when the waiting ``request`` has a strictly better
+        priority (a lower value; equal priorities never preempt each other). Returns the budget its chunk of this
+        step gave back (0 when it was not scheduled yet), or None when nothing was preempted."""
+        if not self._by_priority or not self.running or self.running[-1].priority <= request.priority:
+            return None
+        victim = self.running.pop()   # sorted best first: the last is the worst (priority, then arrival)
+        freed = 0
+        for i, s in enumerate(scheduled):
+            if s.request is victim:
+                freed = scheduled.pop(i).num_new_tokens
+                break
+        # Its copy-on-write copies of this step go with it: their destinations are about to be freed.
+        own = set(victim.block_ids)
+        out.block_copies += [c for c in self.block_manager.pop_block_copies() if c[1] not in own]
+        self._preempt(victim)
+        out.preempted.append(victim.seq_id)
+        return freed
 
     def _preempt(self, victim: Request) -> None:
         """Free the victim's blocks and queue it first in line; its outputs stay and are recomputed."""
         self.block_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.reset_prompt_logprobs()   # recomputed from the prompt's start with the rest
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self._insert(self.waiting, victim, front=True)
@@ -354,7 +399,8 @@ class Scheduler:
         return EngineCoreOutput(request.request_id, request.output_token_ids[start:],
                                 request.output_logprobs[start:] if request.output_logprobs else None,
                                 request.finish_reason, request.num_prompt_tokens, request.num_cached_tokens,
-                                index=request.index, request_finished=request.ends_request)
+                                index=request.index, request_finished=request.ends_request,
+                                prompt_logprobs=request.prompt_logprobs if start == 0 else None)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         """Why ``request`` stops after appending ``token``; stop tokens are checked before length limits."""
