@@ -45,9 +45,6 @@ class PromptLogprobs:
     top_ids: np.ndarray        # [P - 1, k] int64
     top_logprobs: np.ndarray   # [P - 1, k] float32
 
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
 
 # What the runner computes for one prefill chunk: (index in the prompt of the first token covered, its logprob
 # and those of the tokens after it [m], top ids [m, k], top logprobs [m, k]). The core joins a prompt's chunks.

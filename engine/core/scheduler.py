@@ -10,7 +10,9 @@ the free blocks allow. A running request that cannot get blocks preempts the
 least important running request (the most recently admitted under fcfs; the
 lowest priority under priority): its blocks are freed and it goes back to the
 front of the waiting queue, keeping its output tokens, to be recomputed later
-as one prefill.
+as one prefill. Under the priority policy a waiting request with a strictly
+better priority that finds no seat (``max_num_seqs``) or no blocks preempts the
+worst running one the same way, and takes its place in the same step.
 
 A request with n > 1 runs as one sequence until its first sample, which is
 taken n times: the scheduler then forks the other n - 1 sequences from it
