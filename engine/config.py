@@ -114,6 +114,7 @@ class EngineConfig:
     num_threads: int | None = None           # torch intra-op threads on CPU; None = torch's default
     disable_log_stats: bool = False          # no periodic status line (engine.entrypoints.stats_logger)
     stream_interval: int = 1                 # tokens per streamed group of a sequence (vLLM's --stream-interval)
+    max_logprobs: int = 20                   # most logprobs / prompt_logprobs a request may ask (vLLM's default)
     kernels: KernelSettings = field(default_factory=KernelSettings.from_env)  # CPU kernel switches
 
     def __post_init__(self) -> None:
@@ -145,6 +146,8 @@ class EngineConfig:
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
         check(isinstance(self.stream_interval, int) and self.stream_interval >= 1, "stream_interval",
               "must be an integer >= 1")
+        check(isinstance(self.max_logprobs, int) and self.max_logprobs >= 0, "max_logprobs",
+              "must be an integer >= 0")
         check(self.tensor_parallel_size == 1, "tensor_parallel_size",
               "only 1 is supported in this release")
 

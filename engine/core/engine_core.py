@@ -94,13 +94,18 @@ class EngineCore:
             bad = lo if lo < 0 else hi if hi >= self.vocab_size else None
             if bad is not None:
                 raise InvalidRequestError("prompt_token_ids", f"token id {bad} is out of range [0, {self.vocab_size})")
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.config.max_logprobs)
         limit = self.config.max_num_seqs
         if params.beam_search is not None and params.beam_search.beam_width > limit:
             raise InvalidRequestError("beam_search.beam_width", f"must be <= max_num_seqs ({limit}), got "
                                                                 f"{params.beam_search.beam_width}")
         if params.best_of is not None and params.best_of > limit:
             raise InvalidRequestError("best_of", f"must be <= max_num_seqs ({limit}), got {params.best_of}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            # vLLM refuses it too: under fcfs a priority would be silently ignored.
+            raise InvalidRequestError("priority", f"must be 0 under the {self.config.scheduling_policy} scheduling "
+                                                  f"policy (start the engine with --scheduling-policy priority), "
+                                                  f"got {priority}")
         request = Request(request_id, prompt_token_ids, params, arrival_time=arrival_time, priority=priority)
         self.scheduler.add_request(request)
         return request
@@ -145,7 +150,8 @@ class EngineCore:
                 raise
             prepare_s = self.executor.last_prepare_s
             t2 = time.perf_counter()
-            step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs, run.beam_candidates)
+            step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs, run.beam_candidates,
+                                                             run.prompt_logprobs)
         else:
             t2 = time.perf_counter()
             step_outputs = self.scheduler.update_from_output(sched, {}, {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.request import FinishReason, SequenceId
+from engine.core.request import FinishReason, PromptLogprobs, SequenceId
 
 
 @dataclass
@@ -23,6 +23,8 @@ class EngineCoreOutput:
     request_finished: bool = False
     # Sum of the sequence's token logprobs, on its last output: with best_of, beam search, or logprobs asked.
     cumulative_logprob: float | None = None
+    # With prompt_logprobs asked: on each sequence's first output (the same object for all of them).
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -53,3 +55,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     num_cached_tokens: int = 0
+    # vLLM's shape: None for the first prompt token, then {token id: logprob} holding the prompt token and the
+    # top prompt_logprobs alternatives. None when not asked.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

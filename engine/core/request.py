@@ -35,6 +35,26 @@ class FinishReason(enum.Enum):
     ERROR = "error"          # the engine failed while running it
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The log-probability of each prompt token given the ones before it (vLLM's ``prompt_logprobs``).
+
+    ``token_ids`` is the whole prompt; the other arrays start at its second token (nothing precedes the
+    first): ``logprobs[i]`` is that of ``token_ids[i + 1]``, and ``top_ids[i]`` / ``top_logprobs[i]`` the k
+    most likely tokens at that position, most likely first. Raw model distribution, float32.
+    """
+
+    token_ids: np.ndarray      # [P] int32
+    logprobs: np.ndarray       # [P - 1] float32
+    top_ids: np.ndarray        # [P - 1, k] int64
+    top_logprobs: np.ndarray   # [P - 1, k] float32
+
+
+# What the runner computes for one prefill chunk: (index in the prompt of the first token covered, its logprob
+# and those of the tokens after it [m], top ids [m, k], top logprobs [m, k]). The core joins a prompt's chunks.
+PromptLogprobsChunk = tuple[int, np.ndarray, np.ndarray, np.ndarray]
+
+
 @dataclass(frozen=True, order=True, slots=True)
 class SequenceId:
     """Names one sequence of a request: ``index`` orders the n outputs of a request with n > 1 (0 for n = 1)."""
@@ -93,6 +113,12 @@ class Request:
         self.num_returned = sampling_params.n
         # Beam search: the search's state, one object shared by the request's beams (None otherwise).
         self.beam: BeamSearchState | None = None
+        # With prompt_logprobs asked: the chunks computed so far, joined into ``prompt_logprobs`` once they
+        # cover the prompt (then sent with each sequence's first output).
+        self.prompt_logprob_chunks: list[PromptLogprobsChunk] = []
+        self.prompt_logprobs: PromptLogprobs | None = None
+        if sampling_params.prompt_logprobs is not None and len(prompt) == 1:
+            self._join_prompt_logprobs()   # one token: nothing precedes it, nothing to compute
         self.num_reported_tokens = 0         # output tokens already in an EngineCoreOutput (stream interval)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0           # prompt tokens served from the prefix cache (first schedule)
@@ -127,6 +153,37 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked and not all computed yet: every prompt position must be run (no prefix-cache
+        hit may skip one)."""
+        return self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
+        """Keep one chunk's prompt logprobs; the chunks covering the whole prompt become ``prompt_logprobs``."""
+        if not self.needs_prompt_logprobs:
+            return
+        first = chunk[0]
+        expected = 1 + sum(len(c[1]) for c in self.prompt_logprob_chunks)
+        if first != expected:
+            raise ValueError(f"{self.seq_id}: prompt logprobs from token {first}, expected {expected}")
+        self.prompt_logprob_chunks.append(chunk)
+        if expected + len(chunk[1]) == self.num_prompt_tokens:
+            self._join_prompt_logprobs()
+
+    def _join_prompt_logprobs(self) -> None:
+        chunks, self.prompt_logprob_chunks = self.prompt_logprob_chunks, []
+        k = self.sampling_params.prompt_logprobs or 0
+        self.prompt_logprobs = PromptLogprobs(
+            token_ids=self.prompt_token_ids.copy(),
+            logprobs=np.concatenate([c[1] for c in chunks]) if chunks else np.empty(0, np.float32),
+            top_ids=np.concatenate([c[2] for c in chunks]) if chunks else np.empty((0, k), np.int64),
+            top_logprobs=np.concatenate([c[3] for c in chunks]) if chunks else np.empty((0, k), np.float32))
+
+    def reset_prompt_logprobs(self) -> None:
+        """Drop partial prompt logprobs (a preemption: the prompt is computed again from its start)."""
+        self.prompt_logprob_chunks = []
 
     def append_output_token(self, token_id: int) -> None:
         if self._num_tokens == len(self._tokens):

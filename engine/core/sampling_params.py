@@ -8,7 +8,6 @@ from typing import Literal
 
 from common.errors import InvalidRequestError
 
-_MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5  # below this temperature sampling is greedy (vLLM's _SAMPLING_EPS; the sampler agrees)
 
 
@@ -69,6 +68,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # Log-probability of every prompt token given the ones before it, with this many top alternatives.
+    prompt_logprobs: int | None = None
     # Stream a sequence's tokens in groups of this many (the first token and the last group go out at
     # once); raises the engine's --stream-interval for this request, never lowers it. None: the engine's.
     stream_interval: int | None = None
@@ -108,8 +109,12 @@ class SamplingParams:
         """Sequences its first sample is taken for (the fork); beam search forks its own beams, one at a time."""
         return 1 if self.beam_search is not None else self.best_of or self.n
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise :class:`InvalidRequestError` naming the first bad field."""
+    def validate(self, vocab_size: int | None = None, max_logprobs: int | None = None) -> None:
+        """Raise :class:`InvalidRequestError` naming the first bad field.
+
+        ``logprobs`` and ``prompt_logprobs`` are bounded by ``max_logprobs`` (the engine's --max-logprobs) when
+        it is given; construction checks only that they are integers >= 0, so an engine can allow more than 20.
+        """
         _check(_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature",
                f"must be >= 0, got {self.temperature!r}")
@@ -129,8 +134,10 @@ class SamplingParams:
                f"must be an integer >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= _MAX_LOGPROBS),
-               "logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            _check(value is None or (_int(value) and value >= 0), name, f"must be an integer >= 0, got {value!r}")
+            _check(value is None or max_logprobs is None or value <= max_logprobs, name,
+                   f"must be at most {max_logprobs} (the engine's --max-logprobs), got {value!r}")
         _check(self.stream_interval is None or (_int(self.stream_interval) and self.stream_interval >= 1),
                "stream_interval", f"must be an integer >= 1, got {self.stream_interval!r}")
         _check(self.seed is None or _int(self.seed), "seed", f"must be an integer, got {self.seed!r}")

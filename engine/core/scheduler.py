@@ -10,7 +10,9 @@ the free blocks allow. A running request that cannot get blocks preempts the
 least important running request (the most recently admitted under fcfs; the
 lowest priority under priority): its blocks are freed and it goes back to the
 front of the waiting queue, keeping its output tokens, to be recomputed later
-as one prefill.
+as one prefill. Under the priority policy a waiting request with a strictly
+better priority that finds no seat (``max_num_seqs``) or no blocks preempts the
+worst running one the same way, and takes its place in the same step.
 
 A request with n > 1 runs as one sequence until its first sample, which is
 taken n times: the scheduler then forks the other n - 1 sequences from it
@@ -40,7 +42,7 @@ from engine.config import EngineConfig
 from engine.core.beam import BeamSearchState, Candidates, Continuation, Hypothesis, rewrite_beams
 from engine.core.block_manager import BlockManager
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, Request, RequestStatus, SequenceId
+from engine.core.request import FinishReason, PromptLogprobsChunk, Request, RequestStatus, SequenceId
 
 Logprob = tuple[float, dict[int, float]]
 
@@ -57,6 +59,9 @@ class ScheduledRequest:
     num_samples: int = 1
     # Beam search: the runner returns this many (token, logprob) proposals of the beam instead of a sample.
     num_beam_candidates: int = 0
+    # Set (to the request's prompt_logprobs k) when the runner computes the logprobs of the prompt tokens this
+    # chunk's positions predict; None for every other chunk (no full-vocabulary logits for them).
+    num_prompt_logprobs: int | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -221,6 +226,7 @@ class Scheduler:
         child.sequences.append(child)
         child.copy_tokens_from(parent)
         child.holds_outputs, child.num_returned, child.beam = parent.holds_outputs, parent.num_returned, parent.beam
+        child.prompt_logprobs = parent.prompt_logprobs
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_scheduled_time = parent.first_scheduled_time
@@ -269,13 +275,19 @@ class Scheduler:
             budget -= sum(num_new for _, num_new in plan)
 
         # Admitting while running requests are being evicted would only evict them again.
-        while not out.preempted and self.waiting and budget > 0:
+        admit = not out.preempted
+        while admit and self.waiting and budget > 0:
             unit = self._units(self.waiting[:1])[0]
-            if len(self.running) + len(unit) > self.config.max_num_seqs:
-                break
-            admitted = self._admit(unit, budget)
+            admitted = (self._admit(unit, budget) if len(self.running) + len(unit) <= self.config.max_num_seqs
+                        else None)
             if admitted is None:
-                break   # strict queue order: later requests do not overtake the head
+                # No seat or too few blocks: a better-priority request makes room, else strict queue order
+                # (later requests do not overtake the head).
+                freed = self._preempt_for(unit[0], scheduled, out)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             for request, num_new, num_cached in admitted:
                 self.waiting.remove(request)
                 request.num_computed_tokens = num_cached
@@ -288,10 +300,12 @@ class Scheduler:
                 if num_new:
                     scheduled.append(self._scheduled(request, num_new))
                     budget -= num_new
+            # Room was just made for it: the victim (a prefix hit can fit it again) waits for the next step.
+            admit = not out.preempted
 
         out.scheduled = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
         out.num_batched_tokens = sum(s.num_new_tokens for s in scheduled)
-        out.block_copies = self.block_manager.pop_block_copies()
+        out.block_copies += self.block_manager.pop_block_copies()
         return out
 
     def _units(self, queue: list[Request]) -> list[list[Request]]:
@@ -332,7 +346,8 @@ class Scheduler:
         or None (nothing claimed) when the blocks are short."""
         admitted: list[tuple[Request, int, int]] = []
         for request in unit:
-            computed = self.block_manager.get_computed_blocks(request)
+            # A request still owing prompt logprobs computes every prompt position: no cached blocks (as vLLM v1).
+            computed = [] if request.needs_prompt_logprobs else self.block_manager.get_computed_blocks(request)
             num_cached = len(computed) * self.block_manager.block_size
             short = 1 if len(unit) > 1 else 0   # beams stop one token short (see _plan)
             num_new = max(0, min(request.num_tokens - num_cached - short, budget))
@@ -346,7 +361,9 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[SequenceId, list[int]],
                            logprobs: dict[SequenceId, list[Logprob]] | None = None,
-                           beam_candidates: Mapping[SequenceId, Candidates] | None = None) -> list[EngineCoreOutput]:
+                           beam_candidates: Mapping[SequenceId, Candidates] | None = None,
+                           prompt_logprobs: dict[SequenceId, PromptLogprobsChunk] | None = None
+                           ) -> list[EngineCoreOutput]:
         """Apply one executed step: advance progress, cache full blocks, append samples, finish and free.
 
         Returns one output per sequence that got tokens to report (forked ones
@@ -368,6 +385,8 @@ class Scheduler:
             request.num_computed_tokens = s.start + s.num_new_tokens
             self.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens) - s.start)
             self.block_manager.cache_blocks(request, request.num_computed_tokens)
+            if prompt_logprobs and (chunk := prompt_logprobs.get(request.seq_id)) is not None:
+                request.add_prompt_logprobs(chunk)   # before a fork below copies them
             seq_ids = s.sample_seq_ids
             if not seq_ids:
                 continue
@@ -406,13 +425,43 @@ class Scheduler:
         # n > 1 only until the fork: the forked sequences, and the first one after it, have n = 1.
         n = request.sampling_params.num_forked if sample else 1
         num_candidates = request.beam.num_candidates if sample and request.beam is not None else 0
-        return ScheduledRequest(request, num_new, request.num_computed_tokens, sample, n, num_candidates)
+        # Positions before the prompt's last one predict prompt tokens (its last predicts the first output).
+        wants_prompt = request.needs_prompt_logprobs and request.num_computed_tokens < request.num_prompt_tokens - 1
+        return ScheduledRequest(request, num_new, request.num_computed_tokens, sample, n, num_candidates,
+                                request.sampling_params.prompt_logprobs if wants_prompt else None)
+
+    def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest], out: SchedulerOutput) -> int | None:
+        """Priority policy: preempt the worst running unit (a sequence, or every beam of a search) when the
+        waiting ``request`` has a strictly better priority (a lower value; equal priorities never preempt each
+        other). Returns the budget its chunks of this step gave back (0 when not scheduled yet), or None when
+        nothing was preempted."""
+        if not self._by_priority or not self.running or self.running[-1].priority <= request.priority:
+            return None
+        worst = self.running[-1]   # sorted best first: the last is the worst (priority, then arrival)
+        victims = [worst] if worst.beam is None else [s for s in worst.sequences
+                                                      if s.status is RequestStatus.RUNNING]
+        freed = 0
+        for victim in victims:
+            self.running.remove(victim)
+            for i, s in enumerate(scheduled):
+                if s.request is victim:
+                    freed += scheduled.pop(i).num_new_tokens
+                    break
+        # Their copy-on-write copies of this step go with them: the destinations are about to be freed.
+        own = {b for victim in victims for b in victim.block_ids}
+        # (an earlier victim's call may already have moved them to ``out``).
+        out.block_copies = [c for c in out.block_copies + self.block_manager.pop_block_copies() if c[1] not in own]
+        for victim in victims:
+            self._preempt(victim)
+            out.preempted.append(victim.seq_id)
+        return freed
 
     def _preempt(self, victim: Request) -> None:
         """Free the victim's blocks and queue it first in line; its outputs stay and are recomputed."""
         self.block_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.reset_prompt_logprobs()   # recomputed from the prompt's start with the rest
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self._insert(self.waiting, victim, front=True)
@@ -448,7 +497,8 @@ class Scheduler:
                                 request.output_logprobs[start:] if request.output_logprobs else None,
                                 request.finish_reason, request.num_prompt_tokens, request.num_cached_tokens,
                                 index=request.index, request_finished=request.ends_request,
-                                cumulative_logprob=cumulative)
+                                cumulative_logprob=cumulative,
+                                prompt_logprobs=request.prompt_logprobs if start == 0 else None)
 
     def _best_outputs(self, request: Request) -> list[EngineCoreOutput]:
         """The ended best_of request's ``num_returned`` sequences with the highest cumulative logprob, best
@@ -457,7 +507,8 @@ class Scheduler:
         asked = request.sampling_params.logprobs is not None
         return [EngineCoreOutput(s.request_id, list(s.output_token_ids), list(s.output_logprobs) if asked else None,
                                  s.finish_reason, s.num_prompt_tokens, s.num_cached_tokens, index=i,
-                                 request_finished=i == len(best) - 1, cumulative_logprob=s.cumulative_logprob)
+                                 request_finished=i == len(best) - 1, cumulative_logprob=s.cumulative_logprob,
+                                 prompt_logprobs=s.prompt_logprobs)
                 for i, s in enumerate(best)]
 
     def _beam_step(self, beams: list[Request], candidates: Mapping[SequenceId, Candidates]) -> list[EngineCoreOutput]:
@@ -515,7 +566,8 @@ class Scheduler:
         first = beams[0]
         outputs = [EngineCoreOutput(first.request_id, list(h.token_ids), None, h.finish_reason,
                                     first.num_prompt_tokens, first.num_cached_tokens, index=i,
-                                    cumulative_logprob=h.cumulative_logprob) for i, h in enumerate(best)]
+                                    cumulative_logprob=h.cumulative_logprob, prompt_logprobs=first.prompt_logprobs)
+                   for i, h in enumerate(best)]
         if not outputs:   # no hypothesis at all (cannot happen with a vocabulary of 2 * width tokens)
             outputs.append(EngineCoreOutput(first.request_id, [], None, FinishReason.LENGTH,
                                             first.num_prompt_tokens, first.num_cached_tokens))

@@ -45,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="stream each sequence's tokens in groups of N (the first token and the last group at "
                         "once): fewer messages through every hop for less smooth streaming; a request's "
                         "stream_interval can raise it")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most log probabilities a request may ask for (logprobs and prompt_logprobs); more is "
+                        "refused")
     g.add_argument("--disable-log-stats", action="store_true", default=False,
                    help="no periodic 'Avg prompt throughput ...' status line")
 

@@ -22,7 +22,7 @@ from common.stream_mux import SinkMux
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, SequenceId
+from engine.core.request import FinishReason, PromptLogprobs, SequenceId
 from engine.core.sampling_params import BeamSearch, EarlyStopping, SamplingParams
 from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.stats_logger import DEFAULT_INTERVAL_S
@@ -77,6 +77,8 @@ def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest) -> SamplingPa
     kw["ignore_eos"] = st.ignore_eos
     if req.HasField("logprobs"):
         kw["logprobs"] = req.logprobs
+    if req.HasField("prompt_logprobs"):
+        kw["prompt_logprobs"] = req.prompt_logprobs   # above --max-logprobs: refused by the core
     if req.HasField("stream_interval"):
         kw["stream_interval"] = req.stream_interval  # 0 is refused by SamplingParams as INVALID_ARGUMENT
     if req.best_of:
@@ -112,7 +114,21 @@ def output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineGenerateResponse:
     for lp, top in out.new_logprobs or ():
         msg.logprobs.add(logprob=lp, top_logprobs=[engine_pb2.TokenIdLogprob(token_id=t, logprob=v)
                                                    for t, v in top.items()])
+    if out.prompt_logprobs is not None:
+        msg.prompt_logprobs.extend(prompt_logprobs_to_pb(out.prompt_logprobs))
     return msg
+
+
+def prompt_logprobs_to_pb(plp: PromptLogprobs) -> list[common_pb2.PromptTokenLogprob]:
+    """One entry per prompt token, ids and numbers only (the engine has no text); the first has no logprob."""
+    token_ids = plp.token_ids.tolist()
+    entries = [common_pb2.PromptTokenLogprob(token_id=token_ids[0])]
+    for token_id, lp, ids, lps in zip(token_ids[1:], plp.logprobs.tolist(), plp.top_ids.tolist(),
+                                      plp.top_logprobs.tolist()):
+        entries.append(common_pb2.PromptTokenLogprob(
+            token_id=token_id, logprob=lp,
+            top_logprobs=[common_pb2.PromptTopLogprob(token_id=t, logprob=v) for t, v in zip(ids, lps)]))
+    return entries
 
 
 # -- the servicer ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from common.errors import InvalidRequestError  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.core.outputs import CompletionOutput, EngineCoreOutput, RequestOutput  # noqa: E402
-from engine.core.request import FinishReason, SequenceId  # noqa: E402
+from engine.core.request import FinishReason, PromptLogprobs, SequenceId  # noqa: E402
 from engine.core.sampling_params import BeamSearch, EarlyStopping, SamplingParams  # noqa: E402
 from engine.text import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
@@ -108,9 +108,13 @@ class LLM:
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``); outputs in prompt order."""
+        """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``); outputs in prompt order.
+
+        ``priority``: one per prompt, lower runs earlier; needs ``scheduling_policy="priority"`` (as vLLM)."""
         items = self._normalize_prompts(prompts)
         params = self._broadcast_params(sampling_params, len(items))
+        if priority is not None and len(priority) != len(items):
+            raise InvalidRequestError("priority", f"got {len(priority)} priorities for {len(items)} prompts")
         return self._run(items, params, priority)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
@@ -206,10 +210,13 @@ class LLM:
             raise
         slot = {rid: i for i, rid in enumerate(rids)}
         seqs: dict[SequenceId, _Sequence] = {}
+        prompt_logprobs: list[list[dict[int, float] | None] | None] = [None] * len(rids)
         remaining = len(rids)
         while remaining:
             for out in engine.step():
                 i = slot[out.request_id]
+                if out.prompt_logprobs is not None and prompt_logprobs[i] is None:
+                    prompt_logprobs[i] = _prompt_logprob_dicts(out.prompt_logprobs)
                 seq = seqs.get(out.seq_id)
                 if seq is None:
                     seq = seqs[out.seq_id] = self._new_sequence(out.index, items[i][1], params[i])
@@ -224,7 +231,8 @@ class LLM:
                 outputs=[CompletionOutput(index=s.index, text=s.text, token_ids=s.token_ids,
                                           finish_reason=s.finish_reason, logprobs=s.logprobs,
                                           cumulative_logprob=s.cumulative_logprob, stop_reason=s.stop_reason)
-                         for s in mine]))
+                         for s in mine],
+                prompt_logprobs=prompt_logprobs[i]))
         return outputs
 
     def _new_sequence(self, index: int, prompt_ids: list[int], sp: SamplingParams) -> _Sequence:
@@ -264,3 +272,15 @@ class LLM:
         seq.finish_reason = _FINISH_NAMES[out.finish_reason]
         if out.finish_reason is FinishReason.STOP and out.new_token_ids:
             seq.stop_reason = out.new_token_ids[-1]
+
+
+def _prompt_logprob_dicts(plp: PromptLogprobs) -> list[dict[int, float] | None]:
+    """vLLM's ``RequestOutput.prompt_logprobs``: None for the first token, then {prompt token: its logprob, then
+    each top token: its logprob} (the prompt token first, as vLLM; once when it is among the top ones)."""
+    result: list[dict[int, float] | None] = [None]
+    for token_id, lp, ids, lps in zip(plp.token_ids[1:].tolist(), plp.logprobs.tolist(), plp.top_ids.tolist(),
+                                      plp.top_logprobs.tolist()):
+        entry = {token_id: lp}
+        entry.update((t, v) for t, v in zip(ids, lps) if t != token_id)
+        result.append(entry)
+    return result

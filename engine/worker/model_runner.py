@@ -18,13 +18,18 @@ from engine.attention.backend import AttentionMetadata, StepLayout
 from engine.device import Device
 from engine.models import CausalLM
 from engine.worker.sampler import Sampler, SamplingRow, make_generator
+from engine.worker.sampling_ops import compute_logprobs
 
 if TYPE_CHECKING:  # the core's step types, handed down by the executor: annotations only
-    from engine.core.request import SequenceId
+    from engine.core.request import PromptLogprobsChunk, SequenceId
     from engine.core.sampling_params import SamplingParams
     from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
 Logprob = tuple[float, dict[int, float]]
+
+# Prompt positions whose full-vocabulary logits exist at once when computing prompt logprobs: bounds that
+# memory (512 x a 150k vocabulary x 4 bytes = 300 MB) whatever the chunk's length.
+PROMPT_LOGITS_ROWS = 512
 
 
 @dataclass
@@ -35,6 +40,8 @@ class RunnerOutput:
     logprobs: dict[SequenceId, list[Logprob]] = field(default_factory=dict)
     # Beam search: (token ids, logprobs) of each beam's most likely next tokens, most likely first.
     beam_candidates: dict[SequenceId, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # Prompt logprobs of this step's chunks, for the sequences whose chunk asked (ScheduledRequest).
+    prompt_logprobs: dict[SequenceId, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -94,12 +101,13 @@ class ModelRunner:
         dev.wait_event(self.compute_stream, self.inputs_ready)
         with dev.use_stream(self.compute_stream):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
             sampling = [s for s in scheduled if s.sample]
             if not sampling:
-                return RunnerOutput()
+                return RunnerOutput(prompt_logprobs=prompt_logprobs)
             idx = torch.tensor(sample_idx, dtype=torch.int64, device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx), dtype=None)
-            runner_out = RunnerOutput()
+            runner_out = RunnerOutput(prompt_logprobs=prompt_logprobs)
             beams = [i for i, s in enumerate(sampling) if s.num_beam_candidates]
             if beams:
                 sampling, logits = self._propose(sampling, logits, beams, runner_out)
@@ -173,6 +181,35 @@ class ModelRunner:
                             block_size=bs)
         meta = self.backend.build_metadata(layout, torch_dev)
         return input_ids, positions, meta, sample_idx
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
+                         ) -> dict[SequenceId, PromptLogprobsChunk]:
+        """Logprobs of the prompt tokens that the positions of each chunk asking for them predict (position p
+        predicts token p + 1; the prompt's last position predicts the first output, not a prompt token).
+
+        Only these chunks pay for full-vocabulary logits, PROMPT_LOGITS_ROWS positions at a time, float32 (the
+        raw model distribution, as vLLM); only the k + 1 numbers per position are kept."""
+        result: dict[SequenceId, PromptLogprobsChunk] = {}
+        offset = 0
+        for s in scheduled:
+            k = s.num_prompt_logprobs
+            req = s.request
+            end = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if k is not None and end > s.start:
+                targets = torch.from_numpy(req.all_token_ids[s.start + 1:end + 1].astype(np.int64))
+                targets = targets.to(hidden.device)
+                parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+                for lo in range(0, end - s.start, PROMPT_LOGITS_ROWS):
+                    hi = min(lo + PROMPT_LOGITS_ROWS, end - s.start)
+                    logits = self.model.compute_logits(hidden[offset + lo:offset + hi], dtype=torch.float32)
+                    logits = logits[:, :self.sampler.vocab_size]   # never a padding column of the output layer
+                    parts.append(compute_logprobs(logits, targets[lo:hi], k))
+                result[req.seq_id] = (s.start + 1,
+                                      torch.cat([p[0] for p in parts]).cpu().numpy(),
+                                      torch.cat([p[2] for p in parts]).cpu().numpy(),
+                                      torch.cat([p[1] for p in parts]).cpu().numpy())
+            offset += s.num_new_tokens
+        return result
 
     def _sampling_rows(self, sampling: list[ScheduledRequest]
                        ) -> tuple[list[int], list[SamplingRow], list[SequenceId]]:

@@ -23,7 +23,6 @@ from engine.core.sampling_params import SamplingParams
         ({"max_tokens": -5}, "max_tokens"),
         ({"min_p": -0.01}, "min_p"),
         ({"min_p": 1.01}, "min_p"),
-        ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
         ({"presence_penalty": 2.01}, "presence_penalty"),
         ({"presence_penalty": -2.01}, "presence_penalty"),
