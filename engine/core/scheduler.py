@@ -271,14 +271,17 @@ class Scheduler:
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[SequenceId, list[int]],
-                           logprobs: dict[SequenceId, list[Logprob]] | None = None) -> list[EngineCoreOutput]:
+                           logprobs: dict[SequenceId, list[Logprob]] | None = None, *,
+                           grammar_ended: dict[SequenceId, FinishReason] | None = None) -> list[EngineCoreOutput]:
         """Apply one executed step: advance progress, cache full blocks, append samples, finish and free.
 
         Returns one output per sequence that got tokens to report (forked ones
         included, after the sequence they were forked from): every token at once,
         or, under a stream interval of N, the first token at once, then groups of
         N, then the rest when the sequence finishes. ``sampled`` must hold tokens
-        for every sequence of ``ScheduledRequest.sample_seq_ids``.
+        for every sequence of ``ScheduledRequest.sample_seq_ids``. ``grammar_ended``:
+        constrained sequences that end with this step's token, and why (their grammar
+        is complete: EOS, even under ignore_eos; their matcher failed: ERROR).
         """
         outputs: list[EngineCoreOutput] = []
         for s in out.scheduled:
@@ -304,7 +307,8 @@ class Scheduler:
                 if seq.index in aborted:
                     self._finish(seq, FinishReason.ABORT)
                 else:
-                    self._append(seq, sampled[seq.seq_id], logprobs.get(seq.seq_id) if logprobs else None)
+                    self._append(seq, sampled[seq.seq_id], logprobs.get(seq.seq_id) if logprobs else None,
+                                 grammar_ended.get(seq.seq_id) if grammar_ended else None)
                 report = self._report(seq)
                 if report is not None:
                     outputs.append(report)
@@ -327,13 +331,17 @@ class Scheduler:
         self.num_preemptions += 1
         self._insert(self.waiting, victim, front=True)
 
-    def _append(self, request: Request, tokens: list[int], lps: list[Logprob] | None) -> None:
+    def _append(self, request: Request, tokens: list[int], lps: list[Logprob] | None,
+                grammar_end: FinishReason | None = None) -> None:
         for j, token in enumerate(tokens):
             request.append_output_token(token)
             if lps is not None:
                 request.output_logprobs.append(lps[j])
             self.num_generation_tokens += 1
             reason = self._stop_reason(request, token)
+            # A grammar that ended with the last token says why better than a length limit reached with it.
+            if grammar_end is not None and j == len(tokens) - 1 and reason in (None, FinishReason.LENGTH):
+                reason = grammar_end
             if reason is not None:
                 self._finish(request, reason)
                 break
