@@ -68,10 +68,11 @@ class StructuredOutputsParams:
 
     @property
     def text(self) -> str:
-        """The constraint as one string, the same for equal constraints (the compiled-grammar cache's key)."""
+        """The constraint as one string (the compiled-grammar cache's key). A schema's keys keep their order: the
+        order of ``properties`` is the order the output's fields are generated in."""
         kind = self.kind
         if kind == "json":
-            return self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+            return self.json if isinstance(self.json, str) else _json.dumps(self.json)
         if kind == "choice":
             return _json.dumps(self.choice)
         if kind == "json_object":

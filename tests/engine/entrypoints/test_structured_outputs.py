@@ -71,6 +71,7 @@ def test_sampled_json_validates_against_a_nested_schema(llm: LLM) -> None:
     for out, text in zip(outs, texts):
         assert out.outputs[0].finish_reason == "stop", text
         jsonschema.validate(json.loads(text), PERSON)
+        assert list(json.loads(text)) == list(PERSON["properties"])  # in the schema's order
     assert len(set(texts)) > 1  # sampled, not 20 copies of one answer
     _assert_idle(llm)
 
