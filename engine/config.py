@@ -88,6 +88,38 @@ class KernelSettings:
             raise InvalidRequestError("quant_max_rows", str(e)) from e
 
 
+# Structured-output backends: llguidance is the one built in; "auto" and "guidance" (vLLM's name for it) mean it.
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "llguidance")
+# vLLM's other backends: named so that a command line carried over from vLLM is refused with a clear reason.
+FOREIGN_STRUCTURED_OUTPUT_BACKENDS = ("xgrammar", "outlines", "lm-format-enforcer")
+
+
+def check_structured_output_backend(backend: object, flag: str) -> None:
+    """Raise InvalidRequestError naming ``flag`` unless ``backend`` is one Sluice runs."""
+    if backend in STRUCTURED_OUTPUT_BACKENDS:
+        return
+    why = "is not built in" if backend in FOREIGN_STRUCTURED_OUTPUT_BACKENDS else "is not a known backend"
+    raise InvalidRequestError(flag, f"{backend!r} {why}: Sluice's structured outputs run on llguidance "
+                                    f"(accepted: {', '.join(STRUCTURED_OUTPUT_BACKENDS)})")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs (vLLM's ``--structured-outputs-config``)."""
+
+    backend: str = "auto"                  # auto | guidance | llguidance: all llguidance
+    # JSON without optional whitespace (vLLM's option): shorter outputs, and a small model cannot pad forever.
+    disable_any_whitespace: bool = False
+    # Compute a step's token masks on a thread while the model runs (llguidance releases the GIL); False: after.
+    overlap_masks: bool = True
+
+    def __post_init__(self) -> None:
+        check_structured_output_backend(self.backend, "structured_outputs_config.backend")
+        for name in ("disable_any_whitespace", "overlap_masks"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"structured_outputs_config.{name}", "must be true or false")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine process is configured with; built once, validated, passed in."""
@@ -116,6 +148,7 @@ class EngineConfig:
     stream_interval: int = 1                 # tokens per streamed group of a sequence (vLLM's --stream-interval)
     max_logprobs: int = 20                   # most logprobs / prompt_logprobs a request may ask (vLLM's default)
     kernels: KernelSettings = field(default_factory=KernelSettings.from_env)  # CPU kernel switches
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None and not isinstance(self.kv_cache_memory, int):

@@ -20,6 +20,7 @@ from engine.core.request import FinishReason, Request, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.executor.uniproc import UniprocExecutor
+from engine.worker.structured_output import GrammarVocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,10 @@ class StepStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, *, show_progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, *, show_progress: bool = True,
+                 grammar_vocabulary: GrammarVocabulary | None = None) -> None:
+        """``grammar_vocabulary``: the tokenizer's vocabulary for structured outputs, which only an entry point
+        can load (the core never reads text); None refuses requests with a constraint."""
         self.config = config
         self.executor = UniprocExecutor(config)
         mc = self.executor.model_config
@@ -53,7 +57,7 @@ class EngineCore:
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = set(mc.eos_token_ids)
         self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
-        num_blocks = self.executor.initialize_cache(self.eos_token_ids)
+        num_blocks = self.executor.initialize_cache(self.eos_token_ids, grammar_vocabulary)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
                                    max_model_len=self.max_model_len)
@@ -106,6 +110,8 @@ class EngineCore:
             raise InvalidRequestError("priority", f"must be 0 under the {self.config.scheduling_policy} scheduling "
                                                   f"policy (start the engine with --scheduling-policy priority), "
                                                   f"got {priority}")
+        if params.structured_outputs is not None:  # compiled (or found cached) now: never refused in a step
+            self.executor.compile_grammar(params.structured_outputs)
         request = Request(request_id, prompt_token_ids, params, arrival_time=arrival_time, priority=priority)
         self.scheduler.add_request(request)
         return request
@@ -150,8 +156,10 @@ class EngineCore:
                 raise
             prepare_s = self.executor.last_prepare_s
             t2 = time.perf_counter()
+            ended = {seq_id: FinishReason.EOS for seq_id in run.grammar_complete}
+            ended.update({seq_id: FinishReason.ERROR for seq_id in run.grammar_failed})
             step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs, run.beam_candidates,
-                                                             run.prompt_logprobs)
+                                                             run.prompt_logprobs, grammar_ended=ended)
         else:
             t2 = time.perf_counter()
             step_outputs = self.scheduler.update_from_output(sched, {}, {})

@@ -2,13 +2,87 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from common.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5  # below this temperature sampling is greedy (vLLM's _SAMPLING_EPS; the sampler agrees)
+# Largest constraint text (a JSON schema as JSON, a regex, a grammar, the choices together) a request may carry:
+# compiling is linear in it under llguidance's limits, and 64 KiB holds any hand-written schema.
+MAX_CONSTRAINT_BYTES = 64 * 1024
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's ``StructuredOutputsParams``): exactly one field set.
+
+    ``json``: a JSON schema (dict or JSON text); ``regex``: the whole output matches it; ``choice``: the output
+    is one of the strings; ``grammar``: Lark, or GBNF / EBNF with ``::=`` rules; ``json_object``: any JSON
+    object. Whether the constraint compiles is checked when the request is added, before it is queued.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_fields = [name for name in _CONSTRAINT_KINDS
+                      if getattr(self, name) is not None and getattr(self, name) is not False]
+        _check(len(set_fields) == 1, "structured_outputs",
+               f"exactly one of {', '.join(_CONSTRAINT_KINDS)} must be set, got "
+               f"{', '.join(set_fields) if set_fields else 'none'}")
+        kind = set_fields[0]
+        where = f"structured_outputs.{kind}"
+        if kind == "json":
+            _check(isinstance(self.json, (dict, str)), where, "must be a JSON schema (an object or JSON text)")
+            if isinstance(self.json, str):
+                try:
+                    schema = _json.loads(self.json)
+                except ValueError as e:
+                    raise InvalidRequestError(where, f"is not valid JSON: {e}") from e
+                _check(isinstance(schema, (dict, bool)), where, "must be a JSON object")
+        elif kind == "choice":
+            _check(isinstance(self.choice, list) and bool(self.choice)
+                   and all(isinstance(c, str) and c for c in self.choice), where,
+                   "must be a non-empty list of non-empty strings")
+        elif kind == "json_object":
+            _check(self.json_object is True, where, "must be true when set")
+        else:
+            _check(isinstance(getattr(self, kind), str) and bool(getattr(self, kind)), where,
+                   "must be a non-empty string")
+        size = len(self.text.encode("utf-8"))
+        _check(size <= MAX_CONSTRAINT_BYTES, where, f"is {size} bytes, more than the {MAX_CONSTRAINT_BYTES} allowed")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: json, regex, choice, grammar or json_object."""
+        return next(name for name in _CONSTRAINT_KINDS
+                    if getattr(self, name) is not None and getattr(self, name) is not False)
+
+    @property
+    def text(self) -> str:
+        """The constraint as one string (the compiled-grammar cache's key). A schema's keys keep their order: the
+        order of ``properties`` is the order the output's fields are generated in."""
+        kind = self.kind
+        if kind == "json":
+            return self.json if isinstance(self.json, str) else _json.dumps(self.json)
+        if kind == "choice":
+            return _json.dumps(self.choice)
+        if kind == "json_object":
+            return ""
+        value = getattr(self, kind)
+        assert isinstance(value, str)
+        return value
+
+
+# vLLM < 0.10 spelled it GuidedDecodingParams (SamplingParams.guided_decoding): the same thing.
+GuidedDecodingParams = StructuredOutputsParams
 
 
 EarlyStopping = bool | Literal["never"]
@@ -78,8 +152,16 @@ class SamplingParams:
     # Beam search instead of sampling (temperature, top_p, top_k, min_p and seed then do not apply); the n
     # best beams are reported when the request ends.
     beam_search: BeamSearch | None = None
+    # Constrained decoding (JSON schema, regex, choice, grammar); None: unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older name for structured_outputs: moved there on construction (this field is then None).
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            _check(self.structured_outputs is None, "guided_decoding",
+                   "set structured_outputs or its old name guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -150,7 +232,11 @@ class SamplingParams:
                    f"must be <= beam_search.beam_width ({self.beam_search.beam_width}), got {self.n}")
             for name, neutral in _NOT_WITH_BEAMS.items():
                 _check(getattr(self, name) in (neutral, {}), name, "is not supported with beam search")
+            # Beams are rewritten from their parents each step; per-sequence grammar state is not forked with them.
+            _check(self.structured_outputs is None, "structured_outputs", "is not supported with beam search")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 _check(_finite(bias) and -100 <= bias <= 100, "logit_bias",

@@ -362,8 +362,8 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[SequenceId, list[int]],
                            logprobs: dict[SequenceId, list[Logprob]] | None = None,
                            beam_candidates: Mapping[SequenceId, Candidates] | None = None,
-                           prompt_logprobs: dict[SequenceId, PromptLogprobsChunk] | None = None
-                           ) -> list[EngineCoreOutput]:
+                           prompt_logprobs: dict[SequenceId, PromptLogprobsChunk] | None = None, *,
+                           grammar_ended: dict[SequenceId, FinishReason] | None = None) -> list[EngineCoreOutput]:
         """Apply one executed step: advance progress, cache full blocks, append samples, finish and free.
 
         Returns one output per sequence that got tokens to report (forked ones
@@ -373,7 +373,9 @@ class Scheduler:
         for every sequence of ``ScheduledRequest.sample_seq_ids``, ``beam_candidates``
         proposals for every beam that sampled. Requests that hold their outputs
         (best_of, beam search) report their best sequences once, when they end.
-        ``ended`` lists every sequence that ended.
+        ``ended`` lists every sequence that ended. ``grammar_ended``: constrained
+        sequences that end with this step's token, and why (their grammar is
+        complete: EOS, even under ignore_eos; their matcher failed: ERROR).
         """
         outputs: list[EngineCoreOutput] = []
         num_finished = len(self._finished_ids)
@@ -406,7 +408,8 @@ class Scheduler:
                 if seq.index in aborted:
                     self._finish(seq, FinishReason.ABORT)
                 else:
-                    self._append(seq, sampled[seq.seq_id], logprobs.get(seq.seq_id) if logprobs else None)
+                    self._append(seq, sampled[seq.seq_id], logprobs.get(seq.seq_id) if logprobs else None,
+                                 grammar_ended.get(seq.seq_id) if grammar_ended else None)
                 if seq.holds_outputs:
                     outputs += self._best_outputs(seq) if seq.ends_request else []
                     continue
@@ -466,7 +469,8 @@ class Scheduler:
         self.num_preemptions += 1
         self._insert(self.waiting, victim, front=True)
 
-    def _append(self, request: Request, tokens: list[int], lps: list[Logprob] | None) -> None:
+    def _append(self, request: Request, tokens: list[int], lps: list[Logprob] | None,
+                grammar_end: FinishReason | None = None) -> None:
         for j, token in enumerate(tokens):
             request.append_output_token(token)
             if lps is not None:   # the runner reports them for best_of even when the request asked for none
@@ -474,6 +478,9 @@ class Scheduler:
                 request.cumulative_logprob += lps[j][0]
             self.num_generation_tokens += 1
             reason = self._stop_reason(request, token)
+            # A grammar that ended with the last token says why better than a length limit reached with it.
+            if grammar_end is not None and j == len(tokens) - 1 and reason in (None, FinishReason.LENGTH):
+                reason = grammar_end
             if reason is not None:
                 self._finish(request, reason)
                 break

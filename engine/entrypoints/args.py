@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
+from dataclasses import fields
 
-from engine.config import KV_CACHE_DTYPES, EngineConfig, parse_size
+from common.errors import InvalidRequestError
+from engine.config import (
+    KV_CACHE_DTYPES,
+    EngineConfig,
+    StructuredOutputsConfig,
+    check_structured_output_backend,
+    parse_size,
+)
 
 
 def _bool(value: str) -> bool:
@@ -50,8 +59,38 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "refused")
     g.add_argument("--disable-log-stats", action="store_true", default=False,
                    help="no periodic 'Avg prompt throughput ...' status line")
+    g.add_argument("--structured-outputs-config", default=None,
+                   help='JSON, e.g. \'{"backend": "auto", "disable_any_whitespace": false}\'; the backend is '
+                        "llguidance (auto, guidance and llguidance all mean it)")
+    g.add_argument("--guided-decoding-backend", default=None,
+                   help="vLLM's older flag for the structured-output backend: auto, guidance or llguidance")
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values = {name: getattr(ns, name) for name in EngineConfig.field_names() if hasattr(ns, name)}
+    values["structured_outputs_config"] = structured_outputs_config(
+        getattr(ns, "structured_outputs_config", None), getattr(ns, "guided_decoding_backend", None))
     return EngineConfig(**values)
+
+
+def structured_outputs_config(config_json: str | None, guided_decoding_backend: str | None
+                              ) -> StructuredOutputsConfig:
+    """``--structured-outputs-config`` (JSON) and ``--guided-decoding-backend``; errors name the flag."""
+    flag = "--structured-outputs-config"
+    values: dict[str, object] = {}
+    if config_json is not None:
+        try:
+            values = json.loads(config_json)
+        except ValueError as e:
+            raise InvalidRequestError(flag, f"is not valid JSON: {e}") from e
+        if not isinstance(values, dict):
+            raise InvalidRequestError(flag, "must be a JSON object")
+        unknown = set(values) - {f.name for f in fields(StructuredOutputsConfig)}
+        if unknown:
+            raise InvalidRequestError(flag, f"unknown key(s) {', '.join(sorted(unknown))}")
+        if "backend" in values:
+            check_structured_output_backend(values["backend"], f"{flag} backend")
+    if guided_decoding_backend is not None:
+        check_structured_output_backend(guided_decoding_backend, "--guided-decoding-backend")
+        values.setdefault("backend", guided_decoding_backend)
+    return StructuredOutputsConfig(**values)  # type: ignore[arg-type]

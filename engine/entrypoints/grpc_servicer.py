@@ -23,9 +23,11 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, PromptLogprobs, SequenceId
-from engine.core.sampling_params import BeamSearch, EarlyStopping, SamplingParams
+from engine.core.sampling_params import BeamSearch, EarlyStopping, SamplingParams, StructuredOutputsParams
 from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.stats_logger import DEFAULT_INTERVAL_S
+from engine.text import Tokenizer
+from engine.worker.structured_output import GrammarVocabulary
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -85,7 +87,52 @@ def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest) -> SamplingPa
         kw["best_of"] = req.best_of
     if req.HasField("beam_search"):
         kw["beam_search"] = beam_search_from_pb(req.beam_search, kw["n"])
-    return SamplingParams(**kw)
+    if req.HasField("guided"):
+        kw["structured_outputs"] = structured_outputs_from_pb(req.guided)
+    try:
+        return SamplingParams(**kw)
+    except InvalidRequestError as e:
+        raise wire_error(e) from e
+
+
+# StructuredOutputsParams' fields (in errors as structured_outputs.<name>) and GuidedDecoding's on the wire.
+_GUIDED_FIELDS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                  "grammar": "grammar"}
+
+
+def structured_outputs_from_pb(guided: common_pb2.GuidedDecoding) -> StructuredOutputsParams | None:
+    """The constraint of a GuidedDecoding oneof (None when unset); InvalidRequestError naming ``guided.<kind>``."""
+    kind = guided.WhichOneof("kind")
+    try:
+        if kind is None:
+            return None
+        if kind == "json_schema":
+            return StructuredOutputsParams(json=guided.json_schema)
+        if kind == "json_object":
+            if not guided.json_object:
+                raise InvalidRequestError("guided.json_object", "must be true when set")
+            return StructuredOutputsParams(json_object=True)
+        if kind == "regex":
+            return StructuredOutputsParams(regex=guided.regex)
+        if kind == "choice":
+            return StructuredOutputsParams(choice=list(guided.choice.choices))
+        return StructuredOutputsParams(grammar=guided.grammar)
+    except InvalidRequestError as e:
+        raise wire_error(e) from e
+
+
+def wire_error(error: BaseException) -> BaseException:
+    """A refusal naming a structured-outputs field, renamed to the field of EngineGenerateRequest.guided the
+    caller sent (``structured_outputs.json`` → ``guided.json_schema``); any other error as it is."""
+    if not isinstance(error, InvalidRequestError):
+        return error
+    prefix, _, name = error.field.partition(".")
+    if prefix != "structured_outputs":
+        return error
+    renamed = InvalidRequestError(f"guided.{_GUIDED_FIELDS[name]}" if name in _GUIDED_FIELDS else "guided",
+                                  error.message)
+    renamed.__cause__ = error
+    return renamed
 
 
 def beam_search_from_pb(msg: common_pb2.BeamSearch, n: int) -> BeamSearch:
@@ -186,13 +233,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             raise
         params = sampling_params_from_pb(request)
         first = True
-        async for out in engine.generate(request.request_id, prompt, params, priority=request.priority):
-            msg = output_to_pb(out)
-            if first and released_slot is not None:
-                msg.released_shm_slot = released_slot
-            first = False
-            self.counters["finished_requests"] += out.request_finished
-            yield msg
+        try:
+            async for out in engine.generate(request.request_id, prompt, params, priority=request.priority):
+                msg = output_to_pb(out)
+                if first and released_slot is not None:
+                    msg.released_shm_slot = released_slot
+                first = False
+                self.counters["finished_requests"] += out.request_finished
+                yield msg
+        except InvalidRequestError as e:  # refused by the core (e.g. a constraint that does not compile)
+            raise wire_error(e) from e
 
     async def Stream(self, request_iterator: AsyncIterator[engine_pb2.EngineStreamRequest],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineStreamResponse]:
@@ -282,7 +332,7 @@ class _StreamCall:
             self.mux.finish(rid)
 
     def _refuse(self, rid: str, error: BaseException) -> None:
-        code, message = status_for(error)
+        code, message = status_for(wire_error(error))
         if code is grpc.StatusCode.INTERNAL:
             logger.error("request %s refused: %r", rid, error)
         msg = engine_pb2.EngineStreamResponse()
@@ -331,7 +381,9 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
     stop = stop_event()
 
     def build() -> EngineCore:
-        core = EngineCore(config)
+        # The core never reads text: the vocabulary structured outputs mask with is loaded here, at the edge.
+        tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model_path)
+        core = EngineCore(config, grammar_vocabulary=GrammarVocabulary.from_tokenizer(tokenizer))
         warm_up(core)
         return core
 

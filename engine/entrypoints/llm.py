@@ -24,8 +24,17 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.core.outputs import CompletionOutput, EngineCoreOutput, RequestOutput  # noqa: E402
 from engine.core.request import FinishReason, PromptLogprobs, SequenceId  # noqa: E402
-from engine.core.sampling_params import BeamSearch, EarlyStopping, SamplingParams  # noqa: E402
+from engine.core.sampling_params import (  # noqa: E402
+    BeamSearch,
+    EarlyStopping,
+    GuidedDecodingParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from engine.text import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from engine.worker.structured_output import GrammarVocabulary  # noqa: E402
+
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +99,9 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, tokenizer=tokenizer, **engine_args)
-        self.engine = EngineCore(self.config)
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
+        # The core never reads text: the vocabulary structured outputs mask with is handed to it from here.
+        self.engine = EngineCore(self.config, grammar_vocabulary=GrammarVocabulary.from_tokenizer(self.tokenizer))
         self._ids = itertools.count()
         self._built_on = threading.current_thread()
         self._warned_thread = False

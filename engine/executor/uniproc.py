@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from common.errors import InvalidRequestError
 from engine.config import EngineConfig
 from engine.models import ModelConfig
 from engine.worker.model_runner import RunnerOutput
@@ -10,7 +11,9 @@ from engine.worker.worker import Worker
 
 if TYPE_CHECKING:
     from engine.core.request import SequenceId
+    from engine.core.sampling_params import StructuredOutputsParams
     from engine.core.scheduler import SchedulerOutput
+    from engine.worker.structured_output import GrammarVocabulary
 
 
 class UniprocExecutor:
@@ -36,11 +39,27 @@ class UniprocExecutor:
     def kv_cache_dtype_name(self) -> str:
         return str(self.worker.kv_cache_dtype).removeprefix("torch.")
 
-    def initialize_cache(self, eos_token_ids: set[int]) -> int:
-        """Allocates the KV cache and the runner; returns the number of blocks."""
+    def initialize_cache(self, eos_token_ids: set[int], grammar_vocabulary: GrammarVocabulary | None = None) -> int:
+        """Allocates the KV cache and the runner; returns the number of blocks. ``grammar_vocabulary``: the
+        tokenizer for structured outputs (None: requests with a constraint are refused)."""
         self.num_blocks = self.worker.num_kv_blocks()
-        self.worker.init_runner(self.num_blocks, eos_token_ids)
+        self.worker.init_runner(self.num_blocks, eos_token_ids, grammar_vocabulary)
         return self.num_blocks
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile (or find cached) a request's constraint before it is queued: InvalidRequestError naming the
+        field when it does not compile, or when this engine has no vocabulary to constrain with."""
+        runner = self.worker.runner
+        assert runner is not None, "initialize_cache first"
+        if runner.structured is None:
+            raise InvalidRequestError("structured_outputs", "this engine was started without its tokenizer's "
+                                                            "vocabulary, so it cannot constrain outputs")
+        runner.structured.compile(spec)
+
+    def fork(self, parent: SequenceId, child: SequenceId) -> None:
+        """``child`` continues from ``parent``'s per-sequence worker state (its grammar matcher)."""
+        if self.worker.runner is not None:
+            self.worker.runner.fork(parent, child)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         assert self.worker.runner is not None, "initialize_cache first"
@@ -52,6 +71,6 @@ class UniprocExecutor:
         return 0.0 if runner is None else runner.last_prepare_s
 
     def release(self, seq_ids: list[SequenceId]) -> None:
-        """Forget the per-sequence state (seeded generators) of sequences that ended."""
+        """Forget the per-sequence state (seeded generators, grammar matchers) of sequences that ended."""
         if self.worker.runner is not None:
             self.worker.runner.release(seq_ids)

@@ -19,6 +19,7 @@ from engine.device import Device
 from engine.models import CausalLM
 from engine.worker.sampler import Sampler, SamplingRow, make_generator
 from engine.worker.sampling_ops import compute_logprobs
+from engine.worker.structured_output import StructuredOutputs
 
 if TYPE_CHECKING:  # the core's step types, handed down by the executor: annotations only
     from engine.core.request import PromptLogprobsChunk, SequenceId
@@ -42,6 +43,10 @@ class RunnerOutput:
     beam_candidates: dict[SequenceId, tuple[list[int], list[float]]] = field(default_factory=dict)
     # Prompt logprobs of this step's chunks, for the sequences whose chunk asked (ScheduledRequest).
     prompt_logprobs: dict[SequenceId, PromptLogprobsChunk] = field(default_factory=dict)
+    # Constrained sequences whose grammar is complete with this step's token (they end now), and those whose
+    # matcher failed (a step over llguidance's limits).
+    grammar_complete: set[SequenceId] = field(default_factory=set)
+    grammar_failed: set[SequenceId] = field(default_factory=set)
 
 
 class ModelRunner:
@@ -55,8 +60,10 @@ class ModelRunner:
         block_size: int,
         max_num_batched_tokens: int,
         dtype: torch.dtype,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.model = model
+        self.structured = structured  # None: the engine was given no vocabulary, requests with a grammar refused
         self.device = device
         self.sampler = sampler
         self.block_size = block_size
@@ -81,9 +88,16 @@ class ModelRunner:
         return self.kv_caches[0][:, 0].numel() * self.kv_caches[0].element_size() * len(self.kv_caches)
 
     def release(self, seq_ids: list[SequenceId]) -> None:
-        """Forget the per-sequence state (seeded generators) of sequences that ended."""
+        """Forget the per-sequence state (seeded generators, grammar matchers) of sequences that ended."""
         for seq_id in seq_ids:
             self.generators.pop(seq_id, None)
+        if self.structured is not None:
+            self.structured.release(seq_ids)
+
+    def fork(self, parent: SequenceId, child: SequenceId) -> None:
+        """``child`` continues from ``parent``'s per-sequence state: its grammar matcher's, when constrained."""
+        if self.structured is not None:
+            self.structured.fork(parent, child)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -98,30 +112,38 @@ class ModelRunner:
             input_ids, positions, meta, sample_idx = self._prepare(scheduled)
             self.last_prepare_s = time.perf_counter() - t0
             dev.record_event(self.inputs_ready, self.copy_stream)
+        sampling = [s for s in scheduled if s.sample]
+        sampled = [s for s in sampling if not s.num_beam_candidates]   # beams get proposals instead
+        row_of, rows, owners = self._sampling_rows(sampled)
+        # The grammar masks of this step's constrained rows depend only on tokens already sampled: they are
+        # filled on the mask thread while the model runs.
+        pending = (self.structured.start_masks(owners, [row.params.structured_outputs for row in rows])
+                   if self.structured is not None else None)
         dev.wait_event(self.compute_stream, self.inputs_ready)
         with dev.use_stream(self.compute_stream):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
-            sampling = [s for s in scheduled if s.sample]
             if not sampling:
                 return RunnerOutput(prompt_logprobs=prompt_logprobs)
             idx = torch.tensor(sample_idx, dtype=torch.int64, device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx), dtype=None)
             runner_out = RunnerOutput(prompt_logprobs=prompt_logprobs)
             beams = [i for i, s in enumerate(sampling) if s.num_beam_candidates]
-            if beams:
-                sampling, logits = self._propose(sampling, logits, beams, runner_out)
-                if not sampling:
+            if beams:   # their proposals, not samples; the other rows' logits stay, in order
+                _, logits = self._propose(sampling, logits, beams, runner_out)
+                if not sampled:
                     return runner_out
-            row_of, rows, owners = self._sampling_rows(sampling)
-            if len(row_of) != len(sampling):
+            if len(row_of) != len(sampled):
                 logits = logits.index_select(0, torch.tensor(row_of, device=logits.device))
-            result = self.sampler(logits, rows)
+            result = self.sampler(logits, rows, pending.result() if pending is not None else None)
         # The sampler hands back host lists; on accelerators that read is the copy back.
         for seq_id, token, lp in zip(owners, result.token_ids, result.logprobs):
             runner_out.sampled[seq_id] = [token]
             if lp is not None:
                 runner_out.logprobs[seq_id] = [lp]
+        if pending is not None and self.structured is not None:
+            runner_out.grammar_complete, runner_out.grammar_failed = self.structured.advance(owners,
+                                                                                              result.token_ids)
         return runner_out
 
     def _propose(self, sampling: list[ScheduledRequest], logits: torch.Tensor, beams: list[int],

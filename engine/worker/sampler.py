@@ -1,8 +1,9 @@
 """The batched sampler: one step's logits ``[B, V]`` in, one token id (and logprobs) per row out.
 
 Order of operations, as vLLM: logits → float32 → logit bias → min_tokens mask →
-repetition penalty → frequency / presence penalties → greedy rows take the
-argmax; sampled rows: temperature → top-k → top-p → min-p → sample. Logprobs
+repetition penalty → frequency / presence penalties → structured-output token
+masks → greedy rows take the argmax; sampled rows: temperature → top-k → top-p →
+min-p → sample. Logprobs
 are those of the raw model distribution (vLLM's default ``raw_logprobs``).
 
 Sampling is an exponential race (``argmax(p / E)``) so every row's noise comes
@@ -29,6 +30,7 @@ from engine.worker.sampling_ops import (
 
 if TYPE_CHECKING:
     from engine.core.sampling_params import SamplingParams
+    from engine.worker.structured_output import TokenMasks
 
 # vLLM's _SAMPLING_EPS: a smaller temperature is greedy (dividing by it would overflow).
 _GREEDY_TEMPERATURE = 1e-5
@@ -95,14 +97,16 @@ class Sampler:
             return self._row_argmax(x)
         return x.argmax(dim=-1)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 masks: TokenMasks | None = None) -> SamplerOutput:
+        """``masks``: the structured-output masks of the constrained rows (None: no row is constrained)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows")
         logits = self._trim(logits)
-        if all(_is_plain_greedy(row) for row in rows):
+        if masks is None and all(_is_plain_greedy(row) for row in rows):
             return SamplerOutput(self._argmax(logits).tolist(), [None] * len(rows))
 
-        processed = self.process_logits(logits, rows)
+        processed = self.process_logits(logits, rows, masks)
         sampled = [i for i, row in enumerate(rows) if not is_greedy(row.params)]
         if len(sampled) == len(rows):
             token_ids = self._sample(processed, rows)
@@ -114,15 +118,20 @@ class Sampler:
                 token_ids.index_copy_(0, index, chosen)
         return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, rows))
 
-    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Float32 logits after logit bias, min_tokens and penalties: what greedy rows take the argmax of.
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
+                       masks: TokenMasks | None = None) -> torch.Tensor:
+        """Float32 logits after logit bias, min_tokens, penalties and grammar masks: what greedy rows take the
+        argmax of.
 
         Returns a new tensor; the caller's logits are never modified.
         """
         x = self._trim(logits).to(torch.float32, copy=True)
         self._apply_logit_bias(x, rows)
-        self._apply_min_tokens(x, rows)
-        return self._apply_penalties(x, rows)
+        self._apply_min_tokens(x, rows, masks)
+        x = self._apply_penalties(x, rows)
+        if masks is not None:
+            masks.apply_(x)
+        return x
 
     def beam_candidates(self, logits: torch.Tensor, rows: list[SamplingRow], num: int
                         ) -> list[tuple[list[int], list[float]]]:
@@ -132,7 +141,7 @@ class Sampler:
         tokens (after the softmax: the other tokens' logprobs are not renormalised).
         """
         x = torch.log_softmax(self._trim(logits).to(torch.float32), dim=-1)
-        self._apply_min_tokens(x, rows)
+        self._apply_min_tokens(x, rows, None)
         values, ids = torch.topk(x, min(num, x.shape[1]), dim=-1)
         return list(zip(ids.tolist(), values.tolist()))
 
@@ -155,15 +164,19 @@ class Sampler:
             index = (torch.tensor(row_ids, device=x.device), torch.tensor(token_ids, device=x.device))
             x.index_put_(index, torch.tensor(biases, dtype=x.dtype, device=x.device), accumulate=True)
 
-    def _apply_min_tokens(self, x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    def _apply_min_tokens(self, x: torch.Tensor, rows: list[SamplingRow], masks: TokenMasks | None) -> None:
         # EOS is masked even with ignore_eos (vLLM does too): ignore_eos only stops EOS from
-        # finishing the sequence, and before min_tokens nothing may finish it.
+        # finishing the sequence, and before min_tokens nothing may finish it. A grammar that allows
+        # nothing but ending wins over min_tokens: masking both would leave the row no token at all.
         vocab = x.shape[1]
         row_ids: list[int] = []
         token_ids: list[int] = []
         for i, row in enumerate(rows):
             if len(row.output_token_ids) < row.params.min_tokens:
-                for token in self.eos_token_ids.union(row.params.stop_token_ids):
+                stops = self.eos_token_ids.union(row.params.stop_token_ids)
+                if masks is not None and masks.allows_only(i, stops, vocab, x.device):
+                    continue
+                for token in stops:
                     if 0 <= token < vocab:
                         row_ids.append(i)
                         token_ids.append(token)

@@ -12,6 +12,7 @@ from engine.models import CausalLM, ModelConfig, load_model, resolve_dtype
 from engine.models.layers.linear import linear_methods
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.worker.sampler import Sampler
+from engine.worker.structured_output import GrammarVocabulary, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +73,19 @@ class Worker:
         return (4 * tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size)
                 + 4 * self.config.max_num_seqs * mc.vocab_size * 2)
 
-    def init_runner(self, num_blocks: int, eos_token_ids: set[int]) -> ModelRunner:
+    def init_runner(self, num_blocks: int, eos_token_ids: set[int],
+                    grammar_vocabulary: GrammarVocabulary | None = None) -> ModelRunner:
+        """``grammar_vocabulary``: the tokenizer llguidance masks with; None: no structured outputs."""
         mc = self.model.config
         sampler = Sampler(mc.vocab_size, eos_token_ids, seed=self.config.seed, argmax=self.device.row_argmax())
+        so = self.config.structured_outputs_config
+        structured = (StructuredOutputs(grammar_vocabulary, mc.vocab_size, eos_token_ids,
+                                        disable_any_whitespace=so.disable_any_whitespace, overlap=so.overlap_masks)
+                      if grammar_vocabulary is not None else None)
         self.runner = ModelRunner(self.model, self.device, sampler, num_blocks=num_blocks,
                                   block_size=self.config.block_size,
                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                  dtype=self.kv_cache_dtype)
+                                  dtype=self.kv_cache_dtype, structured=structured)
         return self.runner
 
 
