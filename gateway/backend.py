@@ -56,6 +56,7 @@ class Guided:
     kind: GuidedKind
     spec: str = ""
     choices: tuple[str, ...] = ()
+    source: str = ""   # the request field it came from (``guided_regex``, ...), for the errors the backend names
 
 
 class ToolChoiceMode(enum.Enum):

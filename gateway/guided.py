@@ -9,6 +9,7 @@ only name it (or leave the choice to us).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 
@@ -59,7 +60,10 @@ def parse_guided(body: Mapping[str, object]) -> Guided | None:
         first, second = found[0][0], found[1][0]
         raise bad_request(second, f"`{second}` cannot be combined with `{first}`: a request takes one output "
                                   "constraint.")
-    return found[0][1] if found else None
+    if not found:
+        return None
+    name, guided = found[0]
+    return dataclasses.replace(guided, source=name)
 
 
 def _response_format(body: Mapping[str, object]) -> Guided | None:

@@ -123,11 +123,15 @@ def parse_chat(body: Mapping[str, object], max_n: int) -> GenerationRequest:
 
 
 def parse_tokenize(body: Mapping[str, object]) -> TokenizeRequest:
-    """vLLM's ``/tokenize``: ``prompt`` (a string) or chat ``messages``."""
+    """vLLM's ``/tokenize``: ``prompt`` (a string) or chat ``messages`` (with ``tools``, ``chat_template`` and
+    ``chat_template_kwargs``, rendered as a chat completion would render them)."""
     if body.get("messages") is not None:
         add_generation_prompt = opt_bool(body, "add_generation_prompt")
+        kwargs = opt_object(body, "chat_template_kwargs")
         prompt = Prompt(chat=_messages(body),
-                        add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt)
+                        add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
+                        tools=parse_tools(body), chat_template=opt_str(body, "chat_template"),
+                        chat_template_kwargs="" if kwargs is None else json.dumps(kwargs, ensure_ascii=False))
     else:
         text = body.get("prompt")
         if not isinstance(text, str):

@@ -10,6 +10,7 @@ restarted. SIGTERM drains: gateways first (no new requests; in-flight ones get
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from common.procs import ENV_PARENT_PID, grpc_serving
@@ -83,6 +84,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
             flags.append("--enable-prefix-caching" if value else "--no-enable-prefix-caching")
         elif name == "disable_log_stats":
             flags.append("--disable-log-stats")
+        elif name == "structured_outputs_config":   # a settings object: its flag takes JSON
+            flags += ["--structured-outputs-config", json.dumps(asdict(value))]
         else:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.backend import Delta, FinishReason, GenerateCall
-from gateway.errors import BackendError, internal_error
+from gateway.errors import ApiError, BackendError, internal_error
 from gateway.metrics import GenerationTracker
 from gateway.responses import ResponseBuilder, UsageSum
 from gateway.routes.common import GatewayState, gateway_state, read_json, request_id, resolve_model
@@ -63,6 +63,17 @@ class _Run:
         self.usage = UsageSum(num_prompts)
         self.tracker: GenerationTracker = state.metrics.track(model)
 
+    def api_error(self, err: BackendError) -> ApiError:
+        """The client's error for a backend failure; a refused constraint (the backend names the wire field,
+        ``guided.regex``) names the request field it came from (``guided_regex``, ``response_format``...)."""
+        error = self.state.api_error(err)
+        guided = self.req.params.guided
+        if guided is not None and guided.source and error.param is not None and error.param.startswith("guided"):
+            if error.message.startswith(f"{error.param}: "):
+                error.message = f"{guided.source}: {error.message[len(error.param) + 2:]}"
+            error.param = guided.source
+        return error
+
     def record(self, prompt_index: int, delta: Delta) -> tuple[int, int]:
         """Account for a delta; return its choice index and text offset."""
         index = self.stream.choice_index(prompt_index, delta)
@@ -98,7 +109,7 @@ async def _generate(request: Request, *, is_chat: bool) -> Response:
         first = await run.stream.next(timeout=state.settings.keepalive_interval)
     except BackendError as err:
         await run.close()
-        raise state.api_error(err) from None
+        raise run.api_error(err) from None
     except BaseException:
         await run.close()
         raise
@@ -119,7 +130,7 @@ async def _whole(request: Request, run: _Run) -> Response:
         run.finish()
         return JSONResponse(run.builder.full(run.usage.total()))
     except BackendError as err:
-        raise run.state.api_error(err) from None
+        raise run.api_error(err) from None
     finally:
         await run.close()
 
@@ -147,7 +158,7 @@ async def _events(run: _Run, first: tuple[int, Delta] | str | None) -> AsyncIter
             item = await run.stream.next(timeout=run.state.settings.keepalive_interval)
     except BackendError as err:
         log.warning("request %s: backend failed mid-stream: %s", run.rid, err)
-        yield event(run.state.api_error(err).body())
+        yield event(run.api_error(err).body())
         yield DONE
         return
     except Exception:

@@ -70,8 +70,8 @@ def _message(m: generation_pb2.ChatMessage) -> dict[str, Any]:
     if m.HasField("name"):
         msg["name"] = m.name
     if m.tool_calls:
-        if not m.content:
-            msg["content"] = None  # OpenAI's null content of a turn that only calls tools; templates test it
+        # A turn that only calls tools keeps "" for OpenAI's null content: templates that test it see it empty,
+        # and the many that concatenate it do not fail on None.
         msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                              for c in m.tool_calls]
     if m.HasField("tool_call_id"):

@@ -81,8 +81,8 @@ def plan_tools(request: generation_pb2.GenerateRequest, settings: ToolSettings) 
 
 
 def _required_schema(specs: list[ToolSpec], parallel: bool) -> dict[str, Any]:
-    """vLLM's schema for "required": an array of ``{"name": <one tool>, "parameters": <its schema>}``, the
-    tools' ``$defs`` hoisted to the top where their ``$ref``s point."""
+    """vLLM's schema for "required": an array of ``{"name": <one tool>, "parameters": <its schema>}`` (and no
+    other key), the tools' ``$defs`` hoisted to the top where their ``$ref``s point."""
     defs: dict[str, Any] = {}
     options = []
     for spec in specs:
@@ -91,8 +91,9 @@ def _required_schema(specs: list[ToolSpec], parallel: bool) -> dict[str, Any]:
             if key in defs and defs[key] != value:
                 raise InvalidRequestError("tools", f"two tools define $defs {key!r} differently")
             defs[key] = value
+        # Nothing but the two keys: an extra key would be a string the model could fill without end.
         options.append({"properties": {"name": {"type": "string", "enum": [spec.name]}, "parameters": parameters},
-                        "required": ["name", "parameters"]})
+                        "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
     if not parallel:
         schema["maxItems"] = 1

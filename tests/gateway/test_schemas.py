@@ -89,6 +89,16 @@ def test_tokenize_and_detokenize() -> None:
     assert parse_detokenize({"tokens": []}).token_ids == ()
 
 
+def test_tokenize_chat_takes_tools_and_template_fields_as_chat_completions_does() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "chat_template": "{{ 1 }}",
+            "chat_template_kwargs": {"enable_thinking": False}}
+    prompt = parse_tokenize(body).prompt
+    assert prompt == parse_chat(body, 16).prompts[0]
+    assert [t.name for t in prompt.tools] == ["f"]
+    assert (prompt.chat_template, prompt.chat_template_kwargs) == ("{{ 1 }}", '{"enable_thinking": false}')
+
+
 @pytest.mark.parametrize("raw", [b"", b"{", b"[]", b'"s"', b'{"a": Infinity}', b"\xff\xfe"])
 def test_bodies_that_are_not_json_objects(raw: bytes) -> None:
     with pytest.raises(ApiError) as info:

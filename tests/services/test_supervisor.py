@@ -30,3 +30,18 @@ def test_auto_tool_choice_without_a_parser_and_unknown_parsers_are_refused(capsy
     with pytest.raises(SystemExit):
         supervisor.resolve_settings(["--tool-call-parser", "mistral"])
     assert "invalid choice: 'mistral'" in capsys.readouterr().err
+
+
+def test_engine_flags_round_trip_through_the_engine_cli() -> None:
+    """What the supervisor hands its engine child parses back into the same settings (objects included)."""
+    import argparse
+
+    from engine.config import EngineConfig, StructuredOutputsConfig
+    from engine.entrypoints.args import add_engine_args, config_from_args
+    from services.supervisor import engine_flags
+
+    config = EngineConfig(max_num_seqs=7, scheduling_policy="priority", max_logprobs=5,
+                          structured_outputs_config=StructuredOutputsConfig(disable_any_whitespace=True))
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args(engine_flags(config))) == config

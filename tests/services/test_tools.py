@@ -33,10 +33,10 @@ def test_required_asks_for_vllms_array_of_calls() -> None:
     schema = required_schema(chat_request(WEATHER, TIME, tool_choice=generation_pb2.ToolChoice(required=True)))
     assert schema == {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
         {"properties": {"name": {"type": "string", "enum": ["get_weather"]}, "parameters": WEATHER_PARAMS},
-         "required": ["name", "parameters"]},
+         "required": ["name", "parameters"], "additionalProperties": False},
         {"properties": {"name": {"type": "string", "enum": ["get_time"]},
                         "parameters": {"type": "object", "properties": {}}},
-         "required": ["name", "parameters"]}]}}
+         "required": ["name", "parameters"], "additionalProperties": False}]}}
     jsonschema.validate([{"name": "get_weather", "parameters": {"location": "Oslo"}},
                          {"name": "get_time", "parameters": {}}], schema)
     for bad in ([], [{"name": "get_weather", "parameters": {}}], [{"name": "rm", "parameters": {}}]):
