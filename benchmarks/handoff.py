@@ -185,6 +185,7 @@ async def run_client(address: str, settings: HandoffSettings, prompts: dict[int,
     import grpc
 
     from proto.sluice.v1 import generation_pb2
+    from services.tokenizer.engine_request import engine_options
     from services.tokenizer.service import GenerationServicer
 
     channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", _MSG_LIMIT),
@@ -218,10 +219,11 @@ async def run_client(address: str, settings: HandoffSettings, prompts: dict[int,
                         ids_public = id_requests[size]
                         t0 = time.perf_counter()
                         ids = service.prompt_ids(ids_public)
-                        request, handoff = await service.engine_request(ids_public, rid, ids, 1,
-                                                                         source=ids_public.token_ids)
+                        request, handoff = await service.engine_request(engine_options(ids_public, rid, 1, None),
+                                                                         ids, source=ids_public.token_ids)
                     else:
-                        request, handoff = await service.engine_request(public, rid, prompts[size], 1)
+                        request, handoff = await service.engine_request(engine_options(public, rid, 1, None),
+                                                                         prompts[size])
                     if (request.WhichOneof("prompt") == "prompt_shm") != mode.startswith("shm"):
                         raise RuntimeError(f"{rid}: the request went {request.WhichOneof('prompt')}")
                     t1 = None

@@ -321,7 +321,7 @@ def _best_of_and_beam(body: Mapping[str, object], n: int, max_n: int) -> tuple[i
     if early is not None and not isinstance(early, bool) and early != "never":
         raise bad_request("early_stopping", "`early_stopping` must be true, false or \"never\".")
     if not opt_bool(body, "use_beam_search"):
-        # Their defaults change nothing; any other value would be ignored without beams.
+        # Their defaults change nothing; any other value needs beams, so it is refused without them.
         if length_penalty not in (None, 1.0):
             raise bad_request("length_penalty", "`length_penalty` needs `use_beam_search` set to true.")
         if early not in (None, False):
