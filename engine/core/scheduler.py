@@ -1,33 +1,23 @@
 """Continuous batching: one token budget per step, chunked prefill, preemption by recompute.
 
-There is no prefill phase and no decode phase: every request has
-``num_computed_tokens`` catching up with ``num_tokens``. Each step the running
-requests are served first, in queue order (a decode needs 1 token, an
-unfinished prompt gets what is left of the budget after reserving one token for
-each decode queued behind it, so decodes are never starved by a chunk), then
-waiting requests are admitted while the budget, the ``max_num_seqs`` cap and
-the free blocks allow. A running request that cannot get blocks preempts the
-least important running request (the most recently admitted under fcfs; the
-lowest priority under priority): its blocks are freed and it goes back to the
-front of the waiting queue, keeping its output tokens, to be recomputed later
-as one prefill. Under the priority policy a waiting request with a strictly
-better priority that finds no seat (``max_num_seqs``) or no blocks preempts the
-worst running one the same way, and takes its place in the same step.
+There is no prefill phase and no decode phase: every request has ``num_computed_tokens`` catching up with
+``num_tokens``. Each step the running requests are served first, in queue order (a decode needs 1 token, an
+unfinished prompt gets what is left of the budget after reserving one token for each decode queued behind it, so
+decodes are never starved by a chunk), then waiting requests are admitted while the budget, the ``max_num_seqs``
+cap and the free blocks allow. A running request that cannot get blocks preempts the least important running
+request (the most recently admitted under fcfs; the lowest priority under priority): its blocks are freed and it
+goes back to the front of the waiting queue, keeping its output tokens, to be recomputed later as one prefill.
+Under the priority policy a waiting request with a strictly better priority that finds no seat (``max_num_seqs``)
+or no blocks preempts the worst running one the same way, and takes its place in the same step.
 
-A request with n > 1 runs as one sequence until its first sample, which is
-taken n times: the scheduler then forks the other n - 1 sequences from it
-(sharing its blocks, copy-on-write). Its sequences are named ``(request_id,
-index)``; the scheduler alone decides when the whole request has ended and
-says so on its last output (``EngineCoreOutput.request_finished``).
+A request with n > 1 runs as one sequence until its first sample, which is taken n times: the scheduler then forks
+the other n - 1 sequences from it (sharing its blocks, copy-on-write). Its sequences are named ``(request_id,
+index)``; the scheduler alone decides when the whole request has ended and says so on its last output
+(``EngineCoreOutput.request_finished``).
 
-best_of forks its sequences the same way but holds their outputs: when the
-last ends, the ``n`` with the highest cumulative logprob are reported. Beam
-search (``engine.core.beam`` decides) keeps ``width`` beams of one request that
-are scheduled together or not at all (a beam's recomputed prefill stops one
-token short until all of them can sample in the same step), preempted together,
-and rewritten after each step: a beam chosen several times is copied (blocks
-shared, copy-on-write), one not chosen is overwritten. The n best hypotheses
-are reported when the search ends.
+best_of forks its sequences the same way but holds their outputs: when the last ends, the ``n`` with the highest
+cumulative logprob are reported (``engine.core.reports``). Beam search keeps ``width`` beams of one request that
+are scheduled, preempted and ended together (``engine.core.beam_groups``).
 """
 
 from __future__ import annotations
@@ -35,65 +25,18 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from common.errors import InvalidRequestError, QueueFullError
 from engine.config import EngineConfig
-from engine.core.beam import BeamSearchState, Candidates, Continuation, Hypothesis, rewrite_beams
+from engine.core.beam import Candidates
+from engine.core.beam_groups import BeamGroups
 from engine.core.block_manager import BlockManager
 from engine.core.outputs import EngineCoreOutput
+from engine.core.reports import best_of_outputs, delta_output
 from engine.core.request import FinishReason, PromptLogprobsChunk, Request, RequestStatus, SequenceId
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 Logprob = tuple[float, dict[int, float]]
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute ``all_token_ids[start:start + num_new_tokens]``."""
-
-    request: Request
-    num_new_tokens: int
-    start: int            # request.num_computed_tokens when scheduled
-    sample: bool          # start + num_new_tokens == request.num_tokens: the runner samples for it
-    # Tokens the runner samples for it: n (best_of) for a request with n > 1 sampling for the first time, else 1.
-    num_samples: int = 1
-    # Beam search: the runner returns this many (token, logprob) proposals of the beam instead of a sample.
-    num_beam_candidates: int = 0
-    # Set (to the request's prompt_logprobs k) when the runner computes the logprobs of the prompt tokens this
-    # chunk's positions predict; None for every other chunk (no full-vocabulary logits for them).
-    num_prompt_logprobs: int | None = None
-
-    @property
-    def is_decode(self) -> bool:
-        return self.sample and self.num_new_tokens == 1
-
-    @property
-    def sample_seq_ids(self) -> list[SequenceId]:
-        """The sequences the runner samples a token for, one each: none unless ``sample``; the request's
-        n sequences for the first sample of a request with n > 1 (its fork), else this sequence."""
-        if not self.sample:
-            return []
-        r = self.request
-        if self.num_samples == 1:
-            return [r.seq_id]
-        return [SequenceId(r.request_id, r.index + i) for i in range(self.num_samples)]
-
-
-@dataclass
-class SchedulerOutput:
-    """What the runner executes in one step."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)   # decodes first, then prefill chunks
-    num_batched_tokens: int = 0
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): do before the forward pass
-    preempted: list[SequenceId] = field(default_factory=list)
-    # Sequences that finished or were aborted since the previous step.
-    finished_request_ids: list[SequenceId] = field(default_factory=list)
-    num_prefix_hit_tokens: int = 0   # tokens served from the prefix cache to requests admitted this step
-
-    @property
-    def num_scheduled_tokens(self) -> dict[SequenceId, int]:
-        return {s.request.seq_id: s.num_new_tokens for s in self.scheduled}
 
 
 class Scheduler:
@@ -113,6 +56,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.beam_groups = BeamGroups(self.block_manager, eos_token_ids=self.eos_token_ids,
+                                      max_model_len=max_model_len, fork=self.fork_request, finish=self._finish)
         self.requests: dict[SequenceId, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -176,11 +121,8 @@ class Scheduler:
         limit = self.config.max_queued_requests
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"{len(self.waiting)} requests are already waiting (max_queued_requests={limit})")
-        params = request.sampling_params
-        if params.beam_search is not None:
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            request.beam = BeamSearchState(params.beam_search, num_stop_tokens=len(stops),
-                                           max_new_tokens=params.max_tokens or self.max_model_len - num_prompt)
+        if request.sampling_params.beam_search is not None:
+            request.beam = self.beam_groups.new_search(request)
         request.status = RequestStatus.WAITING
         self._track(request)
         self._insert(self.waiting, request, front=False)
@@ -246,7 +188,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
 
         # A unit is a request's sequence, or all the beams of a beam search: scheduled and preempted as one.
-        units = self._units(self.running)
+        units = self.beam_groups.units(self.running)
         # A prefill chunk ahead of decodes in the queue (priority policy) leaves one token for each of them.
         num_pending_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         u = 0
@@ -254,7 +196,7 @@ class Scheduler:
             unit = units[u]
             u += 1
             num_pending_decodes -= sum(1 for r in unit if r.num_tokens - r.num_computed_tokens == 1)
-            plan = self._plan(unit, budget, num_pending_decodes)
+            plan = self.beam_groups.plan(unit, budget, num_pending_decodes)
             if not plan:
                 continue
             # Short of blocks: preempt from the tail, which this step has not scheduled yet, until it fits.
@@ -271,15 +213,15 @@ class Scheduler:
                         out.preempted.append(victim.seq_id)
             if preempted_self:
                 break   # it was the last running unit
-            scheduled += [self._scheduled(request, num_new) for request, num_new in plan]
+            scheduled += [ScheduledRequest.of(request, num_new) for request, num_new in plan]
             budget -= sum(num_new for _, num_new in plan)
 
         # Admitting while running requests are being evicted would only evict them again.
         admit = not out.preempted
         while admit and self.waiting and budget > 0:
-            unit = self._units(self.waiting[:1])[0]
-            admitted = (self._admit(unit, budget) if len(self.running) + len(unit) <= self.config.max_num_seqs
-                        else None)
+            unit = self.beam_groups.units(self.waiting[:1])[0]
+            has_seat = len(self.running) + len(unit) <= self.config.max_num_seqs
+            admitted = self.beam_groups.admit(unit, budget) if has_seat else None
             if admitted is None:
                 # No seat or too few blocks: a better-priority request makes room, else strict queue order
                 # (later requests do not overtake the head).
@@ -298,7 +240,7 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 self._insert(self.running, request, front=False)
                 if num_new:
-                    scheduled.append(self._scheduled(request, num_new))
+                    scheduled.append(ScheduledRequest.of(request, num_new))
                     budget -= num_new
             # Room was just made for it: the victim (a prefix hit can fit it again) waits for the next step.
             admit = not out.preempted
@@ -308,57 +250,6 @@ class Scheduler:
         out.block_copies += self.block_manager.pop_block_copies()
         return out
 
-    def _units(self, queue: list[Request]) -> list[list[Request]]:
-        """The queue's scheduling units in queue order: a sequence alone, or every live beam of a beam search
-        (once, where its first beam stands)."""
-        units: list[list[Request]] = []
-        seen: set[str] = set()
-        for request in queue:
-            if request.beam is None:
-                units.append([request])
-            elif request.request_id not in seen:
-                seen.add(request.request_id)
-                units.append([s for s in request.sequences if not s.is_finished])
-        return units
-
-    @staticmethod
-    def _plan(unit: list[Request], budget: int, num_pending_decodes: int) -> list[tuple[Request, int]]:
-        """(sequence, tokens to compute) of a running unit this step; prefill chunks leave one token of
-        ``budget`` for each of the ``num_pending_decodes`` queued behind it."""
-        remaining = [r.num_tokens - r.num_computed_tokens for r in unit]
-        if all(n == 1 for n in remaining):   # the beams of a search sample together, or wait
-            return [(r, 1) for r in unit] if len(unit) == 1 or budget >= len(unit) else []
-        if len(unit) == 1:
-            num_new = min(remaining[0], budget - num_pending_decodes)
-            return [(unit[0], num_new)] if num_new > 0 else []
-        # Recomputed beams stop one token short, so that all of them reach their last token together.
-        plan: list[tuple[Request, int]] = []
-        budget -= num_pending_decodes
-        for request, n in zip(unit, remaining):
-            num_new = min(n - 1, budget)
-            if num_new > 0:
-                plan.append((request, num_new))
-                budget -= num_new
-        return plan
-
-    def _admit(self, unit: list[Request], budget: int) -> list[tuple[Request, int, int]] | None:
-        """Give a waiting unit its blocks, all or none: (sequence, tokens to compute, cached tokens) of each,
-        or None (nothing claimed) when the blocks are short."""
-        admitted: list[tuple[Request, int, int]] = []
-        for request in unit:
-            # A request still owing prompt logprobs computes every prompt position: no cached blocks (as vLLM v1).
-            computed = [] if request.needs_prompt_logprobs else self.block_manager.get_computed_blocks(request)
-            num_cached = len(computed) * self.block_manager.block_size
-            short = 1 if len(unit) > 1 else 0   # beams stop one token short (see _plan)
-            num_new = max(0, min(request.num_tokens - num_cached - short, budget))
-            if not self.block_manager.allocate(request, num_new, computed):
-                for done, _, _ in admitted:
-                    self.block_manager.free(done)
-                return None
-            admitted.append((request, num_new, num_cached))
-            budget -= num_new
-        return admitted
-
     def update_from_output(self, out: SchedulerOutput, sampled: dict[SequenceId, list[int]],
                            logprobs: dict[SequenceId, list[Logprob]] | None = None,
                            beam_candidates: Mapping[SequenceId, Candidates] | None = None,
@@ -366,16 +257,14 @@ class Scheduler:
                            grammar_ended: dict[SequenceId, FinishReason] | None = None) -> list[EngineCoreOutput]:
         """Apply one executed step: advance progress, cache full blocks, append samples, finish and free.
 
-        Returns one output per sequence that got tokens to report (forked ones
-        included, after the sequence they were forked from): every token at once,
-        or, under a stream interval of N, the first token at once, then groups of
-        N, then the rest when the sequence finishes. ``sampled`` must hold tokens
-        for every sequence of ``ScheduledRequest.sample_seq_ids``, ``beam_candidates``
-        proposals for every beam that sampled. Requests that hold their outputs
-        (best_of, beam search) report their best sequences once, when they end.
-        ``ended`` lists every sequence that ended. ``grammar_ended``: constrained
-        sequences that end with this step's token, and why (their grammar is
-        complete: EOS, even under ignore_eos; their matcher failed: ERROR).
+        Returns one output per sequence with tokens to report (forked ones after the sequence they were forked
+        from): every token at once, or, under a stream interval of N, the first at once, then groups of N, then
+        the rest when the sequence finishes. Requests that hold their outputs (best_of, beam search) report
+        their best sequences once, when they end. ``sampled`` must hold tokens for every sequence of
+        ``ScheduledRequest.sample_seq_ids``, ``beam_candidates`` proposals for every beam that sampled.
+        ``grammar_ended``: constrained sequences that end with this step's token, and why (their grammar is
+        complete: EOS, even under ignore_eos; their matcher failed: ERROR). ``ended`` lists every sequence
+        that ended.
         """
         outputs: list[EngineCoreOutput] = []
         num_finished = len(self._finished_ids)
@@ -411,27 +300,18 @@ class Scheduler:
                     self._append(seq, sampled[seq.seq_id], logprobs.get(seq.seq_id) if logprobs else None,
                                  grammar_ended.get(seq.seq_id) if grammar_ended else None)
                 if seq.holds_outputs:
-                    outputs += self._best_outputs(seq) if seq.ends_request else []
+                    outputs += best_of_outputs(seq) if seq.ends_request else []
                     continue
-                report = self._report(seq)
+                report = delta_output(seq, self.config.stream_interval)
                 if report is not None:
                     outputs.append(report)
         for group in beams.values():
-            outputs += self._beam_step(group, beam_candidates or {})
+            outputs += self.beam_groups.step(group, beam_candidates or {})
+            self.num_generation_tokens += len(group)   # its live beams: each got a token
         self.ended = self._finished_ids[num_finished:]
         return outputs
 
     # ----- helpers -------------------------------------------------------------------
-
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        sample = request.num_computed_tokens + num_new == request.num_tokens
-        # n > 1 only until the fork: the forked sequences, and the first one after it, have n = 1.
-        n = request.sampling_params.num_forked if sample else 1
-        num_candidates = request.beam.num_candidates if sample and request.beam is not None else 0
-        # Positions before the prompt's last one predict prompt tokens (its last predicts the first output).
-        wants_prompt = request.needs_prompt_logprobs and request.num_computed_tokens < request.num_prompt_tokens - 1
-        return ScheduledRequest(request, num_new, request.num_computed_tokens, sample, n, num_candidates,
-                                request.sampling_params.prompt_logprobs if wants_prompt else None)
 
     def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest], out: SchedulerOutput) -> int | None:
         """Priority policy: preempt the worst running unit (a sequence, or every beam of a search) when the
@@ -486,100 +366,6 @@ class Scheduler:
                 break
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
-
-    def _report(self, request: Request) -> EngineCoreOutput | None:
-        """The tokens of ``request`` not yet reported, or None while its stream interval holds them back.
-
-        The first token always goes at once (time to first token is never traded away), and a finished
-        request reports whatever is left with its finish reason."""
-        start = request.num_reported_tokens
-        interval = max(request.sampling_params.stream_interval or 1, self.config.stream_interval)
-        if (interval > 1 and start > 0 and request.finish_reason is None
-                and request.num_output_tokens - start < interval):
-            return None
-        request.num_reported_tokens = request.num_output_tokens
-        cumulative = (request.cumulative_logprob
-                      if request.finish_reason is not None and request.sampling_params.logprobs is not None else None)
-        return EngineCoreOutput(request.request_id, request.output_token_ids[start:],
-                                request.output_logprobs[start:] if request.output_logprobs else None,
-                                request.finish_reason, request.num_prompt_tokens, request.num_cached_tokens,
-                                index=request.index, request_finished=request.ends_request,
-                                cumulative_logprob=cumulative,
-                                prompt_logprobs=request.prompt_logprobs if start == 0 else None)
-
-    def _best_outputs(self, request: Request) -> list[EngineCoreOutput]:
-        """The ended best_of request's ``num_returned`` sequences with the highest cumulative logprob, best
-        first, renumbered 0..n-1, each whole in one output."""
-        best = sorted(request.sequences, key=lambda s: (-s.cumulative_logprob, s.index))[:request.num_returned]
-        asked = request.sampling_params.logprobs is not None
-        return [EngineCoreOutput(s.request_id, list(s.output_token_ids), list(s.output_logprobs) if asked else None,
-                                 s.finish_reason, s.num_prompt_tokens, s.num_cached_tokens, index=i,
-                                 request_finished=i == len(best) - 1, cumulative_logprob=s.cumulative_logprob,
-                                 prompt_logprobs=s.prompt_logprobs)
-                for i, s in enumerate(best)]
-
-    def _beam_step(self, beams: list[Request], candidates: Mapping[SequenceId, Candidates]) -> list[EngineCoreOutput]:
-        """One step of a beam search whose beams all sampled: rewrite them, or end the search and report."""
-        beams.sort(key=lambda b: b.index)
-        live = [s for s in beams[0].sequences if not s.is_finished]
-        if len(live) != len(beams) or any(b.seq_id not in candidates for b in beams):
-            raise ValueError(f"beams {[b.seq_id for b in beams]} of {len(live)} sampled without all proposals")
-        state = beams[0].beam
-        assert state is not None
-        params = beams[0].sampling_params
-        num_output = beams[0].num_output_tokens + 1   # after this step's token
-
-        def stop_reason(token: int) -> FinishReason | None:
-            if num_output < params.min_tokens:
-                return None
-            if token in params.stop_token_ids:
-                return FinishReason.STOP
-            return FinishReason.EOS if not params.ignore_eos and token in self.eos_token_ids else None
-
-        continuations = state.step([(b.output_token_ids, b.cumulative_logprob) for b in beams],
-                                   [candidates[b.seq_id] for b in beams], stop_reason,
-                                   self._beams_at_length_limit(beams[0], state.width))
-        if state.done:
-            return self._end_beams(beams, state.best(beams[0].num_returned))
-        # The first step forks the other beams (sharing the prompt's blocks); a shorter step ends the extra.
-        first_step = len(beams) == 1
-        while len(beams) < len(continuations):
-            beams.append(self.fork_request(beams[0], max(s.index for s in beams[0].sequences) + 1))
-        for extra in beams[len(continuations):]:
-            self._finish(extra, FinishReason.LENGTH)
-        del beams[len(continuations):]
-        if first_step:   # every beam is a copy of the one they all extend: each continues itself
-            continuations = [Continuation(j, c.token_id, c.cumulative_logprob) for j, c in enumerate(continuations)]
-        rewrite_beams(self.block_manager, beams, continuations)
-        self.num_generation_tokens += len(beams)
-        for beam in beams:
-            if beam.first_token_time is None:
-                beam.first_token_time = time.monotonic()
-        return []
-
-    def _beams_at_length_limit(self, beam: Request, width: int) -> bool:
-        """The next token ends every beam: max_tokens, max_model_len, or a group too big to recompute alone."""
-        params = beam.sampling_params
-        num_tokens = beam.num_tokens + 1
-        bs = self.block_manager.block_size
-        return ((params.max_tokens is not None and beam.num_output_tokens + 1 >= params.max_tokens)
-                or num_tokens >= self.max_model_len
-                or width * -(-num_tokens // bs) > self.block_manager.num_blocks)
-
-    def _end_beams(self, beams: list[Request], best: list[Hypothesis]) -> list[EngineCoreOutput]:
-        """End the search: free every beam, report the best hypotheses as outputs 0..n-1, best first."""
-        for beam in beams:
-            self._finish(beam, FinishReason.LENGTH)
-        first = beams[0]
-        outputs = [EngineCoreOutput(first.request_id, list(h.token_ids), None, h.finish_reason,
-                                    first.num_prompt_tokens, first.num_cached_tokens, index=i,
-                                    cumulative_logprob=h.cumulative_logprob, prompt_logprobs=first.prompt_logprobs)
-                   for i, h in enumerate(best)]
-        if not outputs:   # no hypothesis at all (cannot happen with a vocabulary of 2 * width tokens)
-            outputs.append(EngineCoreOutput(first.request_id, [], None, FinishReason.LENGTH,
-                                            first.num_prompt_tokens, first.num_cached_tokens))
-        outputs[-1].request_finished = True
-        return outputs
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         """Why ``request`` stops after appending ``token``; stop tokens are checked before length limits."""

@@ -12,7 +12,7 @@ from engine.worker.worker import Worker
 if TYPE_CHECKING:
     from engine.core.request import SequenceId
     from engine.core.sampling_params import StructuredOutputsParams
-    from engine.core.scheduler import SchedulerOutput
+    from engine.core.scheduler_output import SchedulerOutput
     from engine.worker.structured_output import GrammarVocabulary
 
 

@@ -24,7 +24,7 @@ from engine.worker.structured_output import StructuredOutputs
 if TYPE_CHECKING:  # the core's step types, handed down by the executor: annotations only
     from engine.core.request import PromptLogprobsChunk, SequenceId
     from engine.core.sampling_params import SamplingParams
-    from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+    from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 Logprob = tuple[float, dict[int, float]]
 

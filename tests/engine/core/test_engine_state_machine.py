@@ -11,7 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine.config import EngineConfig
 from engine.core.request import Request, RequestStatus, SequenceId
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 
 EOS = 0
 BLOCK_SIZE = 4

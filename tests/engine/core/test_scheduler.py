@@ -12,7 +12,8 @@ from engine.config import EngineConfig
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, Request, RequestStatus, SequenceId
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 
 EOS = 2
 
