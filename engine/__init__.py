@@ -7,19 +7,20 @@ from typing import TYPE_CHECKING, Any
 from common.errors import EngineDeadError, InvalidRequestError, QueueFullError, SluiceError
 from engine.config import EngineConfig
 from engine.core.outputs import CompletionOutput, RequestOutput
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from engine.entrypoints.llm import LLM
+    from engine.entrypoints.llm import LLM, BeamSearchParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
+           "EngineConfig", "RequestOutput", "CompletionOutput",
            "InvalidRequestError", "QueueFullError", "EngineDeadError", "SluiceError"]
 
 
 def __getattr__(name: str) -> Any:
     # LLM pulls in torch and the models; import it only when asked for.
-    if name == "LLM":
-        from engine.entrypoints.llm import LLM
+    if name in ("LLM", "BeamSearchParams"):
+        from engine.entrypoints import llm
 
-        return LLM
+        return getattr(llm, name)
     raise AttributeError(name)
