@@ -10,7 +10,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
+
 from common.procs import free_port, grpc_serving, stop_process
+from proto.sluice.v1 import engine_pb2, engine_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,6 +107,17 @@ class ServeStack:
                           self.log)
         wait_until(lambda: http_status(f"{self.base_url}/ready") == 200, timeout, self.proc, "sluice serve ready")
         return self
+
+    def engine_idle(self, timeout: float = 15) -> engine_pb2.GetInfoResponse:
+        """The engine's GetInfo once nothing runs or waits and every KV block is free (or at ``timeout``)."""
+        stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(self.engine_addr))
+        deadline = time.monotonic() + timeout
+        while True:
+            info = stub.GetInfo(engine_pb2.GetInfoRequest(), timeout=5)
+            if (info.num_running == 0 and info.num_waiting == 0 and info.free_kv_blocks == info.total_kv_blocks) \
+                    or time.monotonic() > deadline:
+                return info
+            time.sleep(0.2)
 
     def child_pids(self) -> list[int]:
         assert self.proc is not None

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
-import grpc
 import httpx
 import jsonschema
 import openai
@@ -22,7 +20,6 @@ import torch
 from pydantic import BaseModel, Field
 
 from engine.config import default_model_path
-from proto.sluice.v1 import engine_pb2, engine_pb2_grpc
 from tests.engine.text.test_chat import QWEN25_TEMPLATE
 from tests.procs import ServeStack
 
@@ -85,16 +82,6 @@ NUMBER: /[1-9][0-9]{0,2}/
 
 
 
-def _engine_idle(stack: ServeStack) -> engine_pb2.GetInfoResponse:
-    stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(stack.engine_addr))
-    deadline = time.monotonic() + 15
-    while True:
-        info = stub.GetInfo(engine_pb2.GetInfoRequest(), timeout=5)
-        if (info.num_running == 0 and info.num_waiting == 0 and info.free_kv_blocks == info.total_kv_blocks) \
-                or time.monotonic() > deadline:
-            return info
-        time.sleep(0.2)
-
 
 def _client(stack: ServeStack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -132,7 +119,7 @@ def test_json_schema_sampled_outputs_all_validate(stack: ServeStack, model: str)
         assert r.choices[0].finish_reason == "stop", text
         jsonschema.validate(json.loads(text), PERSON)
     assert len(set(texts)) > 10  # sampled, not one answer repeated
-    info = _engine_idle(stack)
+    info = stack.engine_idle()
     assert info.free_kv_blocks == info.total_kv_blocks
 
 
@@ -187,7 +174,7 @@ def test_invalid_constraints_are_400_naming_the_field(stack: ServeStack, model: 
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error"
         assert name in (err["param"] or "") + err["message"]
-    info = _engine_idle(stack)
+    info = stack.engine_idle()
     assert info.free_kv_blocks == info.total_kv_blocks
 
 
@@ -315,7 +302,7 @@ def test_qwen2_tool_calls_round_trip(qwen_stack: ServeStack) -> None:
     client = _client(qwen_stack)
     # A random model spells strings with escapes (six tokens a character) and would call tools without end.
     _tool_round_trip(client, client.models.list().data[0].id, max_tokens=400, parallel=False)
-    info = _engine_idle(qwen_stack)
+    info = qwen_stack.engine_idle()
     assert info.free_kv_blocks == info.total_kv_blocks
 
 
@@ -336,7 +323,7 @@ def test_beam_search_and_best_of(stack: ServeStack, model: str) -> None:
                                      seed=1, logprobs=0)
     assert len(best.choices) == 1 and best.choices[0].text
     assert greedy  # the greedy text exists to compare against in the log when a beam assertion fails
-    info = _engine_idle(stack)
+    info = stack.engine_idle()
     assert info.free_kv_blocks == info.total_kv_blocks
 
 

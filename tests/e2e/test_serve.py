@@ -40,16 +40,6 @@ def _client(stack: ServeStack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
 
 
-def _engine_idle(stack: ServeStack) -> engine_pb2.GetInfoResponse:
-    stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(stack.engine_addr))
-    deadline = time.monotonic() + 15
-    while True:
-        info = stub.GetInfo(engine_pb2.GetInfoRequest(), timeout=5)
-        if (info.num_running == 0 and info.num_waiting == 0 and info.free_kv_blocks == info.total_kv_blocks) \
-                or time.monotonic() > deadline:
-            return info
-        time.sleep(0.2)
-
 
 def test_openai_sdk_chat_sync_and_stream(stack: ServeStack) -> None:
     client = _client(stack)
@@ -145,7 +135,7 @@ def test_curl_sees_sse_framing_and_keepalives_while_queued(stack: ServeStack) ->
     assert events[-1] == "data: [DONE]"
     payloads = [json.loads(ln[6:]) for ln in events if ln.startswith("data: {")]
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
-    _engine_idle(stack)
+    stack.engine_idle()
 
 
 def test_64_streams_with_random_disconnects_free_everything(stack: ServeStack) -> None:
@@ -180,7 +170,7 @@ def test_64_streams_with_random_disconnects_free_everything(stack: ServeStack) -
             assert (finishes, done) == (1, True), i  # exactly one terminal event, then [DONE]
         else:
             assert finishes <= 1
-    info = _engine_idle(stack)
+    info = stack.engine_idle()
     assert info.free_kv_blocks == info.total_kv_blocks and info.num_running == 0 and info.num_waiting == 0
 
 

@@ -93,6 +93,12 @@ class ToolParser(ABC):
         self.tool_names = frozenset(tool_names)
         self.max_calls = max_calls
 
+    def known_call(self, name: object, arguments: object) -> ParsedCall | None:
+        """The call of a request's tool with object arguments, or None (the text then stays content)."""
+        if not isinstance(name, str) or name not in self.tool_names or not isinstance(arguments, dict):
+            return None
+        return ParsedCall(name, arguments_json(arguments))
+
     @abstractmethod
     def parse(self, text: str) -> ParsedOutput: ...
 

@@ -15,7 +15,6 @@ from engine.text.tool_parsers.base import (
     StreamDelta,
     ToolCallStream,
     ToolParser,
-    arguments_json,
     partial_suffix,
 )
 
@@ -55,10 +54,7 @@ class HermesToolParser(ToolParser):
             return None
         if not isinstance(obj, dict):
             return None
-        name, arguments = obj.get("name"), obj.get("arguments", {})
-        if not isinstance(name, str) or name not in self.tool_names or not isinstance(arguments, dict):
-            return None
-        return ParsedCall(name, arguments_json(arguments))
+        return self.known_call(obj.get("name"), obj.get("arguments", {}))
 
     def stream(self) -> ToolCallStream:
         return _HermesStream(self)

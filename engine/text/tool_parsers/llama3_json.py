@@ -16,7 +16,6 @@ from engine.text.tool_parsers.base import (
     StreamDelta,
     ToolCallStream,
     ToolParser,
-    arguments_json,
 )
 
 PYTHON_TAG = "<|python_tag|>"
@@ -52,12 +51,8 @@ class Llama3JsonToolParser(ToolParser):
     def call(self, obj: object) -> ParsedCall | None:
         if not isinstance(obj, dict):
             return None
-        name = obj.get("name")
         # Llama's own key is "parameters"; some fine-tunes write "arguments".
-        arguments = obj.get("parameters", obj.get("arguments", {}))
-        if not isinstance(name, str) or name not in self.tool_names or not isinstance(arguments, dict):
-            return None
-        return ParsedCall(name, arguments_json(arguments))
+        return self.known_call(obj.get("name"), obj.get("parameters", obj.get("arguments", {})))
 
     def stream(self) -> ToolCallStream:
         return _Llama3Stream(self)
