@@ -14,6 +14,12 @@ SLUICE_MALLOC_TUNING  0: glibc's malloc thresholds left alone        ``KernelSet
 SLUICE_API_KEY        the bearer key the REST API requires           ``--api-key``
 SLUICE_PARENT_PID     set by ``sluice serve`` for its children only  (process plumbing, not user-facing)
 ====================  =============================================  ==========================================
+
+One variable keeps vLLM's name, so that a deployment written for vLLM carries over:
+
+================================  ===================================  ===========================================
+VLLM_ALLOW_RUNTIME_LORA_UPDATING  true: clients may load LoRA adapters  ``--allow-runtime-lora-updating``
+================================  ===================================  ===========================================
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from collections.abc import Mapping, MutableMapping
 
 ENV_API_KEY = "SLUICE_API_KEY"
 ENV_PARENT_PID = "SLUICE_PARENT_PID"
+ENV_RUNTIME_LORA_UPDATING = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 _OFF = ("0", "false", "no", "off")
 
 
@@ -57,6 +64,11 @@ def kernel_switches(environ: Mapping[str, str] | None = None) -> dict[str, bool 
             "quant_max_rows": row_limit("SLUICE_QUANT_MAX_ROWS", environ),
             "kv_huge_pages": switched_on("SLUICE_KV_HUGE_PAGES", environ),
             "malloc_tuning": switched_on("SLUICE_MALLOC_TUNING", environ)}
+
+
+def runtime_lora_updating(environ: Mapping[str, str] | None = None) -> bool:
+    """``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` as vLLM reads it: on for 1 or true (any case), off otherwise."""
+    return _environ(environ).get(ENV_RUNTIME_LORA_UPDATING, "0").strip().lower() in ("1", "true")
 
 
 def api_key(environ: Mapping[str, str] | None = None) -> str | None:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from common.errors import EngineDeadError, InvalidRequestError, QueueFullError, SluiceError
 from engine.config import EngineConfig
+from engine.core.lora_request import LoRARequest
 from engine.core.outputs import CompletionOutput, RequestOutput
 from engine.core.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from engine.entrypoints.llm import LLM, BeamSearchParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
-           "EngineConfig", "RequestOutput", "CompletionOutput",
+           "LoRARequest", "EngineConfig", "RequestOutput", "CompletionOutput",
            "InvalidRequestError", "QueueFullError", "EngineDeadError", "SluiceError"]
 
 

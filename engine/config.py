@@ -121,6 +121,52 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAModule:
+    """One adapter of ``--lora-modules``: loaded at start-up and served under ``name``."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+# --lora-dtype values: auto = the model's dtype (vLLM's meaning).
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's ``--enable-lora`` and its companions); absent from EngineConfig when off."""
+
+    max_loras: int = 1                       # adapters one step may mix (each holds a slot of stacked weights)
+    max_lora_rank: int = 16                  # the largest rank an adapter may have; slots are this wide
+    max_cpu_loras: int | None = None         # adapters kept loaded in host memory; None = max_loras
+    lora_dtype: str = "auto"                 # dtype of the adapters' weights; auto = the model's
+    lora_modules: tuple[LoRAModule, ...] = ()  # served from start-up
+    # Whether clients may load and unload adapters at runtime (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): it reads
+    # folders on the engine's host named by the client, so it is off unless the operator turns it on.
+    allow_runtime_lora_updating: bool = False
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise InvalidRequestError(name, msg)
+
+        check(isinstance(self.max_loras, int) and self.max_loras >= 1, "max_loras", "must be an integer >= 1")
+        check(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "max_lora_rank",
+              "must be an integer >= 1")
+        check(self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int)
+                                             and self.max_cpu_loras >= self.max_loras),
+              "max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
+        check(self.lora_dtype in LORA_DTYPES, "lora_dtype", f"must be one of {', '.join(LORA_DTYPES)}")
+        names = [m.name for m in self.lora_modules]
+        check(len(set(names)) == len(names), "lora_modules", "two adapters have the same name")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine process is configured with; built once, validated, passed in."""
 
@@ -149,6 +195,7 @@ class EngineConfig:
     max_logprobs: int = 20                   # most logprobs / prompt_logprobs a request may ask (vLLM's default)
     kernels: KernelSettings = field(default_factory=KernelSettings.from_env)  # CPU kernel switches
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora_config: LoRAConfig | None = None    # None: LoRA off (vLLM's --enable-lora turns it on)
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None and not isinstance(self.kv_cache_memory, int):
@@ -183,6 +230,11 @@ class EngineConfig:
               "must be an integer >= 0")
         check(self.tensor_parallel_size == 1, "tensor_parallel_size",
               "only 1 is supported in this release")
+        if self.lora_config is not None:
+            taken = {self.model_name}
+            for module in self.lora_config.lora_modules:
+                check(module.name not in taken, "lora_modules",
+                      f"adapter name {module.name!r} is the served model's name")
 
     @property
     def model_path(self) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from common.procs import ENV_PARENT_PID, grpc_serving
 from common.settings import ENV_API_KEY, api_key
-from engine.config import EngineConfig
+from engine.config import EngineConfig, LoRAConfig
 from engine.entrypoints.args import add_engine_args, config_from_args
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.mindie_config import ConfigFileError, load_mindie_config
@@ -86,8 +86,23 @@ def engine_flags(config: EngineConfig) -> list[str]:
             flags.append("--disable-log-stats")
         elif name == "structured_outputs_config":   # a settings object: its flag takes JSON
             flags += ["--structured-outputs-config", json.dumps(asdict(value))]
+        elif name == "lora_config":
+            flags += lora_flags(value)
         else:
             flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
+def lora_flags(lora: LoRAConfig) -> list[str]:
+    """The engine's LoRA flags (vLLM's) for ``lora``; each adapter in the JSON form of ``--lora-modules``."""
+    flags = ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank),
+             "--lora-dtype", lora.lora_dtype]
+    if lora.max_cpu_loras is not None:
+        flags += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    if lora.allow_runtime_lora_updating:
+        flags.append("--allow-runtime-lora-updating")
+    if lora.lora_modules:
+        flags += ["--lora-modules", *(json.dumps(asdict(m)) for m in lora.lora_modules)]
     return flags
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.core.lora_request import LoRARequest
 from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         index: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -98,6 +100,8 @@ class Request:
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        # The LoRA adapter every sequence of the request runs through (None: the base model).
+        self.lora_request = lora_request
         # Every sequence of the request, this one included: one list, shared by all of them (a fork appends).
         self.sequences: list[Request] = [self]
         # Indexes aborted before the fork made their sequences (only on index 0 while n > 1): they end at the fork.
@@ -132,6 +136,11 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+
+    @property
+    def lora_id(self) -> int | None:
+        """The adapter's ``lora_int_id`` (the key of its weights and of its prefix-cache blocks), None: base."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def all_token_ids(self) -> np.ndarray:

@@ -163,7 +163,7 @@ class Scheduler:
         seed = parent.sampling_params.seed
         params = parent.sampling_params.clone(n=1, best_of=None, seed=None if seed is None else seed + index)
         child = Request(parent.request_id, parent.prompt_token_ids, params, arrival_time=parent.arrival_time,
-                        priority=parent.priority, index=index)
+                        priority=parent.priority, index=index, lora_request=parent.lora_request)
         child.sequences = parent.sequences
         child.sequences.append(child)
         child.copy_tokens_from(parent)

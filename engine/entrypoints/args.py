@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import fields
 
 from common.errors import InvalidRequestError
+from common.settings import runtime_lora_updating
 from engine.config import (
     KV_CACHE_DTYPES,
+    LORA_DTYPES,
     EngineConfig,
+    LoRAConfig,
+    LoRAModule,
     StructuredOutputsConfig,
     check_structured_output_backend,
     parse_size,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _bool(value: str) -> bool:
@@ -64,13 +71,91 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "llguidance (auto, guidance and llguidance all mean it)")
     g.add_argument("--guided-decoding-backend", default=None,
                    help="vLLM's older flag for the structured-output backend: auto, guidance or llguidance")
+    lora = parser.add_argument_group("LoRA adapters (vLLM's flag names)")
+    lora.add_argument("--enable-lora", action="store_true", default=False,
+                      help="serve LoRA adapters next to the base model; requests pick one by its name as `model`")
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                      help='adapters served from start-up: name=path, or JSON {"name": ..., "path": ..., '
+                           '"base_model_name": ...}; a path is a PEFT folder (adapter_config.json + '
+                           "adapter_model.safetensors)")
+    lora.add_argument("--max-loras", type=int, default=None, help="adapters one step may mix (default 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted (default 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept loaded in host memory (default: --max-loras); others reload on use")
+    lora.add_argument("--lora-dtype", default=None, choices=LORA_DTYPES,
+                      help="dtype of the adapters' weights (default auto: the model's)")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
+                      help="let clients load and unload adapters (POST /v1/load_lora_adapter, "
+                           "/v1/unload_lora_adapter); also VLLM_ALLOW_RUNTIME_LORA_UPDATING=true")
+    lora.add_argument("--fully-sharded-loras", action="store_true", default=False,
+                      help="vLLM's switch to shard LoRA computation across tensor-parallel ranks: nothing to shard "
+                           "at tensor-parallel size 1, the only size this release runs")
+    lora.add_argument("--enable-lora-bias", action="store_true", default=False,
+                      help="refused: adapters with bias weights are not supported")
+    lora.add_argument("--long-lora-scaling-factors", default=None, help="refused: LongLoRA is not supported")
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values = {name: getattr(ns, name) for name in EngineConfig.field_names() if hasattr(ns, name)}
     values["structured_outputs_config"] = structured_outputs_config(
         getattr(ns, "structured_outputs_config", None), getattr(ns, "guided_decoding_backend", None))
+    values["lora_config"] = lora_config(ns)
     return EngineConfig(**values)
+
+
+_LORA_FLAGS = ("lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
+               "allow_runtime_lora_updating")
+
+
+def lora_config(ns: argparse.Namespace) -> LoRAConfig | None:
+    """``--enable-lora`` and its companions; None when LoRA is off. Errors name the flag."""
+    if getattr(ns, "enable_lora_bias", False):
+        raise InvalidRequestError("--enable-lora-bias", "LoRA bias weights are not supported (adapters whose "
+                                                        "adapter_config.json has a bias other than \"none\" are "
+                                                        "refused)")
+    if getattr(ns, "long_lora_scaling_factors", None) is not None:
+        raise InvalidRequestError("--long-lora-scaling-factors", "LongLoRA is not supported")
+    given = {name: getattr(ns, name) for name in _LORA_FLAGS if getattr(ns, name, None) is not None}
+    if not getattr(ns, "enable_lora", False):
+        if given:
+            flag = "--" + next(iter(given)).replace("_", "-")
+            raise InvalidRequestError(flag, "needs --enable-lora")
+        return None
+    if getattr(ns, "fully_sharded_loras", False):
+        logger.info("--fully-sharded-loras: at tensor-parallel size 1 each adapter is whole on the one worker")
+    if "allow_runtime_lora_updating" not in given and runtime_lora_updating():
+        given["allow_runtime_lora_updating"] = True
+    if "lora_modules" in given:
+        given["lora_modules"] = tuple(parse_lora_module(text) for text in given["lora_modules"])
+    return LoRAConfig(**given)
+
+
+def parse_lora_module(text: str) -> LoRAModule:
+    """One ``--lora-modules`` entry: ``name=path`` or vLLM's JSON form."""
+    flag = "--lora-modules"
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise InvalidRequestError(flag, f"{text!r} is not valid JSON: {e}") from e
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(
+                value.get("path"), str):
+            raise InvalidRequestError(flag, f"{text!r}: the JSON form needs string \"name\" and \"path\"")
+        unknown = set(value) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise InvalidRequestError(flag, f"{text!r}: unknown key(s) {', '.join(sorted(unknown))}")
+        base = value.get("base_model_name")
+        if base is not None and not isinstance(base, str):
+            raise InvalidRequestError(flag, f"{text!r}: base_model_name must be a string")
+        name, path = value["name"], value["path"]
+    else:
+        name, sep, path = text.partition("=")
+        base = None
+        if not sep:
+            raise InvalidRequestError(flag, f"{text!r} is not name=path (or the JSON form)")
+    if not name or not path:
+        raise InvalidRequestError(flag, f"{text!r}: the name and the path must not be empty")
+    return LoRAModule(name=name, path=path, base_model_name=base)
 
 
 def structured_outputs_config(config_json: str | None, guided_decoding_backend: str | None

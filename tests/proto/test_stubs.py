@@ -65,6 +65,8 @@ def test_engine_service_methods() -> None:
         "Abort": ("AbortRequest", "AbortResponse", False, False),
         "GetInfo": ("GetInfoRequest", "GetInfoResponse", False, False),
         "RegisterSharedMemory": ("RegisterSharedMemoryRequest", "RegisterSharedMemoryResponse", False, False),
+        "LoadLoRAAdapter": ("LoadLoRAAdapterRequest", "LoadLoRAAdapterResponse", False, False),
+        "UnloadLoRAAdapter": ("UnloadLoRAAdapterRequest", "UnloadLoRAAdapterResponse", False, False),
     }
     for name in ("EngineStub", "EngineServicer", "add_EngineServicer_to_server"):
         assert hasattr(engine_pb2_grpc, name), name
@@ -78,6 +80,8 @@ def test_generation_service_methods() -> None:
         "Detokenize": ("DetokenizeRequest", "DetokenizeResponse", False, False),
         "ApplyChatTemplate": ("ApplyChatTemplateRequest", "ApplyChatTemplateResponse", False, False),
         "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False, False),
+        "LoadLoRAAdapter": ("LoadLoRAAdapterRequest", "LoadLoRAAdapterResponse", False, False),
+        "UnloadLoRAAdapter": ("UnloadLoRAAdapterRequest", "UnloadLoRAAdapterResponse", False, False),
     }
     for name in ("GenerationStub", "GenerationServicer", "add_GenerationServicer_to_server"):
         assert hasattr(generation_pb2_grpc, name), name

@@ -40,7 +40,7 @@ class EngineStoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class EngineGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "prompt_shm", "sampling", "stopping", "logprobs", "priority", "n", "stream_interval", "guided", "prompt_logprobs", "best_of", "beam_search")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_shm", "sampling", "stopping", "logprobs", "priority", "n", "stream_interval", "guided", "prompt_logprobs", "best_of", "beam_search", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_SHM_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class EngineGenerateRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     BEST_OF_FIELD_NUMBER: _ClassVar[int]
     BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _common_pb2.TokenIds
     prompt_shm: SharedMemoryRef
@@ -67,7 +68,8 @@ class EngineGenerateRequest(_message.Message):
     prompt_logprobs: int
     best_of: int
     beam_search: _common_pb2.BeamSearch
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., prompt_shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[EngineStoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., stream_interval: _Optional[int] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., prompt_shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[EngineStoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., stream_interval: _Optional[int] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class TokenIdLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -184,7 +186,7 @@ class EngineCounters(_message.Message):
     def __init__(self, shm_handoffs: _Optional[int] = ..., inline_handoffs: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., stream_calls: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "counters", "device", "dtype")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "counters", "device", "dtype", "lora_enabled", "lora_adapters")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +200,8 @@ class GetInfoResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -211,7 +215,9 @@ class GetInfoResponse(_message.Message):
     counters: EngineCounters
     device: str
     dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    lora_enabled: bool
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoRAAdapter]
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoRAAdapter, _Mapping]]] = ...) -> None: ...
 
 class RegisterSharedMemoryRequest(_message.Message):
     __slots__ = ("segment", "size_bytes", "owner")

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from proto.sluice.v1 import common_pb2 as sluice_dot_v1_dot_common__pb2
 from proto.sluice.v1 import engine_pb2 as sluice_dot_v1_dot_engine__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -59,6 +60,16 @@ class EngineStub:
                 '/sluice.v1.Engine/RegisterSharedMemory',
                 request_serializer=sluice_dot_v1_dot_engine__pb2.RegisterSharedMemoryRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_engine__pb2.RegisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/sluice.v1.Engine/LoadLoRAAdapter',
+                request_serializer=sluice_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/sluice.v1.Engine/UnloadLoRAAdapter',
+                request_serializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -119,6 +130,20 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Loads a LoRA adapter at runtime (see LoadLoRAAdapterRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Unloads a LoRA adapter (see UnloadLoRAAdapterRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +171,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.RegisterSharedMemory,
                     request_deserializer=sluice_dot_v1_dot_engine__pb2.RegisterSharedMemoryRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_engine__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=sluice_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -284,6 +319,60 @@ class Engine:
             '/sluice.v1.Engine/RegisterSharedMemory',
             sluice_dot_v1_dot_engine__pb2.RegisterSharedMemoryRequest.SerializeToString,
             sluice_dot_v1_dot_engine__pb2.RegisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Engine/LoadLoRAAdapter',
+            sluice_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            sluice_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Engine/UnloadLoRAAdapter',
+            sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
