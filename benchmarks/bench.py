@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI base URL ('/v1' added if missing)")
     s.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the server was started with: requests name them in turn instead of --model")
     s.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     s.add_argument("--api-key", default=None)
     s.add_argument("--label", default=None, help="name of this server in tables and plots")
@@ -158,7 +160,7 @@ def _target(args: argparse.Namespace, base_url: str, model: str) -> Target:
     bias_ids = tuple(int(x) for x in args.force_length_logit_bias.split(",")) if args.force_length_logit_bias else ()
     return Target(base_url=base_url, model=model, endpoint=args.endpoint, api_key=args.api_key,
                   ignore_eos=args.ignore_eos, logit_bias_eos_ids=bias_ids, temperature=args.temperature,
-                  extra_body=extra)
+                  extra_body=extra, lora_modules=tuple(args.lora_modules or ()))
 
 
 async def run_benchmark(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:

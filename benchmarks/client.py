@@ -30,6 +30,8 @@ class Target:
     logit_bias_eos_ids: tuple[int, ...] = ()
     temperature: float = 0.0
     extra_body: Mapping[str, Any] = field(default_factory=dict)
+    # LoRA adapters (vLLM bench's --lora-modules): request i names lora_modules[i % len] instead of ``model``.
+    lora_modules: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -40,7 +42,8 @@ class Target:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def body(self, spec: RequestSpec) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": spec.output_len, "stream": True,
+        model = self.lora_modules[spec.index % len(self.lora_modules)] if self.lora_modules else self.model
+        body: dict[str, Any] = {"model": model, "max_tokens": spec.output_len, "stream": True,
                                 "stream_options": {"include_usage": True}, "temperature": self.temperature}
         if self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": spec.prompt}]
