@@ -231,9 +231,19 @@ class TokenizeResult:
 
 
 @dataclass(frozen=True)
+class LoRAAdapter:
+    """A LoRA adapter the backend serves: requests name it as their ``model``."""
+
+    name: str
+    base_model_name: str  # the model it was fine-tuned from: /v1/models' ``parent``
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     model_name: str
     max_model_len: int
+    lora_enabled: bool = False  # whether a ``model`` other than the served one may name an adapter
+    lora_adapters: tuple[LoRAAdapter, ...] = ()
 
 
 class GenerateCall(Protocol):
@@ -251,18 +261,31 @@ class Backend(Protocol):
     """The text-level model backend (the tokenizer service's Generation API).
 
     Every method raises :class:`gateway.errors.BackendError` on failure;
-    ``timeout`` is in seconds, ``None`` for no deadline.
+    ``timeout`` is in seconds, ``None`` for no deadline; ``adapter`` names the
+    LoRA adapter a request runs through, "" for the base model.
     """
 
     def generate(self, prompt: Prompt, params: GenerationParams, *, request_id: str,
-                 timeout: float | None) -> GenerateCall: ...
+                 timeout: float | None, adapter: str = "") -> GenerateCall: ...
 
     async def tokenize(self, prompt: Prompt, *, add_special_tokens: bool | None, return_token_strs: bool,
-                       request_id: str, timeout: float | None) -> TokenizeResult: ...
+                       request_id: str, timeout: float | None, adapter: str = "") -> TokenizeResult: ...
 
-    async def detokenize(self, token_ids: tuple[int, ...], *, request_id: str, timeout: float | None) -> str: ...
+    async def detokenize(self, token_ids: tuple[int, ...], *, request_id: str, timeout: float | None,
+                         adapter: str = "") -> str: ...
 
     async def model_info(self, *, timeout: float | None) -> ModelInfo: ...
+
+    async def load_lora_adapter(self, name: str, path: str, base_model_name: str, *,
+                                timeout: float | None) -> LoRAAdapter:
+        """Loads a PEFT adapter folder (on the backend's host) under ``name``; ``base_model_name`` "": the
+        served model. ALREADY_EXISTS, INVALID_ARGUMENT and FAILED_PRECONDITION (runtime updating off) as
+        the backend says."""
+        ...
+
+    async def unload_lora_adapter(self, name: str, *, timeout: float | None) -> None:
+        """NOT_FOUND for an unknown name; FAILED_PRECONDITION as for loading."""
+        ...
 
     async def check_ready(self, *, timeout: float) -> bool: ...
 

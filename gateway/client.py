@@ -1,8 +1,8 @@
 """The gRPC client to the tokenizer services' ``sluice.v1.Generation`` API.
 
-The only module of the gateway that touches protobuf messages: it converts the
-gateway's types (``gateway/backend.py``) to requests and responses back, and gRPC
-status codes to :class:`BackendError`. One ``grpc.aio`` channel balances calls
+With ``gateway/convert.py``, the only module of the gateway that touches protobuf
+messages: it sends the gateway's types (``gateway/backend.py``) as requests, reads
+responses back, and turns gRPC status codes into :class:`BackendError`. One ``grpc.aio`` channel balances calls
 over every tokenizer service with gRPC's own ``round_robin`` policy.
 
 Generation is a ``Generate`` call per request, or, with ``mux`` (``--tokenizer-mux``,
@@ -22,28 +22,20 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.stream_mux import MuxClient, MuxRequest
-from gateway.backend import (
-    BeamSearch,
-    BeamStopping,
-    Delta,
-    FinishReason,
-    GenerationParams,
-    Guided,
-    GuidedKind,
-    ModelInfo,
-    Prompt,
-    PromptTokenLogprob,
-    TokenizeResult,
-    TokenLogprob,
-    ToolCallDelta,
-    ToolChoice,
-    ToolChoiceMode,
-    TopLogprob,
-    Usage,
+from gateway.backend import Delta, GenerationParams, LoRAAdapter, ModelInfo, Prompt, TokenizeResult
+from gateway.convert import (
+    adapter_from_pb,
+    chat_to_pb,
+    delta_from_pb,
+    generate_request_to_pb,
+    model_info_from_pb,
 )
 from gateway.errors import BackendError, BackendErrorKind
 from gateway.targets import channel_options, grpc_target
 from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+# Where they were first: tests and tools import them from here.
+__all__ = ["GrpcBackend", "delta_from_pb", "generate_request_to_pb", "grpc_target", "to_backend_error"]
 
 log = logging.getLogger("gateway")
 
@@ -51,32 +43,16 @@ HEALTH_SERVICE = "sluice.v1.Generation"
 
 _CODES = {
     grpc.StatusCode.INVALID_ARGUMENT: BackendErrorKind.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION: BackendErrorKind.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION: BackendErrorKind.FAILED_PRECONDITION,
     grpc.StatusCode.OUT_OF_RANGE: BackendErrorKind.INVALID_ARGUMENT,
     grpc.StatusCode.NOT_FOUND: BackendErrorKind.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS: BackendErrorKind.ALREADY_EXISTS,
     grpc.StatusCode.RESOURCE_EXHAUSTED: BackendErrorKind.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAVAILABLE: BackendErrorKind.UNAVAILABLE,
     # The backend cancelling on its own means it is shutting down.
     grpc.StatusCode.CANCELLED: BackendErrorKind.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED: BackendErrorKind.DEADLINE_EXCEEDED,
     grpc.StatusCode.UNIMPLEMENTED: BackendErrorKind.UNIMPLEMENTED,
-}
-
-_FINISH = {
-    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    common_pb2.FINISH_REASON_EOS: FinishReason.EOS,
-    common_pb2.FINISH_REASON_STOP_STRING: FinishReason.STOP_STRING,
-    common_pb2.FINISH_REASON_ABORTED: FinishReason.ABORTED,
-    common_pb2.FINISH_REASON_TIME_LIMIT: FinishReason.TIME_LIMIT,
-    common_pb2.FINISH_REASON_ERROR: FinishReason.ERROR,
-    common_pb2.FINISH_REASON_TOOL_CALLS: FinishReason.TOOL_CALLS,
-}
-
-_BEAM_STOPPING = {
-    BeamStopping.DEFAULT: common_pb2.BEAM_STOPPING_UNSPECIFIED,
-    BeamStopping.EARLY: common_pb2.BEAM_STOPPING_EARLY,
-    BeamStopping.NEVER: common_pb2.BEAM_STOPPING_NEVER,
 }
 
 
@@ -212,8 +188,8 @@ class GrpcBackend:
         return cls(channel, [grpc.aio.insecure_channel(grpc_target([a]), options=channel_options()) for a in addrs])
 
     def generate(self, prompt: Prompt, params: GenerationParams, *, request_id: str,
-                 timeout: float | None) -> GrpcGenerateCall | MuxGenerateCall:
-        req = generate_request_to_pb(prompt, params, request_id)
+                 timeout: float | None, adapter: str = "") -> GrpcGenerateCall | MuxGenerateCall:
+        req = generate_request_to_pb(prompt, params, request_id, adapter)
         if self._streams:  # the tokenizer with the fewest open requests; ties taken in turn
             self._turn = (self._turn + 1) % len(self._streams)
             turn = self._streams[self._turn:] + self._streams[:self._turn]
@@ -221,12 +197,12 @@ class GrpcBackend:
         return GrpcGenerateCall(self._stub.Generate(req, timeout=timeout, metadata=_metadata(request_id)))
 
     async def tokenize(self, prompt: Prompt, *, add_special_tokens: bool | None, return_token_strs: bool,
-                       request_id: str, timeout: float | None) -> TokenizeResult:
-        req = generation_pb2.TokenizeRequest(return_token_strs=return_token_strs)
+                       request_id: str, timeout: float | None, adapter: str = "") -> TokenizeResult:
+        req = generation_pb2.TokenizeRequest(return_token_strs=return_token_strs, model=adapter)
         if add_special_tokens is not None:
             req.add_special_tokens = add_special_tokens
         if prompt.chat is not None:
-            req.chat.CopyFrom(_chat_to_pb(prompt))
+            req.chat.CopyFrom(chat_to_pb(prompt))
         else:
             req.text = prompt.text or ""
         try:
@@ -236,8 +212,9 @@ class GrpcBackend:
         strs = tuple(resp.token_strs) if return_token_strs else None
         return TokenizeResult(tuple(resp.token_ids), resp.max_model_len, strs)
 
-    async def detokenize(self, token_ids: tuple[int, ...], *, request_id: str, timeout: float | None) -> str:
-        req = generation_pb2.DetokenizeRequest(token_ids=token_ids)
+    async def detokenize(self, token_ids: tuple[int, ...], *, request_id: str, timeout: float | None,
+                         adapter: str = "") -> str:
+        req = generation_pb2.DetokenizeRequest(token_ids=token_ids, model=adapter)
         try:
             resp = await self._stub.Detokenize(req, timeout=timeout, metadata=_metadata(request_id))
         except grpc.aio.AioRpcError as err:
@@ -249,7 +226,22 @@ class GrpcBackend:
             resp = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise to_backend_error(err) from None
-        return ModelInfo(resp.model_name, resp.max_model_len)
+        return model_info_from_pb(resp)
+
+    async def load_lora_adapter(self, name: str, path: str, base_model_name: str, *,
+                                timeout: float | None) -> LoRAAdapter:
+        req = common_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path, base_model_name=base_model_name)
+        try:
+            resp = await self._stub.LoadLoRAAdapter(req, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise to_backend_error(err) from None
+        return adapter_from_pb(resp.adapter)
+
+    async def unload_lora_adapter(self, name: str, *, timeout: float | None) -> None:
+        try:
+            await self._stub.UnloadLoRAAdapter(common_pb2.UnloadLoRAAdapterRequest(lora_name=name), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise to_backend_error(err) from None
 
     async def check_ready(self, *, timeout: float) -> bool:
         """SERVING on the standard health service (NOT_SERVING while a backend drains),
@@ -277,127 +269,3 @@ class GrpcBackend:
         for channel in self._mux_channels:
             await channel.close()
         await self._channel.close()
-
-
-def _chat_to_pb(prompt: Prompt) -> generation_pb2.Chat:
-    chat = generation_pb2.Chat(add_generation_prompt=prompt.add_generation_prompt,
-                               chat_template_kwargs=prompt.chat_template_kwargs)
-    if prompt.chat_template is not None:
-        chat.chat_template = prompt.chat_template
-    for turn in prompt.chat or ():
-        msg = chat.messages.add(role=turn.role, content=turn.content)
-        if turn.name is not None:
-            msg.name = turn.name
-        if turn.tool_call_id is not None:
-            msg.tool_call_id = turn.tool_call_id
-        for call in turn.tool_calls:
-            msg.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
-    for tool in prompt.tools:
-        chat.tools.add(name=tool.name, description=tool.description, parameters=tool.parameters)
-    return chat
-
-
-def _guided_to_pb(guided: Guided, out: common_pb2.GuidedDecoding) -> None:
-    if guided.kind is GuidedKind.JSON_SCHEMA:
-        out.json_schema = guided.spec
-    elif guided.kind is GuidedKind.JSON_OBJECT:
-        out.json_object = True
-    elif guided.kind is GuidedKind.REGEX:
-        out.regex = guided.spec
-    elif guided.kind is GuidedKind.CHOICE:
-        out.choice.choices.extend(guided.choices)
-    else:
-        out.grammar = guided.spec
-
-
-def _tool_choice_to_pb(choice: ToolChoice, out: generation_pb2.ToolChoice) -> None:
-    if choice.mode is ToolChoiceMode.NONE:
-        out.none = True
-    elif choice.mode is ToolChoiceMode.AUTO:
-        out.auto = True
-    elif choice.mode is ToolChoiceMode.REQUIRED:
-        out.required = True
-    else:
-        out.function_name = choice.function_name
-
-
-def _beam_search_to_pb(beam: BeamSearch, out: common_pb2.BeamSearch) -> None:
-    out.beam_width = beam.beam_width
-    if beam.length_penalty is not None:
-        out.length_penalty = beam.length_penalty
-    out.early_stopping = _BEAM_STOPPING[beam.early_stopping]
-
-
-def generate_request_to_pb(prompt: Prompt, p: GenerationParams, request_id: str) -> generation_pb2.GenerateRequest:
-    req = generation_pb2.GenerateRequest(request_id=request_id, n=p.n)
-    if prompt.chat is not None:
-        req.chat.CopyFrom(_chat_to_pb(prompt))
-    elif prompt.token_ids is not None:
-        req.token_ids.ids.extend(prompt.token_ids)
-    else:
-        req.text = prompt.text or ""
-    s = req.sampling
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "seed"):
-        value = getattr(p, name)
-        if value is not None:
-            setattr(s, name, value)
-    for tok, bias in p.logit_bias.items():
-        s.logit_bias[tok] = bias
-    st = req.stopping
-    if p.max_tokens is not None:
-        st.max_tokens = p.max_tokens
-    st.min_tokens = p.min_tokens
-    st.stop.extend(p.stop)
-    st.stop_token_ids.extend(p.stop_token_ids)
-    st.ignore_eos = p.ignore_eos
-    st.include_stop_str_in_output = p.include_stop_str_in_output
-    r = req.response
-    if p.skip_special_tokens is not None:
-        r.skip_special_tokens = p.skip_special_tokens
-    r.logprobs = p.logprobs
-    r.top_logprobs = p.top_logprobs
-    r.echo = p.echo
-    if p.stream_interval is not None:
-        r.stream_interval = p.stream_interval
-    if p.prompt_logprobs is not None:
-        r.prompt_logprobs = p.prompt_logprobs
-    if p.guided is not None:
-        _guided_to_pb(p.guided, req.guided)
-    req.priority = p.priority
-    if p.best_of is not None:
-        req.best_of = p.best_of
-    if p.beam_search is not None:
-        _beam_search_to_pb(p.beam_search, req.beam_search)
-    if p.tool_choice is not None:
-        _tool_choice_to_pb(p.tool_choice, req.tool_choice)
-    if p.parallel_tool_calls is not None:
-        req.parallel_tool_calls = p.parallel_tool_calls
-    return req
-
-
-def delta_from_pb(msg: generation_pb2.GenerateResponse) -> Delta:
-    stop_kind = msg.WhichOneof("stop_reason")
-    stop_reason: str | int | None = getattr(msg, stop_kind) if stop_kind else None
-    logprobs = tuple(
-        TokenLogprob(lp.token_id, lp.text, lp.text_bytes, lp.logprob,
-                     tuple(TopLogprob(t.token_id, t.text, t.text_bytes, t.logprob) for t in lp.top_logprobs))
-        for lp in msg.logprobs
-    )
-    return Delta(
-        index=msg.index,
-        text=msg.text,
-        token_ids=tuple(msg.token_ids),
-        logprobs=logprobs,
-        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens),
-        finish_reason=_FINISH.get(msg.finish_reason),
-        stop_reason=stop_reason,
-        error_message=msg.error_message,
-        tool_calls=tuple(ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in msg.tool_calls),
-        prompt_logprobs=tuple(
-            PromptTokenLogprob(p.token_id, p.text, p.logprob if p.HasField("logprob") else None,
-                               tuple(TopLogprob(t.token_id, t.text, t.text_bytes, t.logprob) for t in p.top_logprobs))
-            for p in msg.prompt_logprobs
-        ),
-    )
-

@@ -26,7 +26,9 @@ class BackendErrorKind(enum.Enum):
     """Why a backend call failed, independent of the transport (gRPC codes)."""
 
     INVALID_ARGUMENT = "invalid_argument"
+    FAILED_PRECONDITION = "failed_precondition"  # the backend is not set up for this (runtime LoRA updating off)
     NOT_FOUND = "not_found"
+    ALREADY_EXISTS = "already_exists"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAVAILABLE = "unavailable"
     DEADLINE_EXCEEDED = "deadline_exceeded"
@@ -36,7 +38,7 @@ class BackendErrorKind(enum.Enum):
 
 class BackendError(Exception):
     """A backend call failed. ``message`` is the backend's own text, for logs and
-    (INVALID_ARGUMENT / NOT_FOUND only) for the client."""
+    (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, ALREADY_EXISTS only) for the client."""
 
     def __init__(self, kind: BackendErrorKind, message: str = "", retry_after: int | None = None) -> None:
         super().__init__(f"{kind.value}: {message}")
@@ -99,7 +101,8 @@ def _split_field(message: str) -> tuple[str | None, str]:
 def from_backend(err: BackendError, retry_after_default: int) -> ApiError:
     """Map a backend failure onto the client-facing error, without transport details."""
     kind = err.kind
-    if kind is BackendErrorKind.INVALID_ARGUMENT:
+    if kind in (BackendErrorKind.INVALID_ARGUMENT, BackendErrorKind.FAILED_PRECONDITION,
+                BackendErrorKind.ALREADY_EXISTS):
         param, message = _split_field(err.message[:_MAX_BACKEND_MESSAGE] or "Invalid request.")
         return ApiError(400, message, param=param)
     if kind is BackendErrorKind.NOT_FOUND:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.routing import Route
 
 from gateway.routes.generate import chat_completions, completions
+from gateway.routes.lora import load_lora_adapter, unload_lora_adapter
 from gateway.routes.ops import health, list_models, metrics, ready
 from gateway.routes.tokens import detokenize, tokenize
 
@@ -14,6 +15,8 @@ def build_routes() -> list[Route]:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),

@@ -21,7 +21,7 @@ from gateway.backend import Delta, FinishReason, GenerateCall
 from gateway.errors import ApiError, BackendError, internal_error
 from gateway.metrics import GenerationTracker
 from gateway.responses import ResponseBuilder, UsageSum
-from gateway.routes.common import GatewayState, gateway_state, read_json, request_id, resolve_model
+from gateway.routes.common import GatewayState, ModelChoice, gateway_state, read_json, request_id, resolve_model
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
 from gateway.streams import TIMED_OUT, DeltaStream
@@ -40,9 +40,10 @@ async def chat_completions(request: Request) -> Response:
 class _Run:
     """One request in flight: its merged calls, the response being built, usage, metrics."""
 
-    def __init__(self, state: GatewayState, req: GenerationRequest, model: str, rid: str) -> None:
+    def __init__(self, state: GatewayState, req: GenerationRequest, model: ModelChoice, rid: str) -> None:
         self.state = state
         self.req = req
+        self.model = model
         self.rid = rid
         num_prompts = len(req.prompts)
         calls: list[GenerateCall] = []
@@ -50,23 +51,25 @@ class _Run:
             for i, prompt in enumerate(req.prompts):
                 calls.append(state.backend.generate(prompt, req.params,
                                                     request_id=rid if num_prompts == 1 else f"{rid}-{i}",
-                                                    timeout=state.settings.request_timeout))
+                                                    timeout=state.settings.request_timeout,
+                                                    adapter=model.adapter))
         except BaseException:
             for call in calls:  # started already: abort them
                 call.cancel()
             raise
         self.stream = DeltaStream(calls, req.params.n)
-        self.builder = ResponseBuilder(is_chat=req.is_chat, request_id=rid, created=int(time.time()), model=model,
+        self.builder = ResponseBuilder(is_chat=req.is_chat, request_id=rid, created=int(time.time()),
+                                       model=model.name,
                                        num_choices=num_prompts * req.params.n, logprobs=req.params.logprobs,
                                        prompt_logprobs=req.params.prompt_logprobs is not None,
                                        echo=req.params.echo, echo_prefix=req.echo_prefix)
         self.usage = UsageSum(num_prompts)
-        self.tracker: GenerationTracker = state.metrics.track(model)
+        self.tracker: GenerationTracker = state.metrics.track(model.name)
 
     def api_error(self, err: BackendError) -> ApiError:
         """The client's error for a backend failure; a refused constraint (the backend names the wire field,
         ``guided.regex``) names the request field it came from (``guided_regex``, ``response_format``...)."""
-        error = self.state.api_error(err)
+        error = self.state.api_error(err, self.model)
         guided = self.req.params.guided
         if guided is not None and guided.source and error.param is not None and error.param.startswith("guided"):
             if error.message.startswith(f"{error.param}: "):

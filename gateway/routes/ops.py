@@ -27,16 +27,19 @@ async def ready(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
+    """The served model(s), then each LoRA adapter with the model it was fine-tuned from as its ``parent``
+    (vLLM's listing)."""
     state = gateway_state(request)
     try:
         names = await state.models.names()
         # vLLM lists max_model_len with each model; clients size their prompts from it.
-        info = await state.backend.model_info(timeout=state.settings.unary_timeout)
+        info = await state.models.info(state.settings.unary_timeout)
     except BackendError as err:
         raise state.api_error(err) from None
     created = int(time.time())
+    entries = [(name, None) for name in names] + [(a.name, a.base_model_name) for a in info.lora_adapters]
     data = [{"id": name, "object": "model", "created": created, "owned_by": "sluice", "root": name,
-             "parent": None, "max_model_len": info.max_model_len} for name in names]
+             "parent": parent, "max_model_len": info.max_model_len} for name, parent in entries]
     return JSONResponse({"object": "list", "data": data})
 
 

@@ -13,13 +13,14 @@ from gateway.schemas import parse_detokenize, parse_tokenize
 async def tokenize(request: Request) -> Response:
     state = gateway_state(request)
     req = parse_tokenize(await read_json(request))
-    await resolve_model(request, req.model)
+    model = await resolve_model(request, req.model)
     try:
         result = await state.backend.tokenize(req.prompt, add_special_tokens=req.add_special_tokens,
                                               return_token_strs=req.return_token_strs,
-                                              request_id=request_id(request), timeout=state.settings.unary_timeout)
+                                              request_id=request_id(request), timeout=state.settings.unary_timeout,
+                                              adapter=model.adapter)
     except BackendError as err:
-        raise state.api_error(err) from None
+        raise state.api_error(err, model) from None
     return JSONResponse({
         "count": len(result.token_ids),
         "max_model_len": result.max_model_len,
@@ -31,10 +32,10 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     state = gateway_state(request)
     req = parse_detokenize(await read_json(request))
-    await resolve_model(request, req.model)
+    model = await resolve_model(request, req.model)
     try:
         text = await state.backend.detokenize(req.token_ids, request_id=request_id(request),
-                                              timeout=state.settings.unary_timeout)
+                                              timeout=state.settings.unary_timeout, adapter=model.adapter)
     except BackendError as err:
-        raise state.api_error(err) from None
+        raise state.api_error(err, model) from None
     return JSONResponse({"prompt": text})

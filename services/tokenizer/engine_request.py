@@ -62,15 +62,18 @@ def check_guided(guided: common_pb2.GuidedDecoding) -> None:
 
 
 def engine_options(request: generation_pb2.GenerateRequest, request_id: str, n: int,
-                   guided: common_pb2.GuidedDecoding | None) -> engine_pb2.EngineGenerateRequest:
-    """Everything of the engine request but the prompt; ``guided`` (tool_choice's) replaces the request's."""
+                   guided: common_pb2.GuidedDecoding | None, lora_adapter: str = ""
+                   ) -> engine_pb2.EngineGenerateRequest:
+    """Everything of the engine request but the prompt; ``guided`` (tool_choice's) replaces the request's;
+    ``lora_adapter``: the adapter ``request.model`` names, "" for the base model."""
     st = request.stopping
     stopping = engine_pb2.EngineStoppingCriteria(min_tokens=st.min_tokens, stop_token_ids=st.stop_token_ids,
                                                  ignore_eos=st.ignore_eos)
     if st.HasField("max_tokens"):
         stopping.max_tokens = st.max_tokens
     req = engine_pb2.EngineGenerateRequest(request_id=request_id, sampling=request.sampling, stopping=stopping,
-                                           priority=request.priority, n=n, best_of=request.best_of)
+                                           priority=request.priority, n=n, best_of=request.best_of,
+                                           lora_adapter=lora_adapter)
     response = request.response
     if response.logprobs:
         req.logprobs = response.top_logprobs

@@ -25,6 +25,7 @@ from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_
 from services.tokenizer.chat import render_chat
 from services.tokenizer.engine_request import check_options, engine_options
 from services.tokenizer.engine_stream import EngineStream, error_reason
+from services.tokenizer.lora import LoRAAdapter, adapters_from_pb, adapters_to_pb, model_not_found
 from services.tokenizer.multiplexer import Multiplexer
 from services.tokenizer.outputs import SequenceOutput, Usage
 from services.tokenizer.tools import ToolSettings, plan_tools
@@ -39,6 +40,11 @@ class EngineInfo:
     vocab_size: int
     eos_token_ids: list[int]
     bos_token_id: int | None
+    lora_enabled: bool = False
+    lora_adapters: tuple[LoRAAdapter, ...] = ()
+
+    def has_adapter(self, name: str) -> bool:
+        return any(a.name == name for a in self.lora_adapters)
 
 
 @dataclass
@@ -75,7 +81,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self._info is None or refresh:
             r = await self.engine.GetInfo(engine_pb2.GetInfoRequest(), timeout=10)
             self._info = EngineInfo(r.model_name, r.max_model_len, r.vocab_size, list(r.eos_token_ids),
-                                    r.bos_token_id if r.HasField("bos_token_id") else None)
+                                    r.bos_token_id if r.HasField("bos_token_id") else None,
+                                    r.lora_enabled, adapters_from_pb(list(r.lora_adapters)))
         return self._info
 
     async def ensure_shm(self) -> bool:
@@ -137,8 +144,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """One request's deltas, for ``Generate`` and ``GenerateStream`` alike; errors raise (typed, or the
         engine call's ``AioRpcError``). ``timeout``: seconds left of the caller's deadline, for the engine call."""
-        self._check_model(request.model)
         check_options(request)
+        adapter = await self.lora_adapter(request.model, engine_resolves=True)
         plan = plan_tools(request, self.tools)
         prompt_ids = self.prompt_ids(request)  # its length against max_model_len: the engine's to check
         n = request.n or 1
@@ -151,7 +158,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             for i in range(n)}
         usage = Usage(prompt=len(prompt_ids))
         source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
-        engine_req, handoff = await self.engine_request(engine_options(request, request_id, n, plan.guided),
+        engine_req, handoff = await self.engine_request(engine_options(request, request_id, n, plan.guided, adapter),
                                                         prompt_ids, source=source)
         time_limit = request.stopping.time_limit_ms / 1000 if request.stopping.HasField("time_limit_ms") else None
         deadline = time.monotonic() + time_limit if time_limit else None
@@ -250,14 +257,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _render(self, chat: generation_pb2.Chat) -> str:
         return render_chat(self.tokenizer, chat)
 
-    def _check_model(self, model: str) -> None:
-        if model and model != self.served_model_name:
-            raise InvalidRequestError("model", f"model {model!r} is not served here "
-                                               f"(serving {self.served_model_name!r})")
+    async def lora_adapter(self, model: str, *, engine_resolves: bool = False) -> str:
+        """The LoRA adapter ``model`` names: "" for the served model (or no name). Another name is an adapter's
+        when the engine serves LoRA: as it is when ``engine_resolves`` (a generation: the engine refuses an
+        unknown one itself, and knows of an unload before any copy here), else checked against the engine's
+        list (refreshed once on a miss); NOT_FOUND otherwise."""
+        if not model or model == self.served_model_name:
+            return ""
+        info = await self.engine_info()
+        if info.lora_enabled and (engine_resolves or info.has_adapter(model)):
+            return model
+        if info.lora_enabled:
+            info = await self.engine_info(refresh=True)
+            if info.has_adapter(model):
+                return model
+        raise model_not_found(model, self.served_model_name, lora_enabled=info.lora_enabled)
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
                        ) -> generation_pb2.TokenizeResponse:
-        self._check_model(request.model)
+        await self.lora_adapter(request.model)
         which = request.WhichOneof("input")
         if which == "chat":
             add = request.add_special_tokens if request.HasField("add_special_tokens") else False
@@ -273,7 +291,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Detokenize(self, request: generation_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
                          ) -> generation_pb2.DetokenizeResponse:
-        self._check_model(request.model)
+        await self.lora_adapter(request.model)
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in request.token_ids if t >= vocab), None)
         if bad is not None:
@@ -284,21 +302,46 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def ApplyChatTemplate(self, request: generation_pb2.ApplyChatTemplateRequest,
                                 context: grpc.aio.ServicerContext) -> generation_pb2.ApplyChatTemplateResponse:
-        self._check_model(request.model)
+        await self.lora_adapter(request.model)
         text = self._render(request.chat)
         return generation_pb2.ApplyChatTemplateResponse(
             text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False))
 
     async def GetModelInfo(self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> generation_pb2.GetModelInfoResponse:
-        self._check_model(request.model)
+        await self.lora_adapter(request.model)
         info = await self.engine_info(refresh=True)
         resp = generation_pb2.GetModelInfoResponse(
             model_name=self.served_model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids, has_chat_template=self.tokenizer.chat_template is not None,
-            model_path=self.model_path)
+            model_path=self.model_path, lora_enabled=info.lora_enabled,
+            lora_adapters=adapters_to_pb(info.lora_adapters))
         if info.bos_token_id is not None:
             resp.bos_token_id = info.bos_token_id
+        return resp
+
+    async def LoadLoRAAdapter(self, request: common_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+                              ) -> common_pb2.LoadLoRAAdapterResponse:
+        """Forwarded to the engine, whose status comes back as it is (ALREADY_EXISTS, INVALID_ARGUMENT naming
+        the adapter's file, FAILED_PRECONDITION when runtime updating is off)."""
+        if request.lora_name == self.served_model_name:
+            # The engine may know the model by another name; requests with this one would never reach it.
+            raise InvalidRequestError("lora_name", f"{request.lora_name!r} is the served model's name")
+        try:
+            resp: common_pb2.LoadLoRAAdapterResponse = await self.engine.LoadLoRAAdapter(
+                request, timeout=context.time_remaining())
+        finally:
+            self._info = None  # the adapter list changed (or may have): asked again on the next lookup
+        return resp
+
+    async def UnloadLoRAAdapter(self, request: common_pb2.UnloadLoRAAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoRAAdapterResponse:
+        """Forwarded to the engine, whose status comes back as it is (NOT_FOUND for an unknown name)."""
+        try:
+            resp: common_pb2.UnloadLoRAAdapterResponse = await self.engine.UnloadLoRAAdapter(
+                request, timeout=context.time_remaining())
+        finally:
+            self._info = None
         return resp
 
 

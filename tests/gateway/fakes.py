@@ -22,6 +22,12 @@ carries one entry per word (of the text, or of the chat messages): token id i + 
 space, and without a logprob), logprob -0.25 * i, and ``prompt_logprobs`` (else
 ``top_logprobs``) alternatives: id 200 + j, text "pj", logprob -1 - j.
 ``GenerateStream`` runs the same behaviours per request, multiplexed.
+
+LoRA: a request's ``model`` (empty: the base model) must be one of ``lora_adapters``
+(name → base model name), else NOT_FOUND as the tokenizer service answers; GetModelInfo
+lists them when ``lora_enabled``; Load/UnloadLoRAAdapter change them with the proto's
+status codes: FAILED_PRECONDITION unless ``runtime_lora``, ALREADY_EXISTS, NOT_FOUND,
+and INVALID_ARGUMENT for a ``lora_path`` starting with "bad".
 """
 
 from __future__ import annotations
@@ -73,6 +79,10 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     stream_messages: int = 0  # GenerateStream messages sent
     stream_requests: list[generation_pb2.GenerateStreamRequest] = field(default_factory=list)
+    lora_enabled: bool = False
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    runtime_lora: bool = True
+    lora_requests: list[object] = field(default_factory=list)  # Load/UnloadLoRAAdapter requests
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         self.generate_requests.append(request)
@@ -87,6 +97,8 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         self.finished.set()
 
     async def _generate(self, request, command, context):  # type: ignore[no-untyped-def]
+        if request.model and request.model not in self.lora_adapters:
+            await context.abort(grpc.StatusCode.NOT_FOUND, self._not_found(request.model))
         if command.startswith("abort:"):
             _, code, details = command.split(":", 2)
             await context.abort(grpc.StatusCode[code], details)
@@ -196,8 +208,13 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
             for task in list(tasks.values()):
                 task.cancel()
 
+    def _not_found(self, model: str) -> str:
+        return f"model: {model!r} is neither the served model nor a loaded LoRA adapter"
+
     async def Tokenize(self, request, context):  # type: ignore[no-untyped-def]
         self.unary_requests.append(request)
+        if request.model and request.model not in self.lora_adapters:
+            await context.abort(grpc.StatusCode.NOT_FOUND, self._not_found(request.model))
         if request.HasField("chat"):
             words = " ".join(m.content for m in request.chat.messages).split()
         else:
@@ -208,11 +225,40 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
 
     async def Detokenize(self, request, context):  # type: ignore[no-untyped-def]
         self.unary_requests.append(request)
+        if request.model and request.model not in self.lora_adapters:
+            await context.abort(grpc.StatusCode.NOT_FOUND, self._not_found(request.model))
         return generation_pb2.DetokenizeResponse(text=" ".join(f"t{i}" for i in request.token_ids))
 
     async def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
         self.unary_requests.append(request)
-        return generation_pb2.GetModelInfoResponse(model_name=MODEL_NAME, max_model_len=2048, vocab_size=1000)
+        resp = generation_pb2.GetModelInfoResponse(model_name=MODEL_NAME, max_model_len=2048, vocab_size=1000,
+                                                   lora_enabled=self.lora_enabled)
+        for name, base in self.lora_adapters.items():
+            resp.lora_adapters.add(name=name, base_model_name=base)
+        return resp
+
+    async def LoadLoRAAdapter(self, request, context):  # type: ignore[no-untyped-def]
+        self.lora_requests.append(request)
+        if not self.runtime_lora:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "runtime LoRA updating is off")
+        if request.lora_name in self.lora_adapters:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"lora_name: {request.lora_name!r} is loaded")
+        if request.lora_path.startswith("bad"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"lora_path: {request.lora_path}/adapter_config.json: r: 64 is above "
+                                "--max-lora-rank 16")
+        base = request.base_model_name or MODEL_NAME
+        self.lora_adapters[request.lora_name] = base
+        return common_pb2.LoadLoRAAdapterResponse(
+            adapter=common_pb2.LoRAAdapter(name=request.lora_name, base_model_name=base))
+
+    async def UnloadLoRAAdapter(self, request, context):  # type: ignore[no-untyped-def]
+        self.lora_requests.append(request)
+        if not self.runtime_lora:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "runtime LoRA updating is off")
+        if self.lora_adapters.pop(request.lora_name, None) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"lora_name: no adapter named {request.lora_name!r}")
+        return common_pb2.UnloadLoRAAdapterResponse()
 
 
 class _Aborted(Exception):

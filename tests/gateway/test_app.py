@@ -335,11 +335,11 @@ async def test_a_batched_prompt_whose_call_cannot_start_aborts_the_calls_already
             cancelled.append(self)
             self.call.cancel()
 
-    def generate(prompt, params, *, request_id, timeout):  # type: ignore[no-untyped-def]
+    def generate(prompt, params, *, request_id, timeout, adapter):  # type: ignore[no-untyped-def]
         if prompt.text == "cannot start":
             raise ValueError("no such call")
         started.append(Recording(GrpcBackend.generate(backend, prompt, params, request_id=request_id,
-                                                      timeout=timeout)))
+                                                      timeout=timeout, adapter=adapter)))
         return started[-1]
 
     backend.generate = generate  # type: ignore[method-assign]

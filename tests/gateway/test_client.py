@@ -136,7 +136,8 @@ pytest_anyio = pytest.mark.anyio
 @pytest_anyio
 @pytest.mark.parametrize(("code", "kind"), [
     ("INVALID_ARGUMENT", BackendErrorKind.INVALID_ARGUMENT),
-    ("FAILED_PRECONDITION", BackendErrorKind.INVALID_ARGUMENT),
+    ("FAILED_PRECONDITION", BackendErrorKind.FAILED_PRECONDITION),
+    ("ALREADY_EXISTS", BackendErrorKind.ALREADY_EXISTS),
     ("RESOURCE_EXHAUSTED", BackendErrorKind.RESOURCE_EXHAUSTED),
     ("UNAVAILABLE", BackendErrorKind.UNAVAILABLE),
     ("DEADLINE_EXCEEDED", BackendErrorKind.DEADLINE_EXCEEDED),

@@ -313,7 +313,9 @@ def test_generate_stream_errors_end_only_their_request(fake: tuple[ScriptedEngin
     assert len(got[7]) == 1 and got[7][0].end and not got[7][0].HasField("response")
     assert got[7][0].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "stream_interval" in got[7][0].status_message
-    assert got[8][-1].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "model" in got[8][-1].status_message
+    assert got[8][-1].status_code == grpc.StatusCode.NOT_FOUND.value[0]  # OpenAI's 404 model_not_found
+    assert got[8][-1].status_message == ("model: 'not-this-one' is not served here (serving 'SmolLM2-135M-Instruct'; "
+                                         "LoRA adapters need --enable-lora)")
     assert got[9][-1].end and got[9][-1].status_code == 0
     assert "".join(i.response.text for i in got[9]) == "Hello there."
     assert len(engine.requests) == 1  # the two bad ones never reached the engine
