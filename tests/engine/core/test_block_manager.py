@@ -88,7 +88,8 @@ def test_prefix_hit_shares_full_blocks_and_counts_tokens() -> None:
 def test_blocks_are_keyed_by_the_lora_adapter_and_base_blocks_hash_as_before() -> None:
     bm = BlockManager(16, 4)
     prompt = list(range(9))   # two full blocks
-    base, a, b = make_request("base", prompt), make_request("a", prompt, lora_id=1), make_request("b", prompt, lora_id=2)
+    base = make_request("base", prompt)
+    a, b = make_request("a", prompt, lora_id=1), make_request("b", prompt, lora_id=2)
     for r in (base, a, b):
         assert bm.get_computed_blocks(r) == []   # the same tokens under another adapter (or none) never hit
         run_prefill(bm, r)

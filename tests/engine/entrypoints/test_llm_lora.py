@@ -44,7 +44,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     specs = {"sql": dict(r=8, alpha=16, targets=("q_proj", "v_proj"), seed=11),
              "chat": dict(r=16, alpha=32, seed=12),
              "late": dict(r=16, alpha=8, use_rslora=True, targets=("o_proj", "gate_proj", "down_proj"), seed=13)}
-    adapters = {}
+    adapters: dict[str, tuple[LoRARequest, torch.nn.Module]] = {}
     for lora_id, (name, spec) in enumerate(specs.items(), start=1):
         peft_model = save_adapter(base, root / name, **spec)  # type: ignore[arg-type]
         adapters[name] = (LoRARequest(name, lora_id, str(root / name)), peft_model)
