@@ -143,7 +143,8 @@ class EngineCore:
         missing or malformed, or does not fit the model (the executor's message names the file and field).
         An adapter whose removal was waiting for its requests is kept after all."""
         if self.config.lora_config is None:
-            raise InvalidRequestError("lora_request", "LoRA is not enabled: start the engine with --enable-lora")
+            raise InvalidRequestError("lora_request", "LoRA is not enabled: start the engine with --enable-lora "
+                                                      "(offline: LLM(..., enable_lora=True))")
         lora_id = lora.lora_int_id
         path = self._lora_paths.get(lora_id)
         if path is not None and path != lora.lora_path:

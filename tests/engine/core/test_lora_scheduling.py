@@ -162,7 +162,8 @@ def test_lora_requests_are_refused_when_lora_is_off(monkeypatch: pytest.MonkeyPa
     with pytest.raises(InvalidRequestError) as e:
         add(core, "r", A)
     assert (e.value.field, e.value.message) == ("lora_request",
-                                                "LoRA is not enabled: start the engine with --enable-lora")
+                                                "LoRA is not enabled: start the engine with --enable-lora "
+                                                "(offline: LLM(..., enable_lora=True))")
     with pytest.raises(InvalidRequestError):
         core.add_lora(A)
     assert fake(core).added == [] and not core.has_unfinished_requests()

@@ -157,5 +157,6 @@ def test_lora_arguments_and_requests_need_enable_lora(setup: Setup) -> None:
     with pytest.raises(InvalidRequestError) as e:
         plain.generate([PROMPTS[0]], GREEDY, lora_request=setup.adapters["sql"][0])
     assert (e.value.field, e.value.message) == ("lora_request",
-                                                "LoRA is not enabled: start the engine with --enable-lora")
+                                                "LoRA is not enabled: start the engine with --enable-lora "
+                                                "(offline: LLM(..., enable_lora=True))")
     assert not plain.engine.has_unfinished_requests()
