@@ -9,7 +9,10 @@ Prefix caching: every FULL block of a request gets a chained hash
 ``request.block_hashes``). Once its KV is computed the block is registered under
 that hash; a later request whose prefix has the same hash chain reuses it, after
 comparing the stored key (parent hash, tokens, extra keys) so that a hash
-collision can never serve wrong KV. A freed block that is registered is not
+collision can never serve wrong KV. The extra keys name the request's LoRA
+adapter (``request.lora_id``): KV computed through one adapter's weights is
+never served to another adapter or to the base model, whose blocks (no extra
+keys) hash as they always did. A freed block that is registered is not
 wiped: it waits on an LRU list and is only reused (and unregistered) when no
 plain free block is left.
 
@@ -30,6 +33,12 @@ ExtraKeys = tuple[object, ...] | None
 # What a cached block is verified against on a hit: (parent hash, its tokens, extra keys).
 BlockKey = tuple[int | None, tuple[int, ...], ExtraKeys]
 HashFn = Callable[[int | None, tuple[int, ...], ExtraKeys], int]
+
+
+def block_extra_keys(request: Request) -> ExtraKeys:
+    """What besides its tokens a request's KV depends on: its LoRA adapter's id (None for the base model)."""
+    lora_id = request.lora_id
+    return None if lora_id is None else (lora_id,)
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: ExtraKeys = None) -> int:
@@ -100,12 +109,13 @@ class BlockManager:
         hashes = self._block_hashes(request, max_blocks)
         tokens = request.all_token_ids
         bs = self.block_size
+        extra = block_extra_keys(request)
         blocks: list[int] = []
         parent: int | None = None
         for i in range(max_blocks):
             block_id = self._block_of_hash.get(hashes[i])
             if (block_id is None
-                    or self._key_of_block[block_id] != (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None)):
+                    or self._key_of_block[block_id] != (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), extra)):
                 break
             blocks.append(block_id)
             parent = hashes[i]
@@ -123,6 +133,7 @@ class BlockManager:
         hashes = self._block_hashes(request, num_full)
         tokens = request.all_token_ids
         bs = self.block_size
+        extra = block_extra_keys(request)
         for i in range(start, num_full):
             block_id = request.block_ids[i]
             # Already registered (a prefix hit, or shared by a fork), or the same content is cached in
@@ -131,7 +142,7 @@ class BlockManager:
                 continue
             parent = hashes[i - 1] if i > 0 else None
             self._hash_of_block[block_id] = hashes[i]
-            self._key_of_block[block_id] = (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), None)
+            self._key_of_block[block_id] = (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), extra)
             self._block_of_hash[hashes[i]] = block_id
         request.num_seen_blocks = num_full
 
@@ -140,10 +151,11 @@ class BlockManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         bs = self.block_size
+        extra = block_extra_keys(request)
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(self._hash_fn(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs].tolist()),
-                                        None))
+                                        extra))
         return hashes
 
     # ----- allocation --------------------------------------------------------------

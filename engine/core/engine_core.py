@@ -15,6 +15,7 @@ import numpy as np
 
 from common.errors import InvalidRequestError
 from engine.config import EngineConfig
+from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, Request, SequenceId
 from engine.core.sampling_params import SamplingParams
@@ -62,6 +63,14 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
                                    max_model_len=self.max_model_len)
         self._pending: list[EngineCoreOutput] = []
+        # LoRA: the adapters the executor holds, by id; every path an id was ever given (an id stands for one
+        # adapter's weights for the process's life: its prefix-cache blocks outlive the adapter's removal); the
+        # live requests of each adapter; the adapters whose removal waits for their last request to end.
+        self._loras: dict[int, LoRARequest] = {}
+        self._lora_paths: dict[int, str] = {}
+        self._lora_of_request: dict[str, int] = {}
+        self._lora_users: dict[int, int] = {}
+        self._lora_removals: set[int] = set()
         self.last_step: StepStats | None = None
         self.total_steps = 0
         logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%s), max_model_len %d",
@@ -81,12 +90,15 @@ class EngineCore:
 
     # -- requests -----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
-                    *, priority: int = 0, arrival_time: float | None = None) -> Request:
+                    *, priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Validate and queue a request. Raises InvalidRequestError (naming the field) or QueueFullError.
 
         ``prompt_token_ids``: a list of ints or a 1-D integer array (what the gRPC servicer passes on,
         straight from shared memory or protobuf). Token ids and parameters are checked against the model
-        here; the prompt's length (max_model_len, the KV cache) and the request id by the scheduler."""
+        here; the prompt's length (max_model_len, the KV cache) and the request id by the scheduler.
+        ``lora_request``: the adapter to run it through (None: the base model), loaded and validated the first
+        time its id is seen (its errors refuse the request)."""
         if isinstance(prompt_token_ids, np.ndarray):
             if prompt_token_ids.ndim != 1 or not np.issubdtype(prompt_token_ids.dtype, np.integer):
                 raise InvalidRequestError("prompt_token_ids", "must be a one-dimensional array of integers")
@@ -112,9 +124,72 @@ class EngineCore:
                                                   f"got {priority}")
         if params.structured_outputs is not None:  # compiled (or found cached) now: never refused in a step
             self.executor.compile_grammar(params.structured_outputs)
-        request = Request(request_id, prompt_token_ids, params, arrival_time=arrival_time, priority=priority)
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        request = Request(request_id, prompt_token_ids, params, arrival_time=arrival_time, priority=priority,
+                          lora_request=lora_request)
         self.scheduler.add_request(request)
+        if lora_request is not None:
+            lora_id = lora_request.lora_int_id
+            self._lora_of_request[request_id] = lora_id
+            self._lora_users[lora_id] = self._lora_users.get(lora_id, 0) + 1
         return request
+
+    # -- LoRA adapters ------------------------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Load and validate an adapter now (the executor reads its folder); True when it was not loaded yet.
+
+        Raises InvalidRequestError: LoRA is off; the id was given to another adapter folder; the folder is
+        missing or malformed, or does not fit the model (the executor's message names the file and field).
+        An adapter whose removal was waiting for its requests is kept after all."""
+        if self.config.lora_config is None:
+            raise InvalidRequestError("lora_request", "LoRA is not enabled: start the engine with --enable-lora "
+                                                      "(offline: LLM(..., enable_lora=True))")
+        lora_id = lora.lora_int_id
+        path = self._lora_paths.get(lora_id)
+        if path is not None and path != lora.lora_path:
+            raise InvalidRequestError(
+                "lora_request", f"lora_int_id {lora_id} already names the adapter at {path!r}, not "
+                                f"{lora.lora_path!r}: give each adapter its own lora_int_id")
+        self._lora_removals.discard(lora_id)
+        if lora_id in self._loras:
+            return False
+        self.executor.add_lora(lora)
+        self._loras[lora_id] = lora
+        self._lora_paths[lora_id] = lora.lora_path
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Free an adapter's weights: now when no live request uses it, else when the last one ends (finished,
+        aborted or failed). False when no adapter has that id."""
+        if lora_id not in self._loras:
+            return False
+        if self._lora_users.get(lora_id):
+            self._lora_removals.add(lora_id)
+        else:
+            self._drop_lora(lora_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded (those waiting for their requests to end before removal included)."""
+        return set(self._loras)
+
+    def _drop_lora(self, lora_id: int) -> None:
+        self.executor.remove_lora(lora_id)
+        del self._loras[lora_id]
+        self._lora_removals.discard(lora_id)
+
+    def _end_lora_uses(self, request_ids: Iterable[str]) -> None:
+        """Count out the requests among ``request_ids`` that have ended; free adapters left unused and waiting."""
+        for request_id in request_ids:
+            if request_id not in self._lora_of_request or self.scheduler.get_request(request_id) is not None:
+                continue   # no adapter, or a sequence of it still runs
+            lora_id = self._lora_of_request.pop(request_id)
+            self._lora_users[lora_id] -= 1
+            if self._lora_users[lora_id] == 0:
+                del self._lora_users[lora_id]
+                if lora_id in self._lora_removals:
+                    self._drop_lora(lora_id)
 
     def abort_requests(self, targets: Iterable[str | SequenceId], *, reason: FinishReason = FinishReason.ABORT
                        ) -> None:
@@ -135,6 +210,8 @@ class EngineCore:
                 self._pending.append(EngineCoreOutput(
                     req.request_id, [], finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=req.num_cached_tokens, index=req.index, request_finished=req.ends_request))
+            if self._lora_of_request:
+                self._end_lora_uses([request_id])
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished_requests()
@@ -167,6 +244,8 @@ class EngineCore:
         finished = self.scheduler.ended   # best_of reports n of its sequences, but every one ended
         if finished:
             self.executor.release(finished)
+            if self._lora_of_request:
+                self._end_lora_uses({seq_id.request_id for seq_id in finished})
         self.total_steps += 1
         self.last_step = StepStats(sched.num_scheduled_tokens, sched.num_batched_tokens, time.perf_counter() - t0,
                                    schedule_s=t1 - t0, prepare_s=prepare_s, update_s=t3 - t2)

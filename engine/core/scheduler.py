@@ -10,6 +10,11 @@ goes back to the front of the waiting queue, keeping its output tokens, to be re
 Under the priority policy a waiting request with a strictly better priority that finds no seat (``max_num_seqs``)
 or no blocks preempts the worst running one the same way, and takes its place in the same step.
 
+LoRA: the running sequences use at most ``max_loras`` distinct adapters (the base model counts as none), the slots
+the runner holds adapters' weights in. A waiting request whose adapter would be one too many is skipped for the
+step, not blocking the requests behind it whose adapter fits, and keeps its place in the queue (vLLM v1's rule);
+preemption only ever shrinks the set.
+
 A request with n > 1 runs as one sequence until its first sample, which is taken n times: the scheduler then forks
 the other n - 1 sequences from it (sharing its blocks, copy-on-write). Its sequences are named ``(request_id,
 index)``; the scheduler alone decides when the whole request has ended and says so on its last output
@@ -62,6 +67,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._by_priority = config.scheduling_policy == "priority"
+        # Distinct LoRA adapters the running sequences may use (each needs a slot of the runner's); None: LoRA off.
+        self._max_loras = None if config.lora_config is None else config.lora_config.max_loras
         self._arrival_seq: dict[SequenceId, int] = {}   # ties of arrival_time, and the fcfs order
         self._next_seq = 0
         self._finished_ids: list[SequenceId] = []
@@ -218,8 +225,17 @@ class Scheduler:
 
         # Admitting while running requests are being evicted would only evict them again.
         admit = not out.preempted
+        loras = self._running_loras()
+        skipped: list[Request] = []   # waiting units whose adapter would be one too many this step
         while admit and self.waiting and budget > 0:
             unit = self.beam_groups.units(self.waiting[:1])[0]
+            lora_id = unit[0].lora_id
+            if not self._lora_fits(loras, lora_id):
+                # vLLM's rule: set aside, so that the requests behind it whose adapter fits still run.
+                for request in unit:
+                    self.waiting.remove(request)
+                skipped += unit
+                continue
             has_seat = len(self.running) + len(unit) <= self.config.max_num_seqs
             admitted = self.beam_groups.admit(unit, budget) if has_seat else None
             if admitted is None:
@@ -229,6 +245,7 @@ class Scheduler:
                 if freed is None:
                     break
                 budget += freed
+                loras = self._running_loras()   # the victims' adapters may have left the step
                 continue
             for request, num_new, num_cached in admitted:
                 self.waiting.remove(request)
@@ -239,11 +256,19 @@ class Scheduler:
                 out.num_prefix_hit_tokens += num_cached
                 request.status = RequestStatus.RUNNING
                 self._insert(self.running, request, front=False)
+                if loras is not None and lora_id is not None:
+                    loras.add(lora_id)
                 if num_new:
                     scheduled.append(ScheduledRequest.of(request, num_new))
                     budget -= num_new
             # Room was just made for it: the victim (a prefix hit can fit it again) waits for the next step.
             admit = not out.preempted
+        # The skipped keep their places ahead of the requests they were queued before.
+        if self._by_priority:
+            for request in skipped:
+                self._insert(self.waiting, request, front=False)
+        else:
+            self.waiting[:0] = skipped
 
         out.scheduled = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
         out.num_batched_tokens = sum(s.num_new_tokens for s in scheduled)
@@ -338,6 +363,18 @@ class Scheduler:
             self._preempt(victim)
             out.preempted.append(victim.seq_id)
         return freed
+
+    def _running_loras(self) -> set[int] | None:
+        """The adapters of the running sequences (the base model is none); None when LoRA is off."""
+        if self._max_loras is None:
+            return None
+        return {r.lora_id for r in self.running if r.lora_id is not None}
+
+    def _lora_fits(self, loras: set[int] | None, lora_id: int | None) -> bool:
+        """Whether a sequence of adapter ``lora_id`` may join running ones that use ``loras``."""
+        if loras is None or lora_id is None or lora_id in loras:
+            return True
+        return self._max_loras is not None and len(loras) < self._max_loras
 
     def _preempt(self, victim: Request) -> None:
         """Free the victim's blocks and queue it first in line; its outputs stay and are recomputed."""

@@ -24,6 +24,7 @@ import numpy as np
 
 from common.errors import EngineDeadError
 from engine.core.engine_core import EngineCore
+from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, SequenceId
 from engine.core.sampling_params import SamplingParams
@@ -69,6 +70,7 @@ class _Add:
     priority: int
     group: OutputGroup
     done: Future[None]
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -130,7 +132,8 @@ class AsyncEngine:
 
     # -- event-loop side ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
-                       *, priority: int = 0) -> AsyncIterator[EngineCoreOutput]:
+                       *, priority: int = 0, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[EngineCoreOutput]:
         """Add a request and yield its per-step outputs (of each of its sequences) until the core says it ended.
 
         Raises InvalidRequestError / QueueFullError before yielding anything if it is refused.
@@ -138,7 +141,7 @@ class AsyncEngine:
         """
         group = _RequestQueue(asyncio.get_running_loop())
         outputs = group.queue
-        done = self.submit(request_id, prompt_token_ids, params, group, priority=priority)
+        done = self.submit(request_id, prompt_token_ids, params, group, priority=priority, lora_request=lora_request)
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -156,14 +159,15 @@ class AsyncEngine:
                 self.abort([request_id])
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
-               group: OutputGroup, *, priority: int = 0) -> Future[None]:
+               group: OutputGroup, *, priority: int = 0, lora_request: LoRARequest | None = None) -> Future[None]:
         """Queue a request whose outputs go to ``group``; the future fails with InvalidRequestError /
         QueueFullError if the core refuses it (then nothing reaches ``group`` for it). Many requests may
-        share a group: each step then reaches it as one ``deliver`` call (what the gRPC ``Stream`` uses)."""
+        share a group: each step then reaches it as one ``deliver`` call (what the gRPC ``Stream`` uses).
+        ``lora_request``: its adapter (None: the base model); a first use loads it on the engine thread."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped")
         done: Future[None] = Future()
-        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, group, done))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, group, done, lora_request))
         return done
 
     def abort(self, targets: list[str | SequenceId]) -> None:
@@ -252,7 +256,8 @@ class AsyncEngine:
             return
         if isinstance(cmd, _Add):
             try:
-                self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority)
+                self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
+                                      lora_request=cmd.lora_request)
             except BaseException as e:
                 cmd.done.set_exception(e)
             else:

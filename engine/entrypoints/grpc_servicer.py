@@ -1,7 +1,7 @@
 """The engine's token-level gRPC server (``sluice.v1.Engine``): wire types in, domain types out.
 
-Protobuf messages are converted here and nowhere else; the core behind the
-AsyncEngine sees only token ids and SamplingParams.
+Protobuf messages are converted here (``engine.entrypoints.grpc_wire``, ``grpc_lora``) and nowhere else; the
+core behind the AsyncEngine sees only token ids, SamplingParams and LoRARequests.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from common.stream_mux import SinkMux
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, PromptLogprobs, SequenceId
-from engine.core.sampling_params import BeamSearch, EarlyStopping, SamplingParams, StructuredOutputsParams
+from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.async_engine import AsyncEngine
+from engine.entrypoints.grpc_lora import adapters_to_pb, load_adapter, lora_status, unload_adapter
+from engine.entrypoints.grpc_wire import abort_targets_from_pb, output_to_pb, sampling_params_from_pb, wire_error
+from engine.entrypoints.lora_registry import LoRANotFoundError, LoRARegistry
 from engine.entrypoints.stats_logger import DEFAULT_INTERVAL_S
 from engine.text import Tokenizer
 from engine.worker.structured_output import GrammarVocabulary
@@ -33,19 +35,6 @@ from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "sluice.v1.Engine"
-_FINISH_TO_PB = {
-    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORTED,
-    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
-}
-
-_EARLY_STOPPING: dict[int, EarlyStopping] = {
-    common_pb2.BEAM_STOPPING_UNSPECIFIED: False,
-    common_pb2.BEAM_STOPPING_EARLY: True,
-    common_pb2.BEAM_STOPPING_NEVER: "never",
-}
 
 
 class ShmNotRegisteredError(InvalidRequestError):
@@ -60,130 +49,15 @@ def error_reason(error: BaseException) -> int:
     return error.reason if isinstance(error, ShmNotRegisteredError) else engine_pb2.ERROR_REASON_UNSPECIFIED
 
 
-# -- wire ↔ domain --------------------------------------------------------------------------------------------
-def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest) -> SamplingParams:
-    s, st = req.sampling, req.stopping
-    kw: dict[str, Any] = {"n": req.n or 1}
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if s.HasField(name):
-            kw[name] = getattr(s, name)
-    if s.HasField("top_k"):
-        kw["top_k"] = s.top_k or None
-    if s.HasField("seed"):
-        kw["seed"] = s.seed
-    if s.logit_bias:
-        kw["logit_bias"] = dict(s.logit_bias)
-    kw["max_tokens"] = st.max_tokens if st.HasField("max_tokens") else None
-    kw["min_tokens"] = st.min_tokens
-    kw["stop_token_ids"] = list(st.stop_token_ids)
-    kw["ignore_eos"] = st.ignore_eos
-    if req.HasField("logprobs"):
-        kw["logprobs"] = req.logprobs
-    if req.HasField("prompt_logprobs"):
-        kw["prompt_logprobs"] = req.prompt_logprobs   # above --max-logprobs: refused by the core
-    if req.HasField("stream_interval"):
-        kw["stream_interval"] = req.stream_interval  # 0 is refused by SamplingParams as INVALID_ARGUMENT
-    if req.best_of:
-        kw["best_of"] = req.best_of
-    if req.HasField("beam_search"):
-        kw["beam_search"] = beam_search_from_pb(req.beam_search, kw["n"])
-    if req.HasField("guided"):
-        kw["structured_outputs"] = structured_outputs_from_pb(req.guided)
-    try:
-        return SamplingParams(**kw)
-    except InvalidRequestError as e:
-        raise wire_error(e) from e
-
-
-# StructuredOutputsParams' fields (in errors as structured_outputs.<name>) and GuidedDecoding's on the wire.
-_GUIDED_FIELDS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
-                  "grammar": "grammar"}
-
-
-def structured_outputs_from_pb(guided: common_pb2.GuidedDecoding) -> StructuredOutputsParams | None:
-    """The constraint of a GuidedDecoding oneof (None when unset); InvalidRequestError naming ``guided.<kind>``."""
-    kind = guided.WhichOneof("kind")
-    try:
-        if kind is None:
-            return None
-        if kind == "json_schema":
-            return StructuredOutputsParams(json=guided.json_schema)
-        if kind == "json_object":
-            if not guided.json_object:
-                raise InvalidRequestError("guided.json_object", "must be true when set")
-            return StructuredOutputsParams(json_object=True)
-        if kind == "regex":
-            return StructuredOutputsParams(regex=guided.regex)
-        if kind == "choice":
-            return StructuredOutputsParams(choice=list(guided.choice.choices))
-        return StructuredOutputsParams(grammar=guided.grammar)
-    except InvalidRequestError as e:
-        raise wire_error(e) from e
-
-
-def wire_error(error: BaseException) -> BaseException:
-    """A refusal naming a structured-outputs field, renamed to the field of EngineGenerateRequest.guided the
-    caller sent (``structured_outputs.json`` → ``guided.json_schema``); any other error as it is."""
-    if not isinstance(error, InvalidRequestError):
-        return error
-    prefix, _, name = error.field.partition(".")
-    if prefix != "structured_outputs":
-        return error
-    renamed = InvalidRequestError(f"guided.{_GUIDED_FIELDS[name]}" if name in _GUIDED_FIELDS else "guided",
-                                  error.message)
-    renamed.__cause__ = error
-    return renamed
-
-
-def beam_search_from_pb(msg: common_pb2.BeamSearch, n: int) -> BeamSearch:
-    if msg.early_stopping not in _EARLY_STOPPING:
-        raise InvalidRequestError("beam_search.early_stopping", f"unknown value {msg.early_stopping}")
-    return BeamSearch(beam_width=msg.beam_width or n,
-                      length_penalty=msg.length_penalty if msg.HasField("length_penalty") else 1.0,
-                      early_stopping=_EARLY_STOPPING[msg.early_stopping])
-
-
-def abort_targets_from_pb(msg: engine_pb2.AbortRequest) -> list[str | SequenceId]:
-    """Whole requests (their ids) and single sequences (SequenceId) to abort."""
-    targets: list[str | SequenceId] = list(msg.request_ids)
-    targets += [SequenceId(ref.request_id, ref.index) if ref.HasField("index") else ref.request_id
-                for ref in msg.sequences]
-    return targets
-
-
-def output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineGenerateResponse:
-    msg = engine_pb2.EngineGenerateResponse(
-        index=out.index, token_ids=out.new_token_ids, prompt_tokens=out.num_prompt_tokens,
-        cached_tokens=out.num_cached_tokens, request_done=out.request_finished,
-        finish_reason=_FINISH_TO_PB[out.finish_reason] if out.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED)
-    if out.cumulative_logprob is not None:
-        msg.cumulative_logprob = out.cumulative_logprob
-    for lp, top in out.new_logprobs or ():
-        msg.logprobs.add(logprob=lp, top_logprobs=[engine_pb2.TokenIdLogprob(token_id=t, logprob=v)
-                                                   for t, v in top.items()])
-    if out.prompt_logprobs is not None:
-        msg.prompt_logprobs.extend(prompt_logprobs_to_pb(out.prompt_logprobs))
-    return msg
-
-
-def prompt_logprobs_to_pb(plp: PromptLogprobs) -> list[common_pb2.PromptTokenLogprob]:
-    """One entry per prompt token, ids and numbers only (the engine has no text); the first has no logprob."""
-    token_ids = plp.token_ids.tolist()
-    entries = [common_pb2.PromptTokenLogprob(token_id=token_ids[0])]
-    for token_id, lp, ids, lps in zip(token_ids[1:], plp.logprobs.tolist(), plp.top_ids.tolist(),
-                                      plp.top_logprobs.tolist()):
-        entries.append(common_pb2.PromptTokenLogprob(
-            token_id=token_id, logprob=lp,
-            top_logprobs=[common_pb2.PromptTopLogprob(token_id=t, logprob=v) for t, v in zip(ids, lps)]))
-    return entries
-
-
 # -- the servicer ---------------------------------------------------------------------------------------------
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    """Registered before the server starts; answers UNAVAILABLE until the engine is attached (warm-up)."""
+    """Registered before the server starts; answers UNAVAILABLE until the engine is attached (warm-up).
 
-    def __init__(self, engine: AsyncEngine | None = None) -> None:
+    ``registry``: the engine's LoRA adapters by name (None: an empty one, made from the engine's settings)."""
+
+    def __init__(self, engine: AsyncEngine | None = None, registry: LoRARegistry | None = None) -> None:
         self._engine = engine
+        self._registry = registry
         self.counters = {"shm_handoffs": 0, "inline_handoffs": 0, "finished_requests": 0, "stream_calls": 0}
         self._shm: Any = None  # ShmReader, created on first registration
 
@@ -195,6 +69,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
+
+    @property
+    def registry(self) -> LoRARegistry:
+        if self._registry is None:
+            self._registry = LoRARegistry(self.engine.core.config)
+        return self._registry
 
     def read_prompt(self, request: engine_pb2.EngineGenerateRequest) -> tuple[np.ndarray, int | None]:
         """The prompt ids of a request, and the shared-memory slot to acknowledge when they came that way."""
@@ -232,9 +112,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             context.set_trailing_metadata(((ERROR_REASON_KEY, engine_pb2.ErrorReason.Name(e.reason)),))
             raise
         params = sampling_params_from_pb(request)
+        try:
+            lora = self.registry.resolve(request.lora_adapter)
+        except LoRANotFoundError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         first = True
         try:
-            async for out in engine.generate(request.request_id, prompt, params, priority=request.priority):
+            async for out in engine.generate(request.request_id, prompt, params, priority=request.priority,
+                                             lora_request=lora):
                 msg = output_to_pb(out)
                 if first and released_slot is not None:
                     msg.released_shm_slot = released_slot
@@ -270,7 +155,24 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 shm_handoffs=self.counters["shm_handoffs"], inline_handoffs=self.counters["inline_handoffs"],
                 finished_requests=self.counters["finished_requests"], stream_calls=self.counters["stream_calls"],
                 prefix_cache_query_tokens=stats["prefix_cache_queries"],
-                prefix_cache_hit_tokens=stats["prefix_cache_hits"], preemptions=stats["num_preemptions"]))
+                prefix_cache_hit_tokens=stats["prefix_cache_hits"], preemptions=stats["num_preemptions"]),
+            lora_enabled=self.registry.enabled, lora_adapters=adapters_to_pb(self.registry))
+
+    async def LoadLoRAAdapter(self, request: common_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+                              ) -> common_pb2.LoadLoRAAdapterResponse:
+        try:
+            return await load_adapter(self.engine, self.registry, request)
+        except Exception as e:
+            await _abort_lora(e, context)
+            raise
+
+    async def UnloadLoRAAdapter(self, request: common_pb2.UnloadLoRAAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoRAAdapterResponse:
+        try:
+            return await unload_adapter(self.engine, self.registry, request)
+        except Exception as e:
+            await _abort_lora(e, context)
+            raise
 
     async def RegisterSharedMemory(self, request: engine_pb2.RegisterSharedMemoryRequest,
                                    context: grpc.aio.ServicerContext) -> engine_pb2.RegisterSharedMemoryResponse:
@@ -319,7 +221,8 @@ class _StreamCall:
                 raise InvalidRequestError("request_id", f"request {rid!r} is already running")
             prompt, released_slot = self._servicer.read_prompt(request)
             params = sampling_params_from_pb(request)
-            done = self._engine.submit(rid, prompt, params, self, priority=request.priority)
+            lora = self._servicer.registry.resolve(request.lora_adapter)
+            done = self._engine.submit(rid, prompt, params, self, priority=request.priority, lora_request=lora)
         except Exception as e:  # noqa: BLE001 — refused: the error entry is its terminal event
             self._refuse(rid, e)
             return
@@ -332,7 +235,7 @@ class _StreamCall:
             self.mux.finish(rid)
 
     def _refuse(self, rid: str, error: BaseException) -> None:
-        code, message = status_for(wire_error(error))
+        code, message = lora_status(error) or status_for(wire_error(error))
         if code is grpc.StatusCode.INTERNAL:
             logger.error("request %s refused: %r", rid, error)
         msg = engine_pb2.EngineStreamResponse()
@@ -361,6 +264,13 @@ class _StreamCall:
             self.mux.send(msg)
 
 
+async def _abort_lora(error: Exception, context: grpc.aio.ServicerContext) -> None:
+    """End the call with the status of a LoRA refusal; other errors are left to the error interceptor."""
+    status = lora_status(error)
+    if status is not None:
+        await context.abort(*status)
+
+
 def warm_up(core: EngineCore) -> None:
     """One short request through the whole step path before the server reports SERVING."""
     core.add_request("__warmup__", [core.model_config.bos_token_id or 1] * 8,
@@ -373,7 +283,8 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
                 ready: asyncio.Event | None = None) -> None:
     server, health_service = new_server(SERVICE_NAME)
     await health_service.set_serving(False)
-    servicer = EngineServicer()
+    registry = LoRARegistry(config)
+    servicer = EngineServicer(registry=registry)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     bound = bind(server, host, port)
     await server.start()
@@ -384,6 +295,7 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
         # The core never reads text: the vocabulary structured outputs mask with is loaded here, at the edge.
         tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model_path)
         core = EngineCore(config, grammar_vocabulary=GrammarVocabulary.from_tokenizer(tokenizer))
+        registry.load_startup_modules(core)   # a bad --lora-modules adapter stops start-up with its message
         warm_up(core)
         return core
 

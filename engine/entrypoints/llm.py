@@ -20,8 +20,9 @@ from engine.entrypoints.process import set_openmp_defaults
 set_openmp_defaults()
 
 from common.errors import InvalidRequestError  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import EngineConfig, LoRAConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.core.lora_request import LoRARequest  # noqa: E402
 from engine.core.outputs import CompletionOutput, EngineCoreOutput, RequestOutput  # noqa: E402
 from engine.core.request import FinishReason, PromptLogprobs, SequenceId  # noqa: E402
 from engine.core.sampling_params import (  # noqa: E402
@@ -34,12 +35,17 @@ from engine.core.sampling_params import (  # noqa: E402
 from engine.text import IncrementalDetokenizer, Tokenizer  # noqa: E402
 from engine.worker.structured_output import GrammarVocabulary  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "LoRARequest"]
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
+# One adapter for every prompt, or one (None: the base model) per prompt, as vLLM's ``lora_request``.
+LoRARequestArg = LoRARequest | Sequence[LoRARequest | None] | None
+
+# vLLM's LLM keyword arguments for LoRA → LoRAConfig's fields (enable_lora turns it on).
+_LORA_KWARGS = ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype")
 
 _FINISH_NAMES = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                  FinishReason.ABORT: "abort", FinishReason.ERROR: "error"}
@@ -91,14 +97,23 @@ class LLM:
     """An engine in this process. ``model=None`` serves the default model (SmolLM2-135M-Instruct GGUF).
 
     Engine arguments use vLLM's names: ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``block_size``, ``dtype``, ``enable_prefix_caching``, ``seed``, ``kv_cache_memory``…
+    ``block_size``, ``dtype``, ``enable_prefix_caching``, ``seed``, ``kv_cache_memory``… LoRA: ``enable_lora=True``
+    with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, ``lora_dtype``; requests then name their adapter
+    with ``lora_request=LoRARequest(name, id, path)``.
     """
 
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, enable_lora: bool = False,
+                 **engine_args: Any) -> None:
+        lora_args = {name: engine_args.pop(name) for name in _LORA_KWARGS if name in engine_args}
         unknown = set(engine_args) - set(EngineConfig.field_names())
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        if enable_lora or lora_args:
+            engine_args["lora_config"] = _lora_config(enable_lora, lora_args, engine_args.get("lora_config"))
         self.config = EngineConfig(model=model, tokenizer=tokenizer, **engine_args)
+        if self.config.lora_config is not None and self.config.lora_config.lora_modules:
+            raise InvalidRequestError("lora_modules", "the offline LLM takes its adapters per request "
+                                                      "(lora_request=LoRARequest(name, id, path)), not by name")
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
         # The core never reads text: the vocabulary structured outputs mask with is handed to it from here.
         self.engine = EngineCore(self.config, grammar_vocabulary=GrammarVocabulary.from_tokenizer(self.tokenizer))
@@ -117,23 +132,26 @@ class LLM:
         *,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequestArg = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``); outputs in prompt order.
 
-        ``priority``: one per prompt, lower runs earlier; needs ``scheduling_policy="priority"`` (as vLLM)."""
+        ``priority``: one per prompt, lower runs earlier; needs ``scheduling_policy="priority"`` (as vLLM).
+        ``lora_request``: the adapter for every prompt, or a list with one per prompt (None: the base model);
+        needs ``enable_lora=True``."""
         items = self._normalize_prompts(prompts)
         params = self._broadcast_params(sampling_params, len(items))
         if priority is not None and len(priority) != len(items):
             raise InvalidRequestError("priority", f"got {len(priority)} priorities for {len(items)} prompts")
-        return self._run(items, params, priority)
+        return self._run(items, params, priority, _broadcast_loras(lora_request, len(items)))
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
-                    ) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
+                    lora_request: LoRARequestArg = None) -> list[BeamSearchOutput]:
         """Beam search for every prompt: its ``beam_width`` best beams (by length-penalised score), best first."""
         items = self._normalize_prompts(prompts)
         sp = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
                             beam_search=BeamSearch(params.beam_width, params.length_penalty, params.early_stopping))
-        results = self._run(items, [sp] * len(items), None)
+        results = self._run(items, [sp] * len(items), None, _broadcast_loras(lora_request, len(items)))
         return [BeamSearchOutput([BeamSearchSequence(r.prompt_token_ids + c.token_ids, c.text,
                                                      c.cumulative_logprob or 0.0, c.finish_reason)
                                   for c in r.outputs]) for r in results]
@@ -146,8 +164,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequestArg = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate; ``lora_request``
+        as for :meth:`generate`, one per conversation when a list."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages", "must be a non-empty list of messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
@@ -157,7 +177,7 @@ class LLM:
                                                       chat_template=chat_template)
             items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         params = self._broadcast_params(sampling_params, len(items))
-        return self._run(items, params, None)
+        return self._run(items, params, None, _broadcast_loras(lora_request, len(items)))
 
     # -- internals ----------------------------------------------------------------------------------------
     def _normalize_prompts(self, prompts: PromptType | Sequence[PromptType]) -> list[tuple[str | None, list[int]]]:
@@ -204,14 +224,14 @@ class LLM:
         return list(sp)
 
     def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-             priority: Sequence[int] | None) -> list[RequestOutput]:
+             priority: Sequence[int] | None, loras: Sequence[LoRARequest | None]) -> list[RequestOutput]:
         engine = self.engine
         self._check_thread()
         rids: list[str] = []
         try:
             for i, ((_, ids), sp) in enumerate(zip(items, params)):
                 rid = str(next(self._ids))
-                engine.add_request(rid, ids, sp, priority=priority[i] if priority else 0)
+                engine.add_request(rid, ids, sp, priority=priority[i] if priority else 0, lora_request=loras[i])
                 rids.append(rid)
         except BaseException:
             engine.abort_requests(rids)
@@ -282,6 +302,28 @@ class LLM:
         seq.finish_reason = _FINISH_NAMES[out.finish_reason]
         if out.finish_reason is FinishReason.STOP and out.new_token_ids:
             seq.stop_reason = out.new_token_ids[-1]
+
+
+def _lora_config(enable_lora: bool, lora_args: dict[str, Any], given: object) -> LoRAConfig:
+    """The LoRAConfig of vLLM's LLM keyword arguments; errors name the argument."""
+    if not enable_lora:
+        raise InvalidRequestError(next(iter(lora_args)), "needs enable_lora=True")
+    if given is not None:
+        raise InvalidRequestError("lora_config", "give either lora_config or enable_lora with its arguments")
+    return LoRAConfig(**lora_args)
+
+
+def _broadcast_loras(lora_request: LoRARequestArg, n: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of one per prompt (vLLM's semantics)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise InvalidRequestError("lora_request", f"got {len(loras)} LoRA requests for {n} prompts")
+    for lora in loras:
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise InvalidRequestError("lora_request", f"expected a LoRARequest or None, got {type(lora).__name__}")
+    return loras
 
 
 def _prompt_logprob_dicts(plp: PromptLogprobs) -> list[dict[int, float] | None]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 
 from engine.core.block_manager import BlockManager, hash_block_tokens
+from engine.core.lora_request import LoRARequest
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 
 
-def make_request(request_id: str, tokens: list[int], index: int = 0) -> Request:
-    return Request(request_id, tokens, SamplingParams(max_tokens=4), index=index)
+def make_request(request_id: str, tokens: list[int], index: int = 0, lora_id: int | None = None) -> Request:
+    lora = None if lora_id is None else LoRARequest(f"adapter{lora_id}", lora_id, f"/adapters/{lora_id}")
+    return Request(request_id, tokens, SamplingParams(max_tokens=4), index=index, lora_request=lora)
 
 
 def run_prefill(bm: BlockManager, request: Request, computed_blocks: list[int] | None = None) -> None:
@@ -81,6 +83,43 @@ def test_prefix_hit_shares_full_blocks_and_counts_tokens() -> None:
     bm.free(r2)
     assert bm.num_free_blocks == 8
     bm.check_invariants([])
+
+
+def test_blocks_are_keyed_by_the_lora_adapter_and_base_blocks_hash_as_before() -> None:
+    bm = BlockManager(16, 4)
+    prompt = list(range(9))   # two full blocks
+    base = make_request("base", prompt)
+    a, b = make_request("a", prompt, lora_id=1), make_request("b", prompt, lora_id=2)
+    for r in (base, a, b):
+        assert bm.get_computed_blocks(r) == []   # the same tokens under another adapter (or none) never hit
+        run_prefill(bm, r)
+    assert (base.block_ids, a.block_ids, b.block_ids) == ([0, 1, 2], [3, 4, 5], [6, 7, 8])
+    h0 = hash_block_tokens(None, (0, 1, 2, 3))
+    assert base.block_hashes == [h0, hash_block_tokens(h0, (4, 5, 6, 7))]   # no extra keys: unchanged
+    a0 = hash_block_tokens(None, (0, 1, 2, 3), (1,))
+    assert a.block_hashes == [a0, hash_block_tokens(a0, (4, 5, 6, 7), (1,))]
+    assert len({*base.block_hashes, *a.block_hashes, *b.block_hashes}) == 6
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (27, 0)
+    # Each hits its own blocks on a repeat, and only those.
+    for lora_id, blocks in ((None, [0, 1]), (1, [3, 4]), (2, [6, 7]), (3, [])):
+        again = make_request("again", prompt + [50], lora_id=lora_id)
+        hit = bm.get_computed_blocks(again)
+        assert hit == blocks, lora_id
+        run_prefill(bm, again, hit)
+        bm.free(again)
+    assert bm.prefix_cache_hits == 3 * 8
+    bm.check_invariants([base, a, b])
+
+
+def test_a_block_whose_hash_collides_across_adapters_is_verified_by_its_adapter() -> None:
+    # This hash ignores the extra keys: adapter 1's blocks and base blocks of the same tokens collide.
+    bm = BlockManager(8, 4, hash_fn=lambda parent, tokens, extra: hash((parent, tokens)))
+    a = make_request("a", list(range(9)), lora_id=1)
+    run_prefill(bm, a)
+    base = make_request("base", list(range(9)))
+    assert bm.get_computed_blocks(base) == [] and base.block_hashes[0] == a.block_hashes[0]
+    assert bm.get_computed_blocks(make_request("a2", list(range(9)), lora_id=1)) == [0, 1]
+    bm.check_invariants([a])
 
 
 def test_hit_leaves_at_least_one_token_to_compute() -> None:

@@ -1,4 +1,5 @@
-"""Random interleavings of add / step / abort / fork under block pressure keep the block pool consistent."""
+"""Random interleavings of add / step / abort / fork under block pressure keep the block pool consistent, and the
+running sequences within --max-loras adapters."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, LoRAConfig
+from engine.core.lora_request import LoRARequest
 from engine.core.request import Request, RequestStatus, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -22,6 +24,9 @@ BUDGET = 16
 MAX_NUM_SEQS = 4
 # Prompts start with one of a few shared prefixes so that prefix hits (and forged-looking near misses) happen.
 PREFIXES = [[], [5, 6, 7, 8], [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 9]]
+# Three adapters (and the base model) over two LoRA slots: the same prefixes under different adapters never share.
+MAX_LORAS = 2
+LORAS = [None, *(LoRARequest(f"lora{i}", i, f"/adapters/{i}") for i in (1, 2, 3))]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -30,7 +35,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         config = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET, max_num_seqs=MAX_NUM_SEQS,
-                              scheduling_policy=self.policy)
+                              scheduling_policy=self.policy, lora_config=LoRAConfig(max_loras=MAX_LORAS))
         self.sched = Scheduler(config, NUM_BLOCKS, eos_token_ids={EOS}, max_model_len=MAX_MODEL_LEN)
         self.next_id = 0
         self.finished: set[SequenceId] = set()    # sequences reported ended
@@ -40,11 +45,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(1, 6), min_size=1, max_size=20),
           n=st.integers(1, 3), max_tokens=st.one_of(st.none(), st.integers(1, 30)),
-          priority=st.integers(0, 2), ignore_eos=st.booleans())
+          priority=st.integers(0, 2), ignore_eos=st.booleans(), lora=st.sampled_from(LORAS))
     def add(self, prefix: list[int], tail: list[int], n: int, max_tokens: int | None, priority: int,
-            ignore_eos: bool) -> None:
+            ignore_eos: bool, lora: LoRARequest | None) -> None:
         params = SamplingParams(n=n, seed=self.next_id, max_tokens=max_tokens, ignore_eos=ignore_eos)
-        request = Request(f"r{self.next_id}", prefix + tail, params, priority=priority)
+        request = Request(f"r{self.next_id}", prefix + tail, params, priority=priority, lora_request=lora)
         self.next_id += 1
         self.sched.add_request(request)
 
@@ -150,6 +155,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for r in sched.waiting:
             assert r.block_ids == [] and r.num_computed_tokens == 0
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert len({r.lora_id for r in sched.running} - {None}) <= MAX_LORAS
         for r in sched.running:
             assert r.status is RequestStatus.RUNNING
             assert r.num_computed_tokens < r.num_tokens <= MAX_MODEL_LEN
