@@ -18,8 +18,8 @@ from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.executor.uniproc import UniprocExecutor
-from engine.models.layers.linear import linear_methods
-from engine.models.layers.lora import LoRALinearMethod
+from engine.models.layers.linear import Linear, linear_methods
+from engine.models.layers.lora import LoRALinearMethod, LoRAStepState
 from tests.lora_factory import ALL_TARGETS, save_adapter, save_tiny_model
 
 TOL = 1e-4  # fp32 vs fp32: only summation order differs
@@ -206,3 +206,49 @@ def test_lora_on_wraps_the_four_projections_of_every_layer(tmp_path: Path) -> No
     assert isinstance(qkv, LoRALinearMethod)
     assert qkv.a.shape == (3 * 3 * 8, 64) and qkv.b.shape == (64 + 32 + 32, 3 * 3 * 8)
     assert not isinstance(qkv.base, LoRALinearMethod)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_method_adds_each_rows_own_adapter_delta(dtype: torch.dtype) -> None:
+    # A fused layer of 3 slices (10 | 6 | 6 rows), 2 slots of rank 4: slot 0 adapts slices 0 and 2 at rank 3,
+    # slot 1 slice 1 at rank 4. Rows: slot 1, base, slot 0, slot 0.
+    gen = torch.Generator().manual_seed(0)
+    layer = Linear(8, 22, bias=True).to(dtype)
+    state = LoRAStepState()
+    method = LoRALinearMethod(layer.method, state, slices=(10, 6, 6), in_features=8, max_loras=2, max_rank=4,
+                              dtype=dtype, device=torch.device("cpu"))
+    layer.method = method
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    w0 = [(rand(3, 8), rand(10, 3)), None, (rand(3, 8), rand(6, 3))]
+    w1 = [None, (rand(4, 8), rand(6, 4)), None]
+    method.set_slot(0, w0)
+    method.set_slot(1, w1)
+    x = rand(4, 8)
+    base = layer(x)                       # no step state: the base method's output as is
+    mask = torch.zeros(4, 8, dtype=dtype)
+    mask[0, 4:] = 1
+    mask[2:, :4] = 1
+    state.set(mask)
+    out = layer(x)
+    assert out.dtype == dtype
+    expected = base.double().clone()
+    for row, weights in ((0, w1), (2, w0), (3, w0)):
+        start = 0
+        for size, pair in zip((10, 6, 6), weights):
+            if pair is not None:
+                a, b = pair
+                expected[row, start:start + size] += (x[row].double() @ a.double().T) @ b.double().T
+            start += size
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=0 if dtype == torch.float32 else 0.02)
+    assert torch.equal(out[1], base[1])   # the base row: exactly nothing added
+    state.set(None)
+    assert torch.equal(layer(x), base)
+    method.clear_slot(0)
+    # Columns are (slice, slot, rank): slot 0 of slices 0 and 2 is zeroed, slot 1 (slice 1) stays.
+    assert not method.a[0:4].any() and not method.a[16:20].any() and not method.b[:, 0:4].any()
+    kept = w1[1]
+    assert not method.b[:, 16:20].any() and kept is not None and torch.equal(method.a[12:16], kept[0])
