@@ -100,7 +100,7 @@ def read_adapter_config(folder: Path, max_rank: int) -> dict[str, Any]:
 
     peft_type = config.get("peft_type")
     check(peft_type == "LORA", "peft_type", f"is {peft_type!r}; only LORA adapters are served")
-    r = config.get("r")
+    r: Any = config.get("r")
     check(isinstance(r, int) and not isinstance(r, bool) and r >= 1, "r", f"must be a positive integer, got {r!r}")
     check(r <= max_rank, "r", f"is {r}, above --max-lora-rank {max_rank}")
     alpha = config.get("lora_alpha", 8)
