@@ -10,6 +10,7 @@ from engine.worker.model_runner import RunnerOutput
 from engine.worker.worker import Worker
 
 if TYPE_CHECKING:
+    from engine.core.lora_request import LoRARequest
     from engine.core.request import SequenceId
     from engine.core.sampling_params import StructuredOutputsParams
     from engine.core.scheduler_output import SchedulerOutput
@@ -60,6 +61,15 @@ class UniprocExecutor:
         """``child`` continues from ``parent``'s per-sequence worker state (its grammar matcher)."""
         if self.worker.runner is not None:
             self.worker.runner.fork(parent, child)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Reads and validates ``lora``'s folder against the loaded model into the worker's host cache (idempotent
+        for an id already there); InvalidRequestError naming the file and field, or LoRA not enabled."""
+        self.worker.add_lora(lora)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forgets an adapter's weights (host cache and device slot); unknown ids are ignored."""
+        self.worker.remove_lora(lora_id)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         assert self.worker.runner is not None, "initialize_cache first"

@@ -17,6 +17,7 @@ import torch
 from engine.attention.backend import AttentionMetadata, StepLayout
 from engine.device import Device
 from engine.models import CausalLM
+from engine.worker.lora_manager import LoRAManager
 from engine.worker.sampler import Sampler, SamplingRow, make_generator
 from engine.worker.sampling_ops import compute_logprobs
 from engine.worker.structured_output import StructuredOutputs
@@ -61,8 +62,10 @@ class ModelRunner:
         max_num_batched_tokens: int,
         dtype: torch.dtype,
         structured: StructuredOutputs | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # None: LoRA off
         self.structured = structured  # None: the engine was given no vocabulary, requests with a grammar refused
         self.device = device
         self.sampler = sampler
@@ -110,6 +113,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         with dev.use_stream(self.copy_stream):
             input_ids, positions, meta, sample_idx = self._prepare(scheduled)
+            if self.lora is not None:
+                self.lora.prepare_step(scheduled)
             self.last_prepare_s = time.perf_counter() - t0
             dev.record_event(self.inputs_ready, self.copy_stream)
         sampling = [s for s in scheduled if s.sample]

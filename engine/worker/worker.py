@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,9 +11,13 @@ from engine.config import EngineConfig
 from engine.device import Device, get_device
 from engine.models import CausalLM, ModelConfig, load_model, resolve_dtype
 from engine.models.layers.linear import linear_methods
+from engine.worker.lora_manager import LoRAManager
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.worker.sampler import Sampler
 from engine.worker.structured_output import GrammarVocabulary, StructuredOutputs
+
+if TYPE_CHECKING:
+    from engine.core.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,12 @@ class Worker:
                                else resolve_dtype(config.kv_cache_dtype, config.device))
         self.model = load_model(config.model_path, self.dtype, self.device.torch_device)
         prepare_model(self.model, self.device, self.dtype)
+        # LoRA wraps the projections' chosen methods; off (None), the model carries no trace of it.
+        lora = config.lora_config
+        self.lora: LoRAManager | None = None
+        if lora is not None:
+            lora_dtype = self.dtype if lora.lora_dtype == "auto" else resolve_dtype(lora.lora_dtype, config.device)
+            self.lora = LoRAManager(self.model, lora, lora_dtype, self.device.torch_device)
         self.runner: ModelRunner | None = None
 
     @property
@@ -85,8 +96,19 @@ class Worker:
         self.runner = ModelRunner(self.model, self.device, sampler, num_blocks=num_blocks,
                                   block_size=self.config.block_size,
                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                  dtype=self.kv_cache_dtype, structured=structured)
+                                  dtype=self.kv_cache_dtype, structured=structured, lora=self.lora)
         return self.runner
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Reads and validates an adapter into the host cache (InvalidRequestError naming the file and field)."""
+        if self.lora is None:
+            raise InvalidRequestError("lora_request", "LoRA is not enabled on this engine: start it with --enable-lora")
+        self.lora.add_lora(lora)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forgets an adapter's weights (host copy and device slot); unknown ids are ignored."""
+        if self.lora is not None:
+            self.lora.remove_lora(lora_id)
 
 
 __all__ = ["Worker", "RunnerOutput", "prepare_model"]
