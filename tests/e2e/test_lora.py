@@ -18,7 +18,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from engine.config import default_model_path
-from proto.sluice.v1 import generation_pb2, generation_pb2_grpc
+from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.lora_factory import save_adapter
 from tests.procs import ServeStack
 
@@ -146,7 +146,7 @@ def test_public_grpc_picks_the_adapter_by_model(stack: ServeStack, models: Model
     import grpc
 
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{stack.tokenizer_port}"))
-    req = generation_pb2.GenerateRequest(model="sql", token_ids=generation_pb2.TokenIds(ids=PROMPTS[1]))
+    req = generation_pb2.GenerateRequest(model="sql", token_ids=common_pb2.TokenIds(ids=PROMPTS[1]))
     req.sampling.temperature = 0.0
     req.stopping.max_tokens = MAX_TOKENS
     req.stopping.ignore_eos = True
