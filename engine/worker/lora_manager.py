@@ -18,7 +18,7 @@ import torch
 from engine.config import LoRAConfig
 from engine.models import CausalLM
 from engine.models.layers.linear import Linear
-from engine.models.layers.lora import LoRALinearMethod, LoRAStepState
+from engine.models.layers.lora import LoRALinearMethod, LoRAStepPlan, LoRAStepState
 from engine.models.lora import TARGET_MODULES, LoRAAdapter, load_adapter
 
 if TYPE_CHECKING:  # the core's types, handed down by the executor: annotations only
@@ -27,6 +27,10 @@ if TYPE_CHECKING:  # the core's types, handed down by the executor: annotations 
 
 # (layer index, fused layer name such as "self_attn.qkv_proj")
 LayerKey = tuple[int, str]
+
+# A sequence with at least this many tokens in a step (a prefill chunk) is computed with its adapter's own
+# weights; shorter ones (decodes) share the masked pass over every slot the step uses (engine.models.layers.lora).
+SEGMENT_MIN_TOKENS = 16
 
 
 def wrap_lora_layers(model: CausalLM, state: LoRAStepState, config: LoRAConfig, dtype: torch.dtype,
@@ -65,9 +69,6 @@ class LoRAManager:
         self._step = 0
         self.num_loads = 0          # adapters read from their folder (a reload after eviction counts)
         self.num_slot_writes = 0    # adapters copied into a slot
-        # Column -> slot of the step mask's columns, for comparing against each token's slot.
-        self._column_slot = torch.arange(config.max_loras * config.max_lora_rank,
-                                         device=device) // config.max_lora_rank
 
     @property
     def cached_ids(self) -> list[int]:
@@ -117,14 +118,25 @@ class LoRAManager:
             raise RuntimeError(f"a step uses {len(loras)} LoRA adapters, more than --max-loras "
                                f"{self.config.max_loras} (the scheduler must not schedule that)")
         slot_of = {lora_id: self._slot_for(lora, list(loras)) for lora_id, lora in loras.items()}
-        token_slot = np.full(sum(n for _, n in rows), -1, dtype=np.int64)
+        # The masked rows: the leading run of short sequences (decodes come first in a step).
+        dense = 0
+        while dense < len(rows) and rows[dense][1] < SEGMENT_MIN_TOKENS:
+            dense += 1
+        token_slot = np.full(sum(n for _, n in rows[:dense]), -1, dtype=np.int64)
+        segments: list[tuple[int, int, int]] = []
         offset = 0
-        for lora, n in rows:
+        for i, (lora, n) in enumerate(rows):
             if lora is not None:
-                token_slot[offset:offset + n] = slot_of[lora.lora_int_id]
+                slot = slot_of[lora.lora_int_id]
+                if i < dense:
+                    token_slot[offset:offset + n] = slot
+                else:
+                    segments.append((offset, offset + n, slot))
             offset += n
-        per_token = torch.from_numpy(token_slot).to(self.device)
-        self.state.set((per_token[:, None] == self._column_slot[None, :]).to(self.dtype))
+        used = token_slot.max(initial=-1) + 1
+        if used == 0:   # no adapter among the masked rows: nothing to mask
+            token_slot = token_slot[:0]
+        self.state.set(LoRAStepPlan(torch.from_numpy(token_slot).to(self.device), int(used), tuple(segments)))
 
     def _slot_for(self, lora: LoRARequest, step_ids: list[int]) -> int:
         """The slot holding ``lora`` (copied there first, into a free slot or the least recently used one no

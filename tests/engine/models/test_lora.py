@@ -19,7 +19,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.executor.uniproc import UniprocExecutor
 from engine.models.layers.linear import Linear, linear_methods
-from engine.models.layers.lora import LoRALinearMethod, LoRAStepState
+from engine.models.layers.lora import LoRALinearMethod, LoRAStepPlan, LoRAStepState
 from tests.lora_factory import ALL_TARGETS, save_adapter, save_tiny_model
 
 TOL = 1e-4  # fp32 vs fp32: only summation order differs
@@ -204,7 +204,7 @@ def test_lora_on_wraps_the_four_projections_of_every_layer(tmp_path: Path) -> No
     assert linear_methods(model)["LoRALinearMethod"] == 8   # 2 layers x (qkv, o, gate_up, down); not the lm_head
     qkv = model.layers[0].self_attn.qkv_proj.method
     assert isinstance(qkv, LoRALinearMethod)
-    assert qkv.a.shape == (3 * 3 * 8, 64) and qkv.b.shape == (64 + 32 + 32, 3 * 3 * 8)
+    assert qkv.a.shape == (3 * 3 * 8, 64) and qkv.bt.shape == (3 * 3 * 8, 64 + 32 + 32)
     assert not isinstance(qkv.base, LoRALinearMethod)
 
 
@@ -228,11 +228,10 @@ def test_lora_method_adds_each_rows_own_adapter_delta(dtype: torch.dtype) -> Non
     method.set_slot(1, w1)
     x = rand(4, 8)
     base = layer(x)                       # no step state: the base method's output as is
-    mask = torch.zeros(4, 8, dtype=dtype)
-    mask[0, 4:] = 1
-    mask[2:, :4] = 1
-    state.set(mask)
+    state.set(LoRAStepPlan(torch.tensor([1, -1, 0, 0]), 2))       # every row masked
     out = layer(x)
+    state.set(LoRAStepPlan(torch.tensor([1, -1]), 2, ((2, 4, 0),)))   # the last two rows as a chunk of slot 0
+    torch.testing.assert_close(layer(x), out, atol=1e-5 if dtype == torch.float32 else 0.05, rtol=0)
     assert out.dtype == dtype
     expected = base.double().clone()
     for row, weights in ((0, w1), (2, w0), (3, w0)):
@@ -248,7 +247,8 @@ def test_lora_method_adds_each_rows_own_adapter_delta(dtype: torch.dtype) -> Non
     state.set(None)
     assert torch.equal(layer(x), base)
     method.clear_slot(0)
-    # Columns are (slice, slot, rank): slot 0 of slices 0 and 2 is zeroed, slot 1 (slice 1) stays.
-    assert not method.a[0:4].any() and not method.a[16:20].any() and not method.b[:, 0:4].any()
+    # Rows are (slot, slice, rank): slot 0 (rows 0-11) is zeroed, slot 1's slice 1 (rows 16-19) stays.
+    assert not method.a[0:12].any() and not method.bt[0:12].any()
     kept = w1[1]
-    assert not method.b[:, 16:20].any() and kept is not None and torch.equal(method.a[12:16], kept[0])
+    assert kept is not None and torch.equal(method.a[16:20], kept[0]) and torch.equal(method.bt[16:20, 10:16],
+                                                                                       kept[1].t())

@@ -44,8 +44,22 @@ def _qkv(manager: LoRAManager, layer: int = 0) -> LoRALinearMethod:
     return manager.layers[(layer, "self_attn.qkv_proj")]
 
 
-def _slot_columns(method: LoRALinearMethod, slot: int) -> list[int]:
-    return [c for part in range(len(method.slices)) for c in range(*method._columns(slot, part).indices(10**6))]
+def _slot_rows(method: LoRALinearMethod, slot: int) -> slice:
+    """The rows of ``a`` and ``bt`` that hold ``slot`` (every slice)."""
+    return slice(slot * method.width, (slot + 1) * method.width)
+
+
+def _mask(manager: LoRAManager, width: int = R) -> torch.Tensor | None:
+    plan = manager.state.plan
+    return None if plan is None else plan.mask(width, torch.float32)
+
+
+def _slot_mask(token_slots: list[int], num_slots: int, width: int) -> torch.Tensor:
+    expected = torch.zeros(len(token_slots), num_slots * width)
+    for row, slot in enumerate(token_slots):
+        if slot >= 0:
+            expected[row, slot * width:(slot + 1) * width] = 1
+    return expected
 
 
 def test_host_cache_is_lru_and_idempotent(paths: dict[str, Path]) -> None:
@@ -65,15 +79,26 @@ def test_step_mask_follows_the_flat_token_layout(paths: dict[str, Path]) -> None
     rows = [(a2, 1), (None, 1), (a1, 3), (None, 2), (a2, 2)]   # tokens: 1 + 1 + 3 + 2 + 2
     manager.activate(rows)
     assert manager.slots == [2, 1]
-    mask = manager.state.mask(1)
-    expected = torch.zeros(9, 2 * R)
-    expected[0, :R] = 1
-    expected[2:5, R:] = 1
-    expected[7:9, :R] = 1
-    assert mask is not None and torch.equal(mask, expected)
-    assert torch.equal(manager.state.mask(3), expected.repeat(1, 3))   # per slice, slot-major within each
+    slots = [0, -1, 1, 1, 1, -1, -1, 0, 0]
+    assert manager.state.plan is not None and manager.state.plan.segments == ()
+    assert torch.equal(_mask(manager), _slot_mask(slots, 2, R))
+    assert torch.equal(_mask(manager, 3 * R), _slot_mask(slots, 2, 3 * R))   # a slot's 3 slices side by side
     manager.activate([(None, 4)])
-    assert manager.state.mask(1) is None and manager.state.mask(3) is None
+    assert manager.state.plan is None
+
+
+def test_long_chunks_run_alone_with_their_own_slot(paths: dict[str, Path]) -> None:
+    manager = _manager(paths)
+    a1, a2 = _lora(paths, 1), _lora(paths, 2)
+    # Two decodes (masked), then a 20-token prefill chunk of a2, a base chunk, a short chunk of a1 after them.
+    manager.activate([(a1, 1), (None, 1), (a2, 20), (None, 16), (a1, 3)])
+    plan = manager.state.plan
+    assert manager.slots == [1, 2] and plan is not None
+    assert plan.token_slot.tolist() == [0, -1] and plan.num_slots == 1
+    assert plan.segments == ((2, 22, 1), (38, 41, 0))
+    manager.activate([(None, 1), (a2, 16)])       # no adapter among the masked rows: nothing masked
+    plan = manager.state.plan
+    assert plan is not None and plan.dense_rows == 0 and plan.segments == ((1, 17, 1),)
 
 
 def test_prepare_step_reads_each_scheduled_request(paths: dict[str, Path]) -> None:
@@ -82,10 +107,7 @@ def test_prepare_step_reads_each_scheduled_request(paths: dict[str, Path]) -> No
     a = Request("a", [5, 6, 7], params, lora_request=_lora(paths, 3))
     b = Request("b", [5, 6], params)
     manager.prepare_step([ScheduledRequest.of(b, 2), ScheduledRequest.of(a, 3)])
-    expected = torch.zeros(5, 2 * R)
-    expected[2:, :R] = 1
-    mask = manager.state.mask(1)
-    assert manager.slots == [3, None] and mask is not None and torch.equal(mask, expected)
+    assert manager.slots == [3, None] and torch.equal(_mask(manager), _slot_mask([-1, -1, 0, 0, 0], 1, R))
 
 
 def test_slot_holds_the_adapter_weights_per_slice(paths: dict[str, Path]) -> None:
@@ -93,14 +115,14 @@ def test_slot_holds_the_adapter_weights_per_slice(paths: dict[str, Path]) -> Non
     manager.activate([(_lora(paths, 1), 1)])      # rank 4 on q and v: slot 0
     adapter = manager._cache[1]
     qkv = _qkv(manager, 1)
-    q_cols, k_cols, v_cols = (qkv._columns(0, part) for part in range(3))
+    q_rows, k_rows, v_rows = (qkv._rows(0, part) for part in range(3))
     q, v = adapter.modules[(1, "q_proj")], adapter.modules[(1, "v_proj")]
-    assert torch.equal(qkv.a[q_cols][:4], q.a) and not qkv.a[q_cols][4:].any()   # rank 4 of R = 8
-    assert torch.equal(qkv.b[:64, q_cols][:, :4], q.b)
-    assert torch.equal(qkv.b[96:, v_cols][:, :4], v.b) and torch.equal(qkv.a[v_cols][:4], v.a)
-    assert not qkv.a[k_cols].any() and not qkv.b[:, k_cols].any()                 # k not targeted
-    assert not qkv.b[64:, q_cols].any() and not qkv.b[:96, v_cols].any()          # block-diagonal
-    assert not qkv.a[_slot_columns(qkv, 1)].any()                                 # slot 1 empty
+    assert torch.equal(qkv.a[q_rows][:4], q.a) and not qkv.a[q_rows][4:].any()   # rank 4 of R = 8
+    assert torch.equal(qkv.bt[q_rows][:4, :64], q.b.t())
+    assert torch.equal(qkv.bt[v_rows][:4, 96:], v.b.t()) and torch.equal(qkv.a[v_rows][:4], v.a)
+    assert not qkv.a[k_rows].any() and not qkv.bt[k_rows].any()                 # k not targeted
+    assert not qkv.bt[q_rows][:, 64:].any() and not qkv.bt[v_rows][:, :96].any()  # block-diagonal
+    assert not qkv.a[_slot_rows(qkv, 1)].any()                                    # slot 1 empty
     assert not manager.layers[(1, "mlp.gate_up_proj")].a.any()                    # not targeted anywhere
 
 
@@ -119,9 +141,9 @@ def test_slots_are_reused_and_the_least_recently_used_is_replaced(paths: dict[st
     fresh = _manager(paths)
     fresh.activate([(a2, 1)])                      # a2 alone in slot 0: a1's weights left nothing behind
     for key, method in manager.layers.items():
-        cols = _slot_columns(method, 0)
-        assert torch.equal(method.a[cols], fresh.layers[key].a[cols])
-        assert torch.equal(method.b[:, cols], fresh.layers[key].b[:, cols])
+        rows = _slot_rows(method, 0)
+        assert torch.equal(method.a[rows], fresh.layers[key].a[rows])
+        assert torch.equal(method.bt[rows], fresh.layers[key].bt[rows])
 
 
 def test_evicted_adapter_is_reloaded_from_its_path_keeping_the_steps_own(paths: dict[str, Path]) -> None:
@@ -134,8 +156,7 @@ def test_evicted_adapter_is_reloaded_from_its_path_keeping_the_steps_own(paths: 
     manager.activate([(a1, 1), (a3, 1)])
     assert manager.num_loads == 4 and manager.cached_ids == [1, 3]
     assert manager.slots == [1, 3]
-    mask = manager.state.mask(1)
-    assert mask is not None and mask[0, :R].all() and mask[1, R:].all() and mask.sum() == 2 * R
+    assert torch.equal(_mask(manager), _slot_mask([0, 1], 2, R))
 
 
 def test_remove_lora_drops_cache_and_zeroes_its_slot(paths: dict[str, Path]) -> None:
@@ -145,9 +166,9 @@ def test_remove_lora_drops_cache_and_zeroes_its_slot(paths: dict[str, Path]) -> 
     manager.remove_lora(2)
     assert manager.slots == [1, None] and manager.cached_ids == [1]
     for method in manager.layers.values():
-        assert not method.a[_slot_columns(method, 1)].any()
-        assert not method.b[:, _slot_columns(method, 1)].any()
-    assert _qkv(manager).a[_slot_columns(_qkv(manager), 0)].any()   # the other adapter stays
+        assert not method.a[_slot_rows(method, 1)].any()
+        assert not method.bt[_slot_rows(method, 1)].any()
+    assert _qkv(manager).a[_slot_rows(_qkv(manager), 0)].any()   # the other adapter stays
     manager.remove_lora(99)                                          # unknown: ignored
     manager.activate([(a2, 1)])                                      # asked again: read again into a free slot
     assert manager.slots == [1, 2] and manager.num_loads == 3
