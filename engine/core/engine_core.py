@@ -154,7 +154,10 @@ class EngineCore:
         self._lora_removals.discard(lora_id)
         if lora_id in self._loras:
             return False
+        t0 = time.perf_counter()
         self.executor.add_lora(lora)
+        logger.info("LoRA adapter %r (id %d) loaded from %s in %.0f ms", lora.lora_name, lora_id, lora.lora_path,
+                    1000 * (time.perf_counter() - t0))
         self._loras[lora_id] = lora
         self._lora_paths[lora_id] = lora.lora_path
         return True
