@@ -103,7 +103,7 @@ class RecordingEngine:
         self.is_alive = True
 
     async def generate(self, request_id: str, prompt_token_ids: Any, params: Any,
-                       *, priority: int = 0) -> AsyncIterator[Any]:
+                       *, priority: int = 0, lora_request: Any = None) -> AsyncIterator[Any]:
         t = time.perf_counter()  # first thing: the ids are in the engine in the form its core takes
         from engine.core.outputs import EngineCoreOutput
         from engine.core.request import FinishReason

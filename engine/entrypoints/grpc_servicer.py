@@ -21,6 +21,7 @@ from common.grpc_server import bind, new_server, stop_event
 from common.stream_mux import SinkMux
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
 from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.async_engine import AsyncEngine
@@ -76,6 +77,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self._registry = LoRARegistry(self.engine.core.config)
         return self._registry
 
+    def lora_request(self, name: str) -> LoRARequest | None:
+        """The adapter a request names (empty: the base model, without touching the registry)."""
+        return self.registry.resolve(name) if name else None
+
     def read_prompt(self, request: engine_pb2.EngineGenerateRequest) -> tuple[np.ndarray, int | None]:
         """The prompt ids of a request, and the shared-memory slot to acknowledge when they came that way."""
         if not request.request_id:
@@ -113,7 +118,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             raise
         params = sampling_params_from_pb(request)
         try:
-            lora = self.registry.resolve(request.lora_adapter)
+            lora = self.lora_request(request.lora_adapter)
         except LoRANotFoundError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         first = True
@@ -221,7 +226,7 @@ class _StreamCall:
                 raise InvalidRequestError("request_id", f"request {rid!r} is already running")
             prompt, released_slot = self._servicer.read_prompt(request)
             params = sampling_params_from_pb(request)
-            lora = self._servicer.registry.resolve(request.lora_adapter)
+            lora = self._servicer.lora_request(request.lora_adapter)
             done = self._engine.submit(rid, prompt, params, self, priority=request.priority, lora_request=lora)
         except Exception as e:  # noqa: BLE001 — refused: the error entry is its terminal event
             self._refuse(rid, e)
