@@ -20,13 +20,14 @@ _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden
                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
 
 
-def make_tiny_model(arch: str = "llama", seed: int = 1) -> PreTrainedModel:
-    """A tiny random model: ``llama`` (GQA, untied lm_head) or ``qwen2`` (q/k/v bias, tied embeddings)."""
+def make_tiny_model(arch: str = "llama", seed: int = 1, **config: object) -> PreTrainedModel:
+    """A tiny random model: ``llama`` (GQA, untied lm_head) or ``qwen2`` (q/k/v bias, tied embeddings);
+    ``config`` overrides fields of the config (a real tokenizer's vocab_size and special tokens, say)."""
     torch.manual_seed(seed)
     if arch == "llama":
-        model: PreTrainedModel = LlamaForCausalLM(LlamaConfig(**_COMMON, tie_word_embeddings=False))
+        model: PreTrainedModel = LlamaForCausalLM(LlamaConfig(**{**_COMMON, "tie_word_embeddings": False, **config}))
     elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**_COMMON, tie_word_embeddings=True))
+        model = Qwen2ForCausalLM(Qwen2Config(**{**_COMMON, "tie_word_embeddings": True, **config}))
     else:
         raise ValueError(f"unknown arch {arch!r}")
     # transformers' init gives near-uniform logits, which hide errors and tie the top-k: spread them out.

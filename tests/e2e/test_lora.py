@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from engine.config import default_model_path
 from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.lora_factory import save_adapter
+from tests.lora_factory import make_tiny_model, save_adapter
 from tests.procs import ServeStack
 
 pytestmark = pytest.mark.slow
@@ -51,17 +51,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     root = tmp_path_factory.mktemp("lora")
     base_dir = root / "base"
     tokenizer.save_pretrained(base_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.bos_token_id)
-    base = LlamaForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():   # spread the logits: transformers' init makes them nearly uniform
-        for name, param in base.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1 + 0.2 * noise if "norm" in name else 0.5 * noise if "embed" in name else 0.08 * noise)
+    base = make_tiny_model("llama", seed=0, vocab_size=len(tokenizer), max_position_embeddings=512,
+                           eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     base.save_pretrained(base_dir)
     adapters = {
         "sql": save_adapter(base, root / "sql", r=8, alpha=16, targets=("q_proj", "v_proj"), seed=11),
@@ -181,3 +172,31 @@ def test_load_and_unload_at_runtime(stack: ServeStack, models: Models, tmp_path:
     r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "late", "lora_path": str(late_dir)}, timeout=60)
     assert r.status_code == 200
     assert _complete(client, "late", PROMPTS[2]) == models.text(greedy(late, PROMPTS[2]))
+
+
+def test_unloading_an_adapter_lets_its_running_request_finish(stack: ServeStack, models: Models) -> None:
+    url = f"{stack.base_url}/v1"
+    late_dir, late = models.adapters["late"]
+    httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)   # whatever ran before
+    r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "late", "lora_path": str(late_dir)}, timeout=60)
+    assert r.status_code == 200, r.text
+    client = _client(stack)
+    n = 300
+    stream = client.completions.create(model="late", prompt=PROMPTS[3], max_tokens=n, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    # Unloaded while its request runs: gone for new requests at once, the running one keeps its weights.
+    r = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert stack.engine_idle(timeout=0).num_running == 1   # it was unloaded under a running request
+    with pytest.raises(openai.NotFoundError):
+        _complete(client, "late", PROMPTS[2])
+    finish = None
+    for chunk in chunks:
+        text += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length"
+    assert text == models.text(greedy(late, PROMPTS[3], n))
+    info = stack.engine_idle()
+    assert info.free_kv_blocks == info.total_kv_blocks and [a.name for a in info.lora_adapters] == ["sql", "chat"]
