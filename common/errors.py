@@ -17,6 +17,18 @@ class InvalidRequestError(SluiceError, ValueError):
         self.message = message
 
 
+class NotFoundError(SluiceError):
+    """What a request names does not exist: a model, a LoRA adapter (gRPC NOT_FOUND, REST 404)."""
+
+
+class AlreadyExistsError(SluiceError):
+    """What a request would create exists already, e.g. a LoRA adapter's name (gRPC ALREADY_EXISTS)."""
+
+
+class FailedPreconditionError(SluiceError):
+    """The server was not started to allow this, e.g. runtime LoRA loading (gRPC FAILED_PRECONDITION)."""
+
+
 class QueueFullError(SluiceError):
     """The bounded waiting queue is full; the request was not accepted."""
 

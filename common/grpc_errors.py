@@ -8,7 +8,14 @@ from typing import Any
 
 import grpc
 
-from common.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from common.errors import (
+    AlreadyExistsError,
+    EngineDeadError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    NotFoundError,
+    QueueFullError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +29,12 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code(), exc.details() or exc.code().name
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, NotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, AlreadyExistsError):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
+    if isinstance(exc, FailedPreconditionError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, QueueFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "the request queue is full"
     if isinstance(exc, EngineDeadError):

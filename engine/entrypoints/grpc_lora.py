@@ -10,32 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
 from common.errors import InvalidRequestError
 from engine.core.lora_request import LoRARequest
 from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.lora_registry import (
-    LoRAAdapterExistsError,
-    LoRAAdapterNotFoundError,
-    LoRANotFoundError,
     LoRARegistry,
-    LoRAUpdatesDisabledError,
 )
 from proto.sluice.v1 import common_pb2
-
-_STATUS: dict[type[BaseException], grpc.StatusCode] = {
-    LoRANotFoundError: grpc.StatusCode.NOT_FOUND,
-    LoRAAdapterNotFoundError: grpc.StatusCode.NOT_FOUND,
-    LoRAAdapterExistsError: grpc.StatusCode.ALREADY_EXISTS,
-    LoRAUpdatesDisabledError: grpc.StatusCode.FAILED_PRECONDITION,
-}
-
-
-def lora_status(error: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    """The status of a LoRA refusal (its message as the details, verbatim: vLLM's texts); None for other errors."""
-    code = _STATUS.get(type(error))
-    return None if code is None else (code, str(error))
 
 
 def adapter_to_pb(registry: LoRARegistry, lora: LoRARequest) -> common_pb2.LoRAAdapter:

@@ -25,9 +25,9 @@ from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
 from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.async_engine import AsyncEngine
-from engine.entrypoints.grpc_lora import adapters_to_pb, load_adapter, lora_status, unload_adapter
+from engine.entrypoints.grpc_lora import adapters_to_pb, load_adapter, unload_adapter
 from engine.entrypoints.grpc_wire import abort_targets_from_pb, output_to_pb, sampling_params_from_pb, wire_error
-from engine.entrypoints.lora_registry import LoRANotFoundError, LoRARegistry
+from engine.entrypoints.lora_registry import LoRARegistry
 from engine.entrypoints.stats_logger import DEFAULT_INTERVAL_S
 from engine.text import Tokenizer
 from engine.worker.structured_output import GrammarVocabulary
@@ -117,10 +117,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             context.set_trailing_metadata(((ERROR_REASON_KEY, engine_pb2.ErrorReason.Name(e.reason)),))
             raise
         params = sampling_params_from_pb(request)
-        try:
-            lora = self.lora_request(request.lora_adapter)
-        except LoRANotFoundError as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        lora = self.lora_request(request.lora_adapter)   # an unknown name: NOT_FOUND (common.grpc_errors)
         first = True
         try:
             async for out in engine.generate(request.request_id, prompt, params, priority=request.priority,
@@ -165,19 +162,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def LoadLoRAAdapter(self, request: common_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
                               ) -> common_pb2.LoadLoRAAdapterResponse:
-        try:
-            return await load_adapter(self.engine, self.registry, request)
-        except Exception as e:
-            await _abort_lora(e, context)
-            raise
+        return await load_adapter(self.engine, self.registry, request)
 
     async def UnloadLoRAAdapter(self, request: common_pb2.UnloadLoRAAdapterRequest,
                                 context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoRAAdapterResponse:
-        try:
-            return await unload_adapter(self.engine, self.registry, request)
-        except Exception as e:
-            await _abort_lora(e, context)
-            raise
+        return await unload_adapter(self.engine, self.registry, request)
 
     async def RegisterSharedMemory(self, request: engine_pb2.RegisterSharedMemoryRequest,
                                    context: grpc.aio.ServicerContext) -> engine_pb2.RegisterSharedMemoryResponse:
@@ -240,7 +229,7 @@ class _StreamCall:
             self.mux.finish(rid)
 
     def _refuse(self, rid: str, error: BaseException) -> None:
-        code, message = lora_status(error) or status_for(wire_error(error))
+        code, message = status_for(wire_error(error))
         if code is grpc.StatusCode.INTERNAL:
             logger.error("request %s refused: %r", rid, error)
         msg = engine_pb2.EngineStreamResponse()
@@ -267,13 +256,6 @@ class _StreamCall:
                 self.mux.finish(rid)
         if msg.outputs:
             self.mux.send(msg)
-
-
-async def _abort_lora(error: Exception, context: grpc.aio.ServicerContext) -> None:
-    """End the call with the status of a LoRA refusal; other errors are left to the error interceptor."""
-    status = lora_status(error)
-    if status is not None:
-        await context.abort(*status)
 
 
 def warm_up(core: EngineCore) -> None:

@@ -12,24 +12,24 @@ from __future__ import annotations
 from itertools import count
 from typing import Protocol
 
-from common.errors import InvalidRequestError, SluiceError
+from common.errors import AlreadyExistsError, FailedPreconditionError, InvalidRequestError, NotFoundError
 from engine.config import EngineConfig
 from engine.core.lora_request import LoRARequest
 
 
-class LoRANotFoundError(SluiceError):
+class LoRANotFoundError(NotFoundError):
     """A request names no adapter this engine serves (gRPC NOT_FOUND; REST 404 ``model_not_found``)."""
 
 
-class LoRAAdapterNotFoundError(SluiceError):
+class LoRAAdapterNotFoundError(NotFoundError):
     """An unload names an adapter that is not loaded (gRPC NOT_FOUND; REST 404)."""
 
 
-class LoRAAdapterExistsError(SluiceError):
+class LoRAAdapterExistsError(AlreadyExistsError):
     """A load names an adapter that is loaded, or being loaded (gRPC ALREADY_EXISTS; REST 400, as vLLM)."""
 
 
-class LoRAUpdatesDisabledError(SluiceError):
+class LoRAUpdatesDisabledError(FailedPreconditionError):
     """Runtime loads and unloads are off (gRPC FAILED_PRECONDITION)."""
 
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
-
+from common.errors import NotFoundError
 from proto.sluice.v1 import common_pb2
 
 
@@ -28,13 +27,12 @@ def adapters_to_pb(adapters: tuple[LoRAAdapter, ...]) -> list[common_pb2.LoRAAda
     return [common_pb2.LoRAAdapter(name=a.name, base_model_name=a.base_model_name) for a in adapters]
 
 
-def model_not_found(model: str, served: str, *, lora_enabled: bool) -> grpc.aio.AioRpcError:
+def model_not_found(model: str, served: str, *, lora_enabled: bool) -> NotFoundError:
     """NOT_FOUND for a ``model`` that is neither the served model nor an adapter (OpenAI's 404
-    model_not_found). Raised as the status itself: the error interceptor and GenerateStream pass a
-    downstream status through as it is, and common.errors has no typed error for it."""
+    model_not_found)."""
     model = model[:200]  # a client's string, echoed: bounded
     if lora_enabled:
         details = f"model: {model!r} is neither the served model {served!r} nor a loaded LoRA adapter"
     else:
         details = f"model: {model!r} is not served here (serving {served!r}; LoRA adapters need --enable-lora)"
-    return grpc.aio.AioRpcError(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+    return NotFoundError(details)
