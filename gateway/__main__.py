@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
+import sys
 
 from common.procs import die_with_parent
 from common.settings import api_key
@@ -48,12 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CORS origins ('*' for any); default: CORS off")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="model name(s) to answer to (default: the name the backend reports)")
-    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body (default: the model's max_model_len x 16 bytes + 1 MiB, as soon "
+                        "as the backend answers; 32 MiB before)")
+    p.add_argument("--header-read-timeout", type=float, default=10.0,
+                   help="seconds a connection gets to send a request's headers before it is closed")
+    p.add_argument("--body-read-timeout", type=float, default=60.0,
+                   help="seconds a request's body gets to arrive (408 after)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per backend call (default: none)")
     p.add_argument("--keepalive-interval", type=float, default=5.0, help="seconds between SSE keep-alive comments")
     p.add_argument("--max-n", type=int, default=16, help="largest n per request")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
+                   help="seconds in-flight requests get to finish after SIGTERM, while new ones get 503 + "
+                        "Retry-After; then the listener closes")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -70,6 +77,8 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         allowed_origins=tuple(ns.allowed_origins),
         served_model_names=tuple(ns.served_model_name or ()),
         max_body_bytes=ns.max_body_bytes,
+        header_read_timeout=ns.header_read_timeout,
+        body_read_timeout=ns.body_read_timeout,
         request_timeout=ns.request_timeout,
         keepalive_interval=ns.keepalive_interval,
         max_n=ns.max_n,
@@ -86,13 +95,15 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.error(str(err))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s gateway: %(message)s")
-    import uvicorn
-
     from gateway.app import create_app
+    from gateway.drain import Drain
+    from gateway.server import build_server
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, loop="uvloop", http="httptools",
-                log_level=ns.log_level, timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout),
-                server_header=False)
+    drain = Drain()
+    server = build_server(create_app(settings, drain=drain), settings, drain, log_level=ns.log_level)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: the app failed to start
 
 
 if __name__ == "__main__":

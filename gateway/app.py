@@ -12,6 +12,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from gateway.auth import AuthMiddleware
 from gateway.backend import Backend
+from gateway.drain import Drain, DrainMiddleware
 from gateway.errors import ApiError, api_error_handler, http_exception_handler
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.request_context import RequestContextMiddleware
@@ -21,17 +22,22 @@ from gateway.settings import GatewaySettings
 
 
 def create_app(settings: GatewaySettings, backend: Backend | None = None,
-               metrics: GatewayMetrics | None = None) -> Starlette:
+               metrics: GatewayMetrics | None = None, drain: Drain | None = None) -> Starlette:
     """The ASGI app. Without ``backend``, a gRPC client to ``settings.tokenizer_addresses``
     is opened at startup and closed at shutdown (the channel binds to the server's loop);
-    a given backend is the caller's to close."""
+    a given backend is the caller's to close. ``drain``: the server's (``gateway/server.py``),
+    which turns new requests away once SIGTERM came."""
     routes = build_routes()
     metrics = metrics if metrics is not None else GatewayMetrics()
     # Outermost first: the request id and the catch-all see every response (401s
-    # included), metrics count them, CORS answers preflights before auth asks for a key.
+    # included), metrics count them, a draining server turns requests away before
+    # anything else (a load balancer probes without a key), CORS answers preflights
+    # before auth asks for a key.
     middleware = [
         Middleware(RequestContextMiddleware),
         Middleware(MetricsMiddleware, metrics=metrics, known_paths=frozenset(r.path for r in routes)),
+        Middleware(DrainMiddleware, drain=drain if drain is not None else Drain(),
+                   retry_after=settings.retry_after_seconds),
     ]
     if settings.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),

@@ -43,7 +43,56 @@ def parse_json_object(raw: bytes) -> dict[str, object]:
         raise bad_request(None, "The request body is not valid JSON.") from None
     if not isinstance(data, dict):
         raise bad_request(None, f"The request body must be a JSON object, got {json_type(data)}.")
+    _check_encodable(data)
     return data
+
+
+# A parent's path and this element's key (a name or a list index); None at the body's root.
+_Path = tuple["_Path | None", "str | int"] | None
+
+
+def _path_name(path: _Path) -> str | None:
+    parts: list[str] = []
+    while path is not None:
+        path, key = path
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return "".join(reversed(parts)).lstrip(".") or None
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_encodable(body: dict[str, object]) -> None:
+    """Every string of the body, names included, must be UTF-8 text: JSON's ``\\ud800`` escape (and raw
+    surrogate bytes, which ``json.loads`` lets through) makes a lone surrogate, which no gRPC message, log
+    line or response body can carry. Checked once here, for all fields, with an explicit stack: the body
+    may nest as deep as the JSON parser allows."""
+    stack: list[tuple[object, _Path]] = [(body, None)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                name = _path_name(path)
+                raise bad_request(name, f"`{name}` is not valid UTF-8 text: it holds a lone UTF-16 surrogate "
+                                        "(such as \\ud800).")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodable(key):
+                    name = _path_name(path)
+                    where = f"`{name}`" if name else "The request body"
+                    raise bad_request(name, f"{where} has a field name that is not valid UTF-8 text: it holds a "
+                                            "lone UTF-16 surrogate.")
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, (path, key)))
+        elif isinstance(value, list):  # numbers are skipped: a long list of token ids costs little
+            stack.extend((item, (path, i)) for i, item in enumerate(value) if isinstance(item, (str, dict, list)))
 
 
 def _type_error(name: str, expected: str, value: object) -> ApiError:

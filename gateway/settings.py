@@ -21,7 +21,12 @@ class GatewaySettings:
     allowed_origins: tuple[str, ...] = ()
     # Names the model is served under; empty: the name the backend reports.
     served_model_names: tuple[str, ...] = ()
-    max_body_bytes: int = 32 * 1024 * 1024
+    # Largest request body; None: sized from the model's context length (routes/common.py body_limit_for).
+    max_body_bytes: int | None = None
+    # A connection must finish sending a request's headers within this many seconds (uvicorn has no
+    # such bound of its own), and its body within body_read_timeout of the headers.
+    header_read_timeout: float = 10.0
+    body_read_timeout: float = 60.0
     # Deadline of each backend call in seconds; None: none for generation.
     request_timeout: float | None = None
     # SSE comment sent when no token arrived for this long (also how long a stream
@@ -33,14 +38,19 @@ class GatewaySettings:
     retry_after_seconds: int = 1
     # Largest `n` (sequences per prompt) one request may ask for.
     max_n: int = 16
-    # After SIGTERM: no new connections; in-flight requests get this long (seconds).
+    # After SIGTERM: new requests get 503 + Retry-After and /ready 503 while in-flight ones get this long
+    # (seconds) to finish; then the listener closes.
     shutdown_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.tokenizer_addresses:
             raise ValueError("tokenizer_addresses: at least one address is needed")
-        if self.max_body_bytes < 1:
+        if self.max_body_bytes is not None and self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
+        if self.header_read_timeout <= 0:
+            raise ValueError("header_read_timeout must be > 0")
+        if self.body_read_timeout <= 0:
+            raise ValueError("body_read_timeout must be > 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0")
         if self.keepalive_interval <= 0:

@@ -237,6 +237,8 @@ async def _chunks(data: bytes) -> AsyncIterator[bytes]:
 
 async def send(gw: Gateway, case: Case) -> httpx.Response:
     kwargs: dict[str, Any] = {"headers": case.headers}
+    if case.content is not None:  # raw bytes, sent as JSON
+        kwargs["headers"] = {"Content-Type": "application/json", **case.headers}
     if case.chunked:
         kwargs["content"] = _chunks(case.content or b"")
     elif case.content is not None:
