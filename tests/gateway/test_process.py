@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -48,6 +47,6 @@ async def test_gateway_process_serves_and_stops(fake_server: FakeServer) -> None
     finally:
         proc.terminate()
         out, _ = await asyncio.wait_for(proc.communicate(), 10)
-    # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught.
-    assert proc.returncode in (0, -signal.SIGTERM), out.decode()
+    # SIGTERM drains (nothing was in flight), then the process exits cleanly.
+    assert proc.returncode == 0, out.decode()
     assert b"Traceback" not in out
