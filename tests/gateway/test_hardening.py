@@ -45,10 +45,11 @@ CHAT_BODY: dict[str, Any] = {
     "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
 }
 COMPLETION_BODY: dict[str, Any] = {"model": SERVED, "prompt": ["one", "two"], "stop": "END", "guided_regex": "a+"}
-GUIDED = [{"guided_json": json.dumps(SCHEMA)}, {"guided_choice": ["yes", "no"]}, {"guided_grammar": "root ::= \"a\""}]
+GUIDED: list[dict[str, Any]] = [{"guided_json": json.dumps(SCHEMA)}, {"guided_choice": ["yes", "no"]},
+                                {"guided_grammar": "root ::= \"a\""}]
 
 
-def string_leaves(value: object, path: str = "") -> Iterator[tuple[str, list[object] | dict[str, object], object]]:
+def string_leaves(value: object, path: str = "") -> Iterator[tuple[str, Any, Any]]:
     """(field path, container, key) of every string in ``value``."""
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
@@ -72,7 +73,7 @@ def with_lone_surrogates() -> Iterator[tuple[str, str, bytes]]:
             copy = json.loads(json.dumps(body))
             for leaf, container, key in string_leaves(copy):
                 if leaf == name:
-                    container[key] += LONE  # type: ignore[index]
+                    container[key] += LONE
             # ensure_ascii: the body carries the escape "\ud800", as a JSON client would send it
             yield route, name, json.dumps(copy).encode()
 
@@ -183,14 +184,14 @@ class _Models:
 async def test_the_fixed_limit_holds_until_the_backend_gives_its_context_length() -> None:
     backend = _Models()
     settings = GatewaySettings()
-    state = GatewayState(settings, backend, None, ServedModels(("m",), backend, 1.0))  # type: ignore[arg-type]
+    models = ServedModels(("m",), backend, 1.0)  # type: ignore[arg-type]
+    state = GatewayState(settings, backend, None, models)  # type: ignore[arg-type]
     assert await state.body_limit() == FALLBACK_MAX_BODY_BYTES == 32 * 1024 * 1024
     backend.up = True
     assert await state.body_limit() == 4096 * 16 + 1024 * 1024
     assert await state.body_limit() == 4096 * 16 + 1024 * 1024
     assert backend.calls == 2  # asked again after the failure, then kept
-    fixed = GatewayState(GatewaySettings(max_body_bytes=100), backend, None,  # type: ignore[arg-type]
-                         ServedModels(("m",), backend, 1.0))
+    fixed = GatewayState(GatewaySettings(max_body_bytes=100), backend, None, models)  # type: ignore[arg-type]
     assert await fixed.body_limit() == 100
     assert backend.calls == 2
 
