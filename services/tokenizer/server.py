@@ -41,7 +41,7 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
     bind_port = bind(server, host, port)
     await server.start()
     stop = stop_event()
-    watcher = asyncio.create_task(_track_engine(servicer, channel, health_service, stop))
+    watcher = asyncio.create_task(track_engine(servicer, channel, health_service, stop))
     logger.info("tokenizer service on %s:%d, engine at %s", host, bind_port, engine_addr)
     await stop.wait()
     watcher.cancel()
@@ -52,27 +52,60 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
     await channel.close()
 
 
-async def _track_engine(servicer: GenerationServicer, channel: grpc.aio.Channel,
+async def track_engine(servicer: GenerationServicer, channel: grpc.aio.Channel,
                         health_service: Health, stop: asyncio.Event) -> None:
-    """SERVING while the engine answers GetInfo; re-registers shared memory after an engine restart.
+    """SERVING while connected to an engine that answered GetInfo on this connection; NOT_SERVING from the
+    moment the connection is lost. A new connection is a new engine as far as we can tell (a process that
+    dies closes its sockets; the restarted one is reached over a new connection): its first answer hands our
+    shared memory and info over again.
 
-    Probes every second, and at once when the engine connection changes state (an engine that dies
-    drops the connection, so readiness follows within milliseconds, not a polling period).
+    Liveness follows the connection, never a call's latency: a stalled or overloaded engine (SIGSTOP, a step
+    of minutes) keeps its connection, so GetInfo is sent with no deadline and waited for as long as it takes,
+    and nothing here ever ends a request. Requests on a connection that is really gone fail by themselves:
+    gRPC ends every call on it with UNAVAILABLE (within milliseconds of a SIGKILL).
     """
     serving: bool | None = None
-    while not stop.is_set():
-        try:
-            await servicer.engine_info(refresh=True)
-            ok = True
-        except grpc.aio.AioRpcError:
-            ok = False
-        if ok and serving is False:
-            servicer.engine_restarted()
+    answered = False  # the engine answered on the current connection
+    ever_answered = False
+
+    async def set_serving(ok: bool) -> None:
+        nonlocal serving
         if ok != serving:
             await health_service.set_serving(ok)
             serving = ok
+
+    while not stop.is_set():
         state = channel.get_state(try_to_connect=True)
+        if state is not grpc.ChannelConnectivity.READY:
+            answered = False
+            await set_serving(False)
+            await _state_change(channel, state, 0.25)
+            continue
+        if not answered and ever_answered:
+            servicer.engine_restarted()
         try:
-            await asyncio.wait_for(channel.wait_for_state_change(state), 1.0 if ok else 0.25)
-        except TimeoutError:
-            pass
+            await servicer.engine_info(refresh=True, timeout=None)
+        except grpc.aio.AioRpcError as error:
+            # The connection went (it ended the call), or the engine answered with an error: not ready
+            # until it answers, and that answer is handled as a new engine's.
+            answered = False
+            if error.code() is not grpc.StatusCode.UNAVAILABLE:
+                logger.warning("engine GetInfo failed: %s %s", error.code().name, error.details())
+            await set_serving(False)
+            await _state_change(channel, grpc.ChannelConnectivity.READY, 0.25)
+            continue
+        answered = ever_answered = True
+        await set_serving(True)
+        # At once when the connection changes (a dying engine drops it): readiness follows within
+        # milliseconds; else the info is refreshed every second (the LoRA adapters loaded, the load).
+        if await _state_change(channel, grpc.ChannelConnectivity.READY, 1.0):
+            answered = False  # lost, even if it is READY again by the time we look
+
+
+async def _state_change(channel: grpc.aio.Channel, state: grpc.ChannelConnectivity, timeout: float) -> bool:
+    """Whether ``channel`` left ``state`` within ``timeout`` seconds."""
+    try:
+        await asyncio.wait_for(channel.wait_for_state_change(state), timeout)
+    except TimeoutError:
+        return False
+    return True

@@ -77,9 +77,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._streams: set[Multiplexer] = set()
 
     # -- engine handshake ---------------------------------------------------------------------------------
-    async def engine_info(self, refresh: bool = False) -> EngineInfo:
+    async def engine_info(self, refresh: bool = False, *, timeout: float | None = 10) -> EngineInfo:
+        """The engine's model and LoRA adapters, asked again when ``refresh`` or unknown. ``timeout`` bounds
+        a caller's wait, not the engine's life: a slow answer says nothing about whether it is gone."""
         if self._info is None or refresh:
-            r = await self.engine.GetInfo(engine_pb2.GetInfoRequest(), timeout=10)
+            r = await self.engine.GetInfo(engine_pb2.GetInfoRequest(), timeout=timeout)
             self._info = EngineInfo(r.model_name, r.max_model_len, r.vocab_size, list(r.eos_token_ids),
                                     r.bos_token_id if r.HasField("bos_token_id") else None,
                                     r.lora_enabled, adapters_from_pb(list(r.lora_adapters)))
@@ -104,10 +106,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self._shm_registered
 
     def engine_restarted(self) -> None:
-        """A new engine process knows neither our ring nor its info: hand both over again."""
+        """A new engine process knows neither our ring nor its info: hand both over again.
+
+        The engine stream is left alone: the call of an engine that is gone ended with its connection (its
+        requests got UNAVAILABLE then), and the next request opens a new one. Resetting it here would kill a
+        call already opened on the new engine, or one on an engine that was only slow."""
         self._shm_registered = False
         self._info = None
-        self.engine_stream.reset()
 
     def drain(self) -> None:
         """Shutting down: open GenerateStreams take no new requests and end once theirs have finished
