@@ -7,6 +7,7 @@ jinja2's ImmutableSandboxedEnvironment, with only the helpers transformers gives
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -20,6 +21,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from common.errors import InvalidRequestError
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+# Compiled templates kept per renderer: a model has one or two; request templates (when trusted) are
+# each client's own, so an unbounded cache would grow with every distinct template sent.
+COMPILE_CACHE_SIZE = 64
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -51,36 +56,50 @@ def _strftime_now(fmt: str) -> str:
 
 
 class ChatTemplateRenderer:
-    """Compiles templates once (per renderer) and renders validated messages with them."""
+    """Compiles templates once (per renderer, the last ``cache_size`` kept) and renders validated messages
+    with them."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache_size: int = COMPILE_CACHE_SIZE) -> None:
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                   extensions=[_GenerationTag, jinja2.ext.loopcontrols])
         self._env.filters["tojson"] = _tojson
         self._env.globals["raise_exception"] = _raise_exception
         self._env.globals["strftime_now"] = _strftime_now
-        self._compiled: dict[str, jinja2.Template] = {}
+        self._cache_size = cache_size
+        self._compiled: OrderedDict[str, jinja2.Template] = OrderedDict()
+
+    @property
+    def cached(self) -> list[str]:
+        """The templates compiled and kept, least recently used first."""
+        return list(self._compiled)
 
     def compile(self, template: str) -> jinja2.Template:
         compiled = self._compiled.get(template)
-        if compiled is None:
-            try:
-                compiled = self._env.from_string(template)
-            except jinja2.exceptions.TemplateSyntaxError as e:
-                raise InvalidRequestError("chat_template", f"the chat template does not parse: {e}") from e
-            self._compiled[template] = compiled
+        if compiled is not None:
+            self._compiled.move_to_end(template)
+            return compiled
+        try:
+            compiled = self._env.from_string(template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise InvalidRequestError("chat_template", f"the chat template does not parse: {e}") from e
+        self._compiled[template] = compiled
+        if len(self._compiled) > self._cache_size:
+            self._compiled.popitem(last=False)
         return compiled
 
     def render(self, template: str | None, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
-               special_tokens: Mapping[str, str | None], **kwargs: Any) -> str:
+               special_tokens: Mapping[str, str | None], max_output_chars: int | None = None, **kwargs: Any) -> str:
+        """``max_output_chars``: the rendering stops (InvalidRequestError naming ``chat_template``) as soon as
+        its output passes this many characters, checked chunk by chunk as the template writes them."""
         if template is None:
             raise InvalidRequestError(
                 "chat_template", "this model has no chat template; pass one (chat_template) or send a plain prompt")
         compiled = self.compile(template)
         context = {**{k: v for k, v in special_tokens.items() if v is not None}, **kwargs}
         try:
-            return compiled.render(messages=normalize_messages(messages),
-                                   add_generation_prompt=add_generation_prompt, **context)
+            chunks = compiled.generate(messages=normalize_messages(messages),
+                                       add_generation_prompt=add_generation_prompt, **context)
+            return _bounded_concat(chunks, max_output_chars)
         except InvalidRequestError:
             raise
         except jinja2.exceptions.TemplateError as e:
@@ -88,6 +107,19 @@ class ChatTemplateRenderer:
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             # A template indexing a field the messages lack, or concatenating a non-string.
             raise InvalidRequestError("messages", f"the chat template failed on these messages: {e!r}") from e
+
+
+def _bounded_concat(chunks: Any, max_chars: int | None) -> str:
+    if max_chars is None:
+        return "".join(chunks)
+    out: list[str] = []
+    size = 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > max_chars:
+            raise InvalidRequestError("chat_template", f"the chat template's output passes {max_chars} characters")
+        out.append(chunk)
+    return "".join(out)
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

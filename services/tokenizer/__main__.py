@@ -9,6 +9,7 @@ import logging
 from common.procs import die_with_parent
 from engine.text.chat import load_chat_template
 from engine.text.tool_parsers import TOOL_PARSERS
+from services.tokenizer.limits import InputLimits
 from services.tokenizer.tools import ToolSettings
 
 
@@ -29,12 +30,22 @@ def main(argv: list[str] | None = None) -> None:
                         help='parse tool calls out of the output for tool_choice "auto" (needs --tool-call-parser)')
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="the model family's tool-call syntax")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render chat templates sent with requests (off: refused), each in a child process "
+                             "bounded by --request-chat-template-timeout and the prompt size limit")
+    parser.add_argument("--request-chat-template-timeout", type=float, default=1.0,
+                        help="seconds a request's chat template may render for before it is refused")
+    parser.add_argument("--tokenize-threads", type=int, default=4,
+                        help="threads that tokenize and render prompts off the event loop")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
     ns = parser.parse_args(argv)
     try:
         tools = ToolSettings(ns.enable_auto_tool_choice, ns.tool_call_parser)
         chat_template = load_chat_template(ns.chat_template) if ns.chat_template is not None else None
+        limits = InputLimits(trust_request_chat_template=ns.trust_request_chat_template,
+                             template_timeout_s=ns.request_chat_template_timeout,
+                             tokenize_threads=ns.tokenize_threads)
     except (ValueError, OSError) as e:
         parser.error(str(e))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s tokenizer: %(message)s")
@@ -48,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         pass
     asyncio.run(serve(engine_addr=ns.engine, host=ns.host, port=ns.port, model=ns.model, tokenizer=ns.tokenizer,
                       served_model_name=ns.served_model_name, shm_tokens=ns.shm_tokens,
-                      shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools))
+                      shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools,
+                      limits=limits))
 
 
 if __name__ == "__main__":

@@ -52,17 +52,34 @@ def tool_specs(chat: generation_pb2.Chat) -> list[ToolSpec]:
     return specs
 
 
-def render_chat(tokenizer: Tokenizer, chat: generation_pb2.Chat) -> str:
-    """The prompt text; the request's template wins over the service's (``--chat-template``, already the
-    tokenizer's) and the model's."""
+@dataclass(frozen=True)
+class ChatInputs:
+    """What a chat template is rendered with, out of a public ``Chat``: plain Python values (JSON-able)."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    request_template: str | None  # the request's own template; None: the service's / the model's
+    kwargs: dict[str, Any]  # the template's variables: ``tools`` and chat_template_kwargs
+
+
+def chat_inputs(chat: generation_pb2.Chat) -> ChatInputs:
     if not chat.messages:
         raise InvalidRequestError("messages", "at least one message is required")
-    messages = [_message(m) for m in chat.messages]
     tools = [s.template_dict() for s in tool_specs(chat)] or None
-    add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    template = chat.chat_template if chat.HasField("chat_template") else None
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, chat_template=template,
-                                         tools=tools, **_template_kwargs(chat.chat_template_kwargs))
+    return ChatInputs([_message(m) for m in chat.messages],
+                      chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+                      chat.chat_template if chat.HasField("chat_template") else None,
+                      {"tools": tools, **_template_kwargs(chat.chat_template_kwargs)})
+
+
+def render_chat(tokenizer: Tokenizer, chat: generation_pb2.Chat, *, max_output_chars: int | None = None) -> str:
+    """The prompt text, rendered here; the request's template wins over the service's (``--chat-template``,
+    already the tokenizer's) and the model's. The service renders request templates elsewhere
+    (``TemplateWorker``): this trusts the template it runs."""
+    inputs = chat_inputs(chat)
+    return tokenizer.apply_chat_template(inputs.messages, add_generation_prompt=inputs.add_generation_prompt,
+                                         chat_template=inputs.request_template, max_output_chars=max_output_chars,
+                                         **inputs.kwargs)
 
 
 def _message(m: generation_pb2.ChatMessage) -> dict[str, Any]:

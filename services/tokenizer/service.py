@@ -22,12 +22,13 @@ from common.errors import InvalidRequestError
 from engine.text import IncrementalDetokenizer, Tokenizer
 from proto.shm import ShmRing
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
-from services.tokenizer.chat import render_chat
 from services.tokenizer.engine_request import check_options, engine_options
 from services.tokenizer.engine_stream import EngineStream, error_reason
+from services.tokenizer.limits import InputLimits
 from services.tokenizer.lora import LoRAAdapter, adapters_from_pb, adapters_to_pb, model_not_found
 from services.tokenizer.multiplexer import Multiplexer
 from services.tokenizer.outputs import SequenceOutput, Usage
+from services.tokenizer.prompt import PromptBuilder
 from services.tokenizer.tools import ToolSettings, plan_tools
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,10 @@ class _Handoff:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, engine_channel: grpc.aio.Channel, *, served_model_name: str,
-                 model_path: str, shm_tokens: int = 0, tools: ToolSettings | None = None) -> None:
+                 model_path: str, shm_tokens: int = 0, tools: ToolSettings | None = None,
+                 limits: InputLimits | None = None) -> None:
         self.tokenizer = tokenizer
+        self.prompts = PromptBuilder(tokenizer, limits or InputLimits())
         self.tools = tools or ToolSettings()
         self.engine = engine_pb2_grpc.EngineStub(engine_channel)
         self.engine_stream = EngineStream(self.engine)
@@ -123,6 +126,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def close(self) -> None:
         self.engine_stream.close()
+        self.prompts.close()
         if self._ring is not None:
             self._ring.close()
 
@@ -152,7 +156,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         check_options(request)
         adapter = await self.lora_adapter(request.model, engine_resolves=True)
         plan = plan_tools(request, self.tools)
-        prompt_ids = self.prompt_ids(request)  # its length against max_model_len: the engine's to check
+        prompt_ids = await self.prompt_ids(request)  # its exact length against max_model_len: the engine's check
         n = request.n or 1
         skip_special = (request.response.skip_special_tokens
                         if request.response.HasField("skip_special_tokens") else True)
@@ -239,28 +243,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             req.prompt_token_ids.ids.extend(prompt_ids.tolist() if isinstance(prompt_ids, np.ndarray) else prompt_ids)
         return req, handoff
 
-    def prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int] | np.ndarray:
-        """The prompt's token ids: text encoded, chat messages rendered with the chat template and
-        encoded, or the given ids as an array; an empty or missing prompt is an InvalidRequestError."""
-        which = request.WhichOneof("input")
-        if which == "text":
-            if not request.text:
-                raise InvalidRequestError("prompt", "the prompt is empty")
-            ids: list[int] | np.ndarray = self.tokenizer.encode(request.text, add_special_tokens=True)
-        elif which == "chat":
-            ids = self.tokenizer.encode(self._render(request.chat), add_special_tokens=False)
-        elif which == "token_ids":
-            # Kept as an array (upb's repeated field exports __array__: 47 µs for 128k ids): it goes into
-            # the shared-memory ring with one memcpy and the engine keeps it as is, no Python ints on the way.
-            ids = np.asarray(request.token_ids.ids)
-        else:
-            raise InvalidRequestError("prompt", "one of text, chat or token_ids is required")
-        if len(ids) == 0:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        return ids
-
-    def _render(self, chat: generation_pb2.Chat) -> str:
-        return render_chat(self.tokenizer, chat)
+    async def prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int] | np.ndarray:
+        """The prompt's token ids (``PromptBuilder.prompt_ids``): refused unread when too long to fit."""
+        return await self.prompts.prompt_ids(request, (await self.engine_info()).max_model_len)
 
     async def lora_adapter(self, model: str, *, engine_resolves: bool = False) -> str:
         """The LoRA adapter ``model`` names: "" for the served model (or no name). Another name is an adapter's
@@ -281,14 +266,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Tokenize(self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
                        ) -> generation_pb2.TokenizeResponse:
         await self.lora_adapter(request.model)
-        which = request.WhichOneof("input")
-        if which == "chat":
+        info = await self.engine_info()
+        if request.WhichOneof("input") == "chat":
             add = request.add_special_tokens if request.HasField("add_special_tokens") else False
-            ids = self.tokenizer.encode(self._render(request.chat), add_special_tokens=add)
+            text = await self.prompts.render(request.chat, info.max_model_len)
+            ids = await self.prompts.off_loop(self.tokenizer.encode, text, add_special_tokens=add)
         else:
             add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = self.tokenizer.encode(request.text, add_special_tokens=add)
-        info = await self.engine_info()
+            ids = await self.prompts.encode("prompt", request.text, info.max_model_len, add_special_tokens=add)
         resp = generation_pb2.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=info.max_model_len)
         if request.return_token_strs:
             resp.token_strs.extend(self.tokenizer.convert_ids_to_tokens(ids))
@@ -308,9 +293,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def ApplyChatTemplate(self, request: generation_pb2.ApplyChatTemplateRequest,
                                 context: grpc.aio.ServicerContext) -> generation_pb2.ApplyChatTemplateResponse:
         await self.lora_adapter(request.model)
-        text = self._render(request.chat)
+        text = await self.prompts.render(request.chat, (await self.engine_info()).max_model_len)
         return generation_pb2.ApplyChatTemplateResponse(
-            text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False))
+            text=text, token_ids=await self.prompts.off_loop(self.tokenizer.encode, text, add_special_tokens=False))
 
     async def GetModelInfo(self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> generation_pb2.GetModelInfoResponse:
