@@ -218,7 +218,7 @@ async def run_client(address: str, settings: HandoffSettings, prompts: dict[int,
                     if mode in ID_MODES:  # what GenerationServicer.Generate does with a token-id prompt
                         ids_public = id_requests[size]
                         t0 = time.perf_counter()
-                        ids = service.prompt_ids(ids_public)
+                        ids = await service.prompt_ids(ids_public)
                         request, handoff = await service.engine_request(engine_options(ids_public, rid, 1, None),
                                                                          ids, source=ids_public.token_ids)
                     else:

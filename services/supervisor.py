@@ -113,6 +113,8 @@ def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
         flags.append("--enable-auto-tool-choice")
     if ns.tool_call_parser is not None:
         flags += ["--tool-call-parser", ns.tool_call_parser]
+    if ns.trust_request_chat_template:
+        flags.append("--trust-request-chat-template")
     return flags
 
 
@@ -140,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='parse tool calls out of the output for tool_choice "auto" (needs --tool-call-parser)')
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model family's tool-call syntax")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests send their own chat_template (off: refused); rendered in a child process "
+                        "bounded in time and output size")
     p.add_argument("--log-level", default="info")
     add_engine_args(p)
     return p
