@@ -46,6 +46,19 @@ def default_model_path() -> str:
 
 # --kv-cache-dtype values: "auto" stores keys and values in the model's dtype (vLLM's meaning). float16 halves
 # the cache's bytes and the memory traffic of decode attention; the float32 CPU kernel converts on load.
+# The servers' default bound on requests waiting beyond the running seats (vLLM's is unbounded). A queued request
+# holds only its prompt ids (at most max_model_len) and an open stream, so four full batches behind the running
+# one cost little memory and absorb a burst; past them a 429 with Retry-After sends the client or its load
+# balancer elsewhere rather than have it wait out four batches. The floor keeps a small engine (a few seats)
+# from refusing an ordinary burst of clients. The offline API keeps None (unbounded): it queues a whole batch.
+QUEUE_SEATS_FACTOR = 4
+MIN_DEFAULT_QUEUED_REQUESTS = 256
+
+
+def default_max_queued_requests(max_num_seqs: int) -> int:
+    return max(QUEUE_SEATS_FACTOR * max_num_seqs, MIN_DEFAULT_QUEUED_REQUESTS)
+
+
 KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
 
 
@@ -185,7 +198,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None         # exact block count (overrides the two above)
     device_memory_utilization: float = 0.9   # share of device memory on accelerators
     seed: int = 0
-    max_queued_requests: int | None = None   # None = unbounded waiting queue
+    # Requests that may wait beyond the free running seats, then QueueFullError; None = unbounded (the offline
+    # API's default; the servers' flag defaults to default_max_queued_requests(max_num_seqs)).
+    max_queued_requests: int | None = None
     scheduling_policy: str = "fcfs"          # fcfs | priority
     enforce_eager: bool = True
     tensor_parallel_size: int = 1

@@ -88,6 +88,11 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def num_free_seats(self) -> int:
+        """Sequences the next step may still admit (``max_num_seqs`` minus running; none when forks overran it)."""
+        return max(0, self.config.max_num_seqs - len(self.running))
+
+    @property
     def prefix_cache_queries(self) -> int:
         return self.block_manager.prefix_cache_queries
 
@@ -125,9 +130,16 @@ class Scheduler:
             raise ValueError(f"{request.seq_id}: only a new request's first sequence is added; forks make the others")
         if request.seq_id in self.requests:   # sequence 0 stays keyed until every sequence of its request ended
             raise InvalidRequestError("request_id", f"request {request.request_id!r} is already running")
+        # The bound counts what the next step cannot seat, not len(waiting): a burst added before any step is
+        # otherwise refused by an idle engine with free seats. A new request with n > 1 or beam search is one
+        # sequence until its first sample (its forks take seats then), so it counts one, as the step's seat
+        # check counts it.
         limit = self.config.max_queued_requests
-        if limit is not None and len(self.waiting) >= limit:
-            raise QueueFullError(f"{len(self.waiting)} requests are already waiting (max_queued_requests={limit})")
+        free = self.num_free_seats
+        if limit is not None and len(self.waiting) + 1 - free > limit:   # unseated once this one is in
+            raise QueueFullError(f"the request queue is full: {len(self.waiting)} requests wait for {free} free "
+                                 f"seats (max_num_seqs={self.config.max_num_seqs}) and at most {limit} may wait "
+                                 f"beyond them (max_queued_requests={limit})")
         if request.sampling_params.beam_search is not None:
             request.beam = self.beam_groups.new_search(request)
         request.status = RequestStatus.WAITING

@@ -17,6 +17,7 @@ from engine.config import (
     LoRAModule,
     StructuredOutputsConfig,
     check_structured_output_backend,
+    default_max_queued_requests,
     parse_size,
 )
 
@@ -29,6 +30,30 @@ def _bool(value: str) -> bool:
     if value.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
+
+
+UNBOUNDED = "unbounded"
+
+
+def _queue_bound(value: str) -> int | str:
+    """``--max-queued-requests``: an integer >= 0, or the word ``unbounded`` (the config's None)."""
+    if value.strip().lower() == UNBOUNDED:
+        return UNBOUNDED
+    try:
+        bound = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer >= 0 or {UNBOUNDED!r}: {value!r}") from None
+    if bound < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (or {UNBOUNDED!r}), got {bound}")
+    return bound
+
+
+def queue_bound(given: int | str | None, max_num_seqs: int) -> int | None:
+    """The config's max_queued_requests from the flag: not given, the servers' bounded default; ``unbounded``,
+    None."""
+    if given is None:
+        return default_max_queued_requests(max_num_seqs)
+    return None if given == UNBOUNDED else int(given)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +77,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device-memory-utilization", "--gpu-memory-utilization", dest="device_memory_utilization",
                    type=float, default=0.9)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-queued-requests", type=int, default=None)
+    g.add_argument("--max-queued-requests", type=_queue_bound, default=None,
+                   help="requests that may wait beyond the free running seats (--max-num-seqs) before new ones "
+                        "get 429 / RESOURCE_EXHAUSTED (default: 4 x --max-num-seqs, at least 256: a burst of "
+                        "four batches waits, more is sent elsewhere); 'unbounded' for no limit")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--enforce-eager", action="store_true", default=True)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -97,6 +125,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values = {name: getattr(ns, name) for name in EngineConfig.field_names() if hasattr(ns, name)}
+    values["max_queued_requests"] = queue_bound(values.get("max_queued_requests"),
+                                                values.get("max_num_seqs", EngineConfig.max_num_seqs))
     values["structured_outputs_config"] = structured_outputs_config(
         getattr(ns, "structured_outputs_config", None), getattr(ns, "guided_decoding_backend", None))
     values["lora_config"] = lora_config(ns)

@@ -12,6 +12,9 @@ _MAX_STOP_STRINGS = 16
 _MAX_STOP_LEN = 256
 _MAX_TOP_LOGPROBS = 20
 _MAX_GUIDED_BYTES = 64 * 1024
+# Most sequences one request may ask for (n, best_of, beam width), as the REST gateway's --max-n default: each is
+# a running seat, its KV blocks and a detokenizer here. Checked here because every API passes through here.
+MAX_SEQUENCES = 16
 
 
 def check_options(request: generation_pb2.GenerateRequest) -> None:
@@ -29,10 +32,14 @@ def check_options(request: generation_pb2.GenerateRequest) -> None:
     if response.echo and request.WhichOneof("input") == "chat":
         raise InvalidRequestError("echo", "needs a text or token-id prompt (the gateway echoes chat messages)")
     n = request.n or 1
+    width = request.beam_search.beam_width if request.HasField("beam_search") else 0
+    for name, value in (("n", n), ("best_of", request.best_of), ("beam_width", width)):
+        if value > MAX_SEQUENCES:
+            raise InvalidRequestError(name, f"must be at most {MAX_SEQUENCES}, got {value}")
     if request.best_of and request.best_of < n:
         raise InvalidRequestError("best_of", f"must be at least n ({n}), got {request.best_of}")
-    if request.HasField("beam_search") and request.beam_search.beam_width and request.beam_search.beam_width < n:
-        raise InvalidRequestError("beam_width", f"must be at least n ({n}), got {request.beam_search.beam_width}")
+    if width and width < n:
+        raise InvalidRequestError("beam_width", f"must be at least n ({n}), got {width}")
     check_guided(request.guided)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from common.errors import InvalidRequestError
+from common.grpc_errors import status_for
 from proto.sluice.v1 import common_pb2, engine_pb2, generation_pb2
-from services.tokenizer.engine_request import check_options, engine_options
+from services.tokenizer.engine_request import MAX_SEQUENCES, check_options, engine_options
 
 
 def test_guided_best_of_beam_search_and_prompt_logprobs_reach_the_engine() -> None:
@@ -66,3 +68,25 @@ def test_refusals_name_the_field(request_: generation_pb2.GenerateRequest, field
     with pytest.raises(InvalidRequestError) as info:
         check_options(request_)
     assert info.value.field == field and fragment in info.value.message
+
+
+@pytest.mark.parametrize("request_, field, value", [
+    (generation_pb2.GenerateRequest(text="hi", n=1000), "n", 1000),
+    (generation_pb2.GenerateRequest(text="hi", n=17), "n", 17),
+    (generation_pb2.GenerateRequest(text="hi", n=2, best_of=17), "best_of", 17),
+    (generation_pb2.GenerateRequest(text="hi", best_of=2**32 - 1), "best_of", 2**32 - 1),
+    (generation_pb2.GenerateRequest(text="hi", beam_search=common_pb2.BeamSearch(beam_width=17)), "beam_width", 17),
+])
+def test_more_sequences_than_the_cap_are_invalid_argument(request_: generation_pb2.GenerateRequest, field: str,
+                                                          value: int) -> None:
+    # The REST gateway's --max-n default; the public gRPC API took n = 1000 (issue 26).
+    assert MAX_SEQUENCES == 16
+    with pytest.raises(InvalidRequestError) as info:
+        check_options(request_)
+    assert info.value.field == field and info.value.message == f"must be at most 16, got {value}"
+    assert status_for(info.value) == (grpc.StatusCode.INVALID_ARGUMENT, f"{field}: must be at most 16, got {value}")
+
+
+def test_the_cap_itself_is_accepted() -> None:
+    check_options(generation_pb2.GenerateRequest(text="hi", n=16, best_of=16))
+    check_options(generation_pb2.GenerateRequest(text="hi", n=16, beam_search=common_pb2.BeamSearch(beam_width=16)))

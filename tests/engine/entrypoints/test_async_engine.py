@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import EngineDeadError
+from common.errors import EngineDeadError, QueueFullError
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.core.request import FinishReason
+from engine.core.outputs import EngineCoreOutput
+from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from engine.entrypoints.async_engine import AsyncEngine, _Add, _Call
 from tests.procs import ROOT, free_port
 
@@ -111,6 +113,74 @@ def test_a_step_reaches_the_event_loop_once_for_all_its_requests(engine: AsyncEn
     assert sum(handbacks) == 20  # every output, each once
     assert len(handbacks) <= steps < 20  # batched: one hand-back per step, not one per output
     assert max(handbacks) == 4  # a decode step's four outputs came together
+
+
+class _SchedulerCore:
+    """The EngineCore calls AsyncEngine makes, around a real Scheduler and no model (every sample is token 7)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.scheduler = Scheduler(config, 1024, eos_token_ids={2}, max_model_len=4096)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+                    lora_request: object = None) -> None:
+        self.scheduler.add_request(Request(request_id, prompt_token_ids, params, priority=priority))
+
+    def abort_requests(self, targets: list[str], *, reason: FinishReason = FinishReason.ABORT) -> None:
+        for request_id in targets:
+            self.scheduler.abort_request(request_id, reason=reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        out = self.scheduler.schedule()
+        return self.scheduler.update_from_output(out, {seq_id: [7] for s in out.scheduled
+                                                       for seq_id in s.sample_seq_ids})
+
+
+class _Collect:
+    """An output group that counts each request's terminal outputs."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.finished: list[str] = []
+
+    def deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        self.finished += [out.request_id for out in outputs if out.request_finished]
+
+
+def test_a_burst_on_an_idle_engine_is_refused_only_past_the_free_seats_and_the_queue() -> None:
+    # The issue's case through the engine thread: 64 seats, 16 queue places, 100 adds handled before any step
+    # (the thread is held by a call while they queue up, so all land in one batch): 80 in, 20 QueueFullError.
+    core = _SchedulerCore(EngineConfig(max_num_seqs=64, max_queued_requests=16))
+    eng = AsyncEngine(lambda: core)  # type: ignore[arg-type, return-value]
+    gate = threading.Event()
+    held: Future[object] = Future()
+    eng._commands.put(_Call(lambda c: gate.wait(10), held))  # noqa: SLF001
+
+    async def run() -> tuple[list[str], list[str], list[str]]:
+        group = _Collect(asyncio.get_running_loop())
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        adds = {f"r{i}": eng.submit(f"r{i}", [5, 6, 7], params, group) for i in range(100)}
+        gate.set()
+        results = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in adds.values()),
+                                                        return_exceptions=True), 10)
+        refused = [rid for rid, r in zip(adds, results) if isinstance(r, QueueFullError)]
+        accepted = [rid for rid, r in zip(adds, results) if r is None]
+        for _ in range(500):
+            if len(group.finished) >= len(accepted):
+                break
+            await asyncio.sleep(0.01)
+        return accepted, refused, group.finished
+
+    try:
+        accepted, refused, finished = asyncio.run(run())
+        assert held.result() is True   # the adds really waited behind the held thread
+        assert accepted == [f"r{i}" for i in range(80)] and refused == [f"r{i}" for i in range(80, 100)]
+        assert sorted(finished, key=lambda rid: int(rid[1:])) == accepted   # each accepted one ends, once
+        assert eng.is_alive and not core.has_unfinished_requests()
+    finally:
+        eng.shutdown()
 
 
 def test_launch_builds_the_core_on_the_thread_that_steps_it() -> None:
