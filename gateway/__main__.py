@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request's body gets to arrive (408 after)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per backend call (default: none)")
     p.add_argument("--keepalive-interval", type=float, default=5.0, help="seconds between SSE keep-alive comments")
-    p.add_argument("--max-n", type=int, default=16, help="largest n per request")
+    p.add_argument("--max-n", type=int, default=16, choices=range(1, 17), metavar="1..16",
+                   help="largest n (and best_of) per request; the tokenizer service allows at most 16")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM, while new ones get 503 + "
                         "Retry-After; then the listener closes")

@@ -78,6 +78,9 @@ def engine_flags(config: EngineConfig) -> list[str]:
     flags: list[str] = []
     for name in EngineConfig.field_names():
         value = getattr(config, name)
+        if name == "max_queued_requests":   # always: the engine CLI's default is bounded, the config's is not
+            flags += ["--max-queued-requests", "unbounded" if value is None else str(value)]
+            continue
         if value == getattr(default, name) or name == "enforce_eager":
             continue
         if name == "enable_prefix_caching":

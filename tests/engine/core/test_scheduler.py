@@ -173,15 +173,19 @@ def test_scheduling_policy_order(policy: str, order: list[str]) -> None:
 
 
 def test_queue_full_raises_and_queues_nothing() -> None:
-    sched = make_scheduler(max_queued_requests=2)
-    sched.add_request(make_request("a", 4))
-    sched.add_request(make_request("b", 4))
+    # 2 seats and 2 queue places: the queue counts only what waits beyond the free seats.
+    sched = make_scheduler(max_num_seqs=2, max_queued_requests=2)
+    for rid in "abcd":
+        sched.add_request(make_request(rid, 4))
     with pytest.raises(QueueFullError):
-        sched.add_request(make_request("c", 4))
-    assert sched.num_waiting == 2 and sched.get_request("c") is None
-    step(sched)   # both admitted: room again
-    sched.add_request(make_request("c", 4))
-    assert sched.num_waiting == 1 and sched.num_running == 2
+        sched.add_request(make_request("e", 4))
+    assert sched.num_waiting == 4 and sched.get_request("e") is None
+    step(sched)   # a and b take the seats; c and d still wait beyond them: still full
+    with pytest.raises(QueueFullError):
+        sched.add_request(make_request("e", 4))
+    sched.abort_request("a")   # a seat frees: room again
+    sched.add_request(make_request("e", 4))
+    assert sched.num_waiting == 3 and sched.num_running == 1
 
 
 @pytest.mark.parametrize("prompt", [[], [5] * 33, [5] * 20])
