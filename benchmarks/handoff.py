@@ -94,6 +94,23 @@ class HandoffRun:
 
 
 # -- server side (own process) ----------------------------------------------------------------------------
+class _DescribedCore:
+    """What GetInfo reads of an engine core: a context long enough for every prompt size measured."""
+
+    def __init__(self) -> None:
+        from engine.config import EngineConfig
+
+        self.config = EngineConfig(served_model_name="bench")
+
+    def info(self) -> dict[str, Any]:
+        return {"model": "bench", "max_model_len": 1 << 20, "vocab_size": 1 << 17, "eos_token_ids": [],
+                "bos_token_id": None, "block_size": 16, "total_kv_blocks": 0, "free_kv_blocks": 0, "num_running": 0,
+                "num_waiting": 0, "dtype": "float32", "device": "cpu"}
+
+    def scheduler_stats(self) -> dict[str, int]:
+        return dict.fromkeys(("prefix_cache_queries", "prefix_cache_hits", "num_preemptions"), 0)
+
+
 class RecordingEngine:
     """Stands in for AsyncEngine behind the real EngineServicer: records the ids it is given, answers at once."""
 
@@ -101,6 +118,10 @@ class RecordingEngine:
         self.keep_ids = keep_ids
         self.arrivals: dict[str, Arrival] = {}
         self.is_alive = True
+        self.core = _DescribedCore()   # GetInfo: the tokenizer service bounds prompts by max_model_len
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        return fn(self.core)
 
     async def generate(self, request_id: str, prompt_token_ids: Any, params: Any,
                        *, priority: int = 0, lora_request: Any = None) -> AsyncIterator[Any]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from common.procs import ENV_PARENT_PID, grpc_serving
 from common.settings import ENV_API_KEY, api_key
-from engine.config import EngineConfig, LoRAConfig
+from engine.config import EngineConfig, LoRAConfig, default_max_queued_requests
 from engine.entrypoints.args import add_engine_args, config_from_args
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.mindie_config import ConfigFileError, load_mindie_config
@@ -78,8 +78,9 @@ def engine_flags(config: EngineConfig) -> list[str]:
     flags: list[str] = []
     for name in EngineConfig.field_names():
         value = getattr(config, name)
-        if name == "max_queued_requests":   # always: the engine CLI's default is bounded, the config's is not
-            flags += ["--max-queued-requests", "unbounded" if value is None else str(value)]
+        if name == "max_queued_requests":   # against the engine CLI's default, which is bounded (the config's is not)
+            if value != default_max_queued_requests(config.max_num_seqs):
+                flags += ["--max-queued-requests", "unbounded" if value is None else str(value)]
             continue
         if value == getattr(default, name) or name == "enforce_eager":
             continue

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, InvalidRequestError, SamplingParams
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_max_queued_requests
 from engine.entrypoints.args import add_engine_args, config_from_args
 from services.supervisor import engine_flags
 
@@ -29,8 +29,9 @@ def test_unsupported_values_name_the_field(value: str, words: str) -> None:
 
 
 def test_sluice_serve_passes_it_to_the_engine() -> None:
-    assert engine_flags(EngineConfig(kv_cache_dtype="float16")) == ["--kv-cache-dtype", "float16"]
-    assert engine_flags(EngineConfig()) == []
+    served = EngineConfig(max_queued_requests=default_max_queued_requests(128))   # as `sluice serve` builds it
+    assert engine_flags(served.with_changes(kv_cache_dtype="float16")) == ["--kv-cache-dtype", "float16"]
+    assert engine_flags(served) == []
 
 
 @pytest.mark.slow

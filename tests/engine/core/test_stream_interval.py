@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_max_queued_requests
 from engine.entrypoints.args import add_engine_args, config_from_args
 from services.supervisor import engine_flags
 
@@ -17,8 +17,9 @@ def test_flag_parses_defaults_to_one_and_serve_forwards_it() -> None:
     add_engine_args(parser)
     assert config_from_args(parser.parse_args([])).stream_interval == 1
     assert config_from_args(parser.parse_args(["--stream-interval", "8"])).stream_interval == 8
-    assert engine_flags(EngineConfig(stream_interval=8)) == ["--stream-interval", "8"]
-    assert engine_flags(EngineConfig()) == []
+    served = EngineConfig(max_queued_requests=default_max_queued_requests(128))   # as `sluice serve` builds it
+    assert engine_flags(served.with_changes(stream_interval=8)) == ["--stream-interval", "8"]
+    assert engine_flags(served) == []
 
 
 @pytest.fixture(scope="module")

@@ -68,9 +68,10 @@ def test_disable_log_stats_flag() -> None:
 
 
 def test_sluice_serve_passes_disable_log_stats_to_the_engine() -> None:
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, default_max_queued_requests
     from services.supervisor import engine_flags
 
     assert "--disable-log-stats" not in engine_flags(EngineConfig())
-    flags = engine_flags(EngineConfig(disable_log_stats=True, max_num_seqs=64, enable_prefix_caching=False))
+    flags = engine_flags(EngineConfig(disable_log_stats=True, max_num_seqs=64, enable_prefix_caching=False,
+                                      max_queued_requests=default_max_queued_requests(64)))
     assert flags == ["--max-num-seqs", "64", "--no-enable-prefix-caching", "--disable-log-stats"]
