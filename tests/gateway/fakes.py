@@ -327,6 +327,9 @@ class FakeServer:
         await self.health.set(service, status)
 
 
+_USED_PORTS: set[int] = set()
+
+
 async def start_fake_server(*, with_health: bool = True) -> FakeServer:
     """Serves the fake Generation API and (unless told not to) grpc.health.v1 with
     the whole server ("") SERVING."""
@@ -337,6 +340,14 @@ async def start_fake_server(*, with_health: bool = True) -> FakeServer:
     if with_health:
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port("127.0.0.1:0")
+    if port in _USED_PORTS:
+        # A port an earlier fake server had: a channel of an earlier test may still hold a connection
+        # to it in grpc's process-wide subchannel pool, and a new channel to the same target would
+        # share that connection, which the earlier server's stop(0) ends with a GOAWAY (a rare
+        # UNAVAILABLE in an unrelated test). Take another port.
+        await server.stop(0)
+        return await start_fake_server(with_health=with_health)
+    _USED_PORTS.add(port)
     await server.start()
     fake = FakeServer(server, port, servicer, health)
     if with_health:
