@@ -7,6 +7,22 @@ from dataclasses import dataclass, field
 from engine.core.request import FinishReason, PromptLogprobs, SequenceId
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """When a request passed each stage, in ``time.monotonic()`` seconds (for metrics and trace spans).
+
+    Of the whole request: with n > 1, best_of or beam search, the earliest of its sequences for
+    ``first_scheduled`` and ``first_token``. None: the request never got that far (aborted while
+    waiting, or failed)."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float
+    num_preemptions: int = 0        # times any of its sequences was preempted
+    num_generation_tokens: int = 0  # tokens sampled for it, all sequences together
+
+
 @dataclass
 class EngineCoreOutput:
     """New tokens of one sequence of a request in one step (a delta, never the whole sequence)."""
@@ -25,6 +41,8 @@ class EngineCoreOutput:
     cumulative_logprob: float | None = None
     # With prompt_logprobs asked: on each sequence's first output (the same object for all of them).
     prompt_logprobs: PromptLogprobs | None = None
+    # On the output with ``request_finished`` only (every path that ends a request sets it).
+    times: RequestTimes | None = None
 
     @property
     def finished(self) -> bool:

@@ -25,49 +25,53 @@ _sym_db = _symbol_database.Default()
 from proto.sluice.v1 import common_pb2 as sluice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/engine.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\"P\n\x0fSharedMemoryRef\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0c\n\x04slot\x18\x04 \x01(\x04\"\x80\x01\n\x16\x45ngineStoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"\xa1\x04\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12\x30\n\nprompt_shm\x18\x03 \x01(\x0b\x32\x1a.sluice.v1.SharedMemoryRefH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.sluice.v1.SamplingParameters\x12\x33\n\x08stopping\x18\x05 \x01(\x0b\x32!.sluice.v1.EngineStoppingCriteria\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\t\n\x01n\x18\x08 \x01(\r\x12\x1c\n\x0fstream_interval\x18\t \x01(\rH\x02\x88\x01\x01\x12)\n\x06guided\x18\n \x01(\x0b\x32\x19.sluice.v1.GuidedDecoding\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x03\x88\x01\x01\x12\x0f\n\x07\x62\x65st_of\x18\x0c \x01(\r\x12*\n\x0b\x62\x65\x61m_search\x18\r \x01(\x0b\x32\x15.sluice.v1.BeamSearch\x12\x14\n\x0clora_adapter\x18\x0e \x01(\tB\x08\n\x06promptB\x0b\n\t_logprobsB\x12\n\x10_stream_intervalB\x12\n\x10_prompt_logprobs\"3\n\x0eTokenIdLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x13\x45ngineTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x19.sluice.v1.TokenIdLogprob\"\xb1\x03\n\x16\x45ngineGenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.sluice.v1.EngineTokenLogprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x1e\n\x11released_shm_slot\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x14\n\x0crequest_done\x18\n \x01(\x08\x12\x1f\n\x12\x63umulative_logprob\x18\x0b \x01(\x02H\x01\x88\x01\x01\x12\x36\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1d.sluice.v1.PromptTokenLogprobB\x14\n\x12_released_shm_slotB\x15\n\x13_cumulative_logprob\"}\n\x13\x45ngineStreamRequest\x12\x34\n\x08generate\x18\x01 \x01(\x0b\x32 .sluice.v1.EngineGenerateRequestH\x00\x12(\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x17.sluice.v1.AbortRequestH\x00\x42\x06\n\x04kind\"o\n\x12\x45ngineRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12&\n\x06reason\x18\x04 \x01(\x0e\x32\x16.sluice.v1.ErrorReason\"y\n\x14\x45ngineStreamResponse\x12\x32\n\x07outputs\x18\x01 \x03(\x0b\x32!.sluice.v1.EngineGenerateResponse\x12-\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1d.sluice.v1.EngineRequestError\"?\n\x0bSequenceRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"N\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12)\n\tsequences\x18\x02 \x03(\x0b\x32\x16.sluice.v1.SequenceRef\"\x0f\n\rAbortResponse\"\x10\n\x0eGetInfoRequest\"\xc9\x01\n\x0e\x45ngineCounters\x12\x14\n\x0cshm_handoffs\x18\x01 \x01(\x04\x12\x17\n\x0finline_handoffs\x18\x02 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x03 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x05 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x06 \x01(\x04\x12\x14\n\x0cstream_calls\x18\x07 \x01(\x04\"\x93\x03\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x07 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12+\n\x08\x63ounters\x18\x0b \x01(\x0b\x32\x19.sluice.v1.EngineCounters\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x14\n\x0clora_enabled\x18\x0e \x01(\x08\x12-\n\rlora_adapters\x18\x0f \x03(\x0b\x32\x16.sluice.v1.LoRAAdapterB\x0f\n\r_bos_token_id\"Q\n\x1bRegisterSharedMemoryRequest\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\r\n\x05owner\x18\x03 \x01(\t\"9\n\x1cRegisterSharedMemoryResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t*P\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12#\n\x1f\x45RROR_REASON_SHM_NOT_REGISTERED\x10\x01\x32\xcb\x04\n\x06\x45ngine\x12Q\n\x08Generate\x12 .sluice.v1.EngineGenerateRequest\x1a!.sluice.v1.EngineGenerateResponse0\x01\x12M\n\x06Stream\x12\x1e.sluice.v1.EngineStreamRequest\x1a\x1f.sluice.v1.EngineStreamResponse(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.sluice.v1.AbortRequest\x1a\x18.sluice.v1.AbortResponse\x12@\n\x07GetInfo\x12\x19.sluice.v1.GetInfoRequest\x1a\x1a.sluice.v1.GetInfoResponse\x12g\n\x14RegisterSharedMemory\x12&.sluice.v1.RegisterSharedMemoryRequest\x1a\'.sluice.v1.RegisterSharedMemoryResponse\x12X\n\x0fLoadLoRAAdapter\x12!.sluice.v1.LoadLoRAAdapterRequest\x1a\".sluice.v1.LoadLoRAAdapterResponse\x12^\n\x11UnloadLoRAAdapter\x12#.sluice.v1.UnloadLoRAAdapterRequest\x1a$.sluice.v1.UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/engine.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\"P\n\x0fSharedMemoryRef\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0c\n\x04slot\x18\x04 \x01(\x04\"\x80\x01\n\x16\x45ngineStoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"\xa1\x05\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12\x30\n\nprompt_shm\x18\x03 \x01(\x0b\x32\x1a.sluice.v1.SharedMemoryRefH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.sluice.v1.SamplingParameters\x12\x33\n\x08stopping\x18\x05 \x01(\x0b\x32!.sluice.v1.EngineStoppingCriteria\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\t\n\x01n\x18\x08 \x01(\r\x12\x1c\n\x0fstream_interval\x18\t \x01(\rH\x02\x88\x01\x01\x12)\n\x06guided\x18\n \x01(\x0b\x32\x19.sluice.v1.GuidedDecoding\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x03\x88\x01\x01\x12\x0f\n\x07\x62\x65st_of\x18\x0c \x01(\r\x12*\n\x0b\x62\x65\x61m_search\x18\r \x01(\x0b\x32\x15.sluice.v1.BeamSearch\x12\x14\n\x0clora_adapter\x18\x0e \x01(\t\x12I\n\rtrace_headers\x18\x0f \x03(\x0b\x32\x32.sluice.v1.EngineGenerateRequest.TraceHeadersEntry\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06promptB\x0b\n\t_logprobsB\x12\n\x10_stream_intervalB\x12\n\x10_prompt_logprobs\"3\n\x0eTokenIdLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x13\x45ngineTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x19.sluice.v1.TokenIdLogprob\"\xb1\x03\n\x16\x45ngineGenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.sluice.v1.EngineTokenLogprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x1e\n\x11released_shm_slot\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x14\n\x0crequest_done\x18\n \x01(\x08\x12\x1f\n\x12\x63umulative_logprob\x18\x0b \x01(\x02H\x01\x88\x01\x01\x12\x36\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1d.sluice.v1.PromptTokenLogprobB\x14\n\x12_released_shm_slotB\x15\n\x13_cumulative_logprob\"}\n\x13\x45ngineStreamRequest\x12\x34\n\x08generate\x18\x01 \x01(\x0b\x32 .sluice.v1.EngineGenerateRequestH\x00\x12(\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x17.sluice.v1.AbortRequestH\x00\x42\x06\n\x04kind\"o\n\x12\x45ngineRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12&\n\x06reason\x18\x04 \x01(\x0e\x32\x16.sluice.v1.ErrorReason\"y\n\x14\x45ngineStreamResponse\x12\x32\n\x07outputs\x18\x01 \x03(\x0b\x32!.sluice.v1.EngineGenerateResponse\x12-\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1d.sluice.v1.EngineRequestError\"?\n\x0bSequenceRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"N\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12)\n\tsequences\x18\x02 \x03(\x0b\x32\x16.sluice.v1.SequenceRef\"\x0f\n\rAbortResponse\"\x10\n\x0eGetInfoRequest\"\xc9\x01\n\x0e\x45ngineCounters\x12\x14\n\x0cshm_handoffs\x18\x01 \x01(\x04\x12\x17\n\x0finline_handoffs\x18\x02 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x03 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x05 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x06 \x01(\x04\x12\x14\n\x0cstream_calls\x18\x07 \x01(\x04\"\x93\x03\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x07 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12+\n\x08\x63ounters\x18\x0b \x01(\x0b\x32\x19.sluice.v1.EngineCounters\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x14\n\x0clora_enabled\x18\x0e \x01(\x08\x12-\n\rlora_adapters\x18\x0f \x03(\x0b\x32\x16.sluice.v1.LoRAAdapterB\x0f\n\r_bos_token_id\"Q\n\x1bRegisterSharedMemoryRequest\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\r\n\x05owner\x18\x03 \x01(\t\"9\n\x1cRegisterSharedMemoryResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t*P\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12#\n\x1f\x45RROR_REASON_SHM_NOT_REGISTERED\x10\x01\x32\xcb\x04\n\x06\x45ngine\x12Q\n\x08Generate\x12 .sluice.v1.EngineGenerateRequest\x1a!.sluice.v1.EngineGenerateResponse0\x01\x12M\n\x06Stream\x12\x1e.sluice.v1.EngineStreamRequest\x1a\x1f.sluice.v1.EngineStreamResponse(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.sluice.v1.AbortRequest\x1a\x18.sluice.v1.AbortResponse\x12@\n\x07GetInfo\x12\x19.sluice.v1.GetInfoRequest\x1a\x1a.sluice.v1.GetInfoResponse\x12g\n\x14RegisterSharedMemory\x12&.sluice.v1.RegisterSharedMemoryRequest\x1a\'.sluice.v1.RegisterSharedMemoryResponse\x12X\n\x0fLoadLoRAAdapter\x12!.sluice.v1.LoadLoRAAdapterRequest\x1a\".sluice.v1.LoadLoRAAdapterResponse\x12^\n\x11UnloadLoRAAdapter\x12#.sluice.v1.UnloadLoRAAdapterRequest\x1a$.sluice.v1.UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluice.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORREASON']._serialized_start=2695
-  _globals['_ERRORREASON']._serialized_end=2775
+  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._loaded_options = None
+  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._serialized_options = b'8\001'
+  _globals['_ERRORREASON']._serialized_start=2823
+  _globals['_ERRORREASON']._serialized_end=2903
   _globals['_SHAREDMEMORYREF']._serialized_start=61
   _globals['_SHAREDMEMORYREF']._serialized_end=141
   _globals['_ENGINESTOPPINGCRITERIA']._serialized_start=144
   _globals['_ENGINESTOPPINGCRITERIA']._serialized_end=272
   _globals['_ENGINEGENERATEREQUEST']._serialized_start=275
-  _globals['_ENGINEGENERATEREQUEST']._serialized_end=820
-  _globals['_TOKENIDLOGPROB']._serialized_start=822
-  _globals['_TOKENIDLOGPROB']._serialized_end=873
-  _globals['_ENGINETOKENLOGPROBS']._serialized_start=875
-  _globals['_ENGINETOKENLOGPROBS']._serialized_end=962
-  _globals['_ENGINEGENERATERESPONSE']._serialized_start=965
-  _globals['_ENGINEGENERATERESPONSE']._serialized_end=1398
-  _globals['_ENGINESTREAMREQUEST']._serialized_start=1400
-  _globals['_ENGINESTREAMREQUEST']._serialized_end=1525
-  _globals['_ENGINEREQUESTERROR']._serialized_start=1527
-  _globals['_ENGINEREQUESTERROR']._serialized_end=1638
-  _globals['_ENGINESTREAMRESPONSE']._serialized_start=1640
-  _globals['_ENGINESTREAMRESPONSE']._serialized_end=1761
-  _globals['_SEQUENCEREF']._serialized_start=1763
-  _globals['_SEQUENCEREF']._serialized_end=1826
-  _globals['_ABORTREQUEST']._serialized_start=1828
-  _globals['_ABORTREQUEST']._serialized_end=1906
-  _globals['_ABORTRESPONSE']._serialized_start=1908
-  _globals['_ABORTRESPONSE']._serialized_end=1923
-  _globals['_GETINFOREQUEST']._serialized_start=1925
-  _globals['_GETINFOREQUEST']._serialized_end=1941
-  _globals['_ENGINECOUNTERS']._serialized_start=1944
-  _globals['_ENGINECOUNTERS']._serialized_end=2145
-  _globals['_GETINFORESPONSE']._serialized_start=2148
-  _globals['_GETINFORESPONSE']._serialized_end=2551
-  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_start=2553
-  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_end=2634
-  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_start=2636
-  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_end=2693
-  _globals['_ENGINE']._serialized_start=2778
-  _globals['_ENGINE']._serialized_end=3365
+  _globals['_ENGINEGENERATEREQUEST']._serialized_end=948
+  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._serialized_start=834
+  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._serialized_end=885
+  _globals['_TOKENIDLOGPROB']._serialized_start=950
+  _globals['_TOKENIDLOGPROB']._serialized_end=1001
+  _globals['_ENGINETOKENLOGPROBS']._serialized_start=1003
+  _globals['_ENGINETOKENLOGPROBS']._serialized_end=1090
+  _globals['_ENGINEGENERATERESPONSE']._serialized_start=1093
+  _globals['_ENGINEGENERATERESPONSE']._serialized_end=1526
+  _globals['_ENGINESTREAMREQUEST']._serialized_start=1528
+  _globals['_ENGINESTREAMREQUEST']._serialized_end=1653
+  _globals['_ENGINEREQUESTERROR']._serialized_start=1655
+  _globals['_ENGINEREQUESTERROR']._serialized_end=1766
+  _globals['_ENGINESTREAMRESPONSE']._serialized_start=1768
+  _globals['_ENGINESTREAMRESPONSE']._serialized_end=1889
+  _globals['_SEQUENCEREF']._serialized_start=1891
+  _globals['_SEQUENCEREF']._serialized_end=1954
+  _globals['_ABORTREQUEST']._serialized_start=1956
+  _globals['_ABORTREQUEST']._serialized_end=2034
+  _globals['_ABORTRESPONSE']._serialized_start=2036
+  _globals['_ABORTRESPONSE']._serialized_end=2051
+  _globals['_GETINFOREQUEST']._serialized_start=2053
+  _globals['_GETINFOREQUEST']._serialized_end=2069
+  _globals['_ENGINECOUNTERS']._serialized_start=2072
+  _globals['_ENGINECOUNTERS']._serialized_end=2273
+  _globals['_GETINFORESPONSE']._serialized_start=2276
+  _globals['_GETINFORESPONSE']._serialized_end=2679
+  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_start=2681
+  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_end=2762
+  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_start=2764
+  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_end=2821
+  _globals['_ENGINE']._serialized_start=2906
+  _globals['_ENGINE']._serialized_end=3493
 # @@protoc_insertion_point(module_scope)
