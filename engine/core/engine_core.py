@@ -205,14 +205,16 @@ class EngineCore:
                 self.executor.release([req.seq_id])
                 if req.holds_outputs:   # best_of, beams: its n outputs, none of which was reported yet
                     if req.ends_request:
+                        last = req.num_returned - 1
                         self._pending += [EngineCoreOutput(
                             req.request_id, [], finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
-                            num_cached_tokens=req.num_cached_tokens, index=i,
-                            request_finished=i == req.num_returned - 1) for i in range(req.num_returned)]
+                            num_cached_tokens=req.num_cached_tokens, index=i, request_finished=i == last,
+                            times=req.times() if i == last else None) for i in range(req.num_returned)]
                     continue
                 self._pending.append(EngineCoreOutput(
                     req.request_id, [], finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=req.num_cached_tokens, index=req.index, request_finished=req.ends_request))
+                    num_cached_tokens=req.num_cached_tokens, index=req.index, request_finished=req.ends_request,
+                    times=req.times() if req.ends_request else None))
             if self._lora_of_request:
                 self._end_lora_uses([request_id])
 

@@ -4,23 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.request import FinishReason, PromptLogprobs, SequenceId
-
-
-@dataclass(frozen=True)
-class RequestTimes:
-    """When a request passed each stage, in ``time.monotonic()`` seconds (for metrics and trace spans).
-
-    Of the whole request: with n > 1, best_of or beam search, the earliest of its sequences for
-    ``first_scheduled`` and ``first_token``. None: the request never got that far (aborted while
-    waiting, or failed)."""
-
-    arrival: float
-    first_scheduled: float | None
-    first_token: float | None
-    finished: float
-    num_preemptions: int = 0        # times any of its sequences was preempted
-    num_generation_tokens: int = 0  # tokens sampled for it, all sequences together
+from engine.core.request import FinishReason, PromptLogprobs, RequestTimes, SequenceId
 
 
 @dataclass
@@ -41,7 +25,7 @@ class EngineCoreOutput:
     cumulative_logprob: float | None = None
     # With prompt_logprobs asked: on each sequence's first output (the same object for all of them).
     prompt_logprobs: PromptLogprobs | None = None
-    # On the output with ``request_finished`` only (every path that ends a request sets it).
+    # On the output with ``request_finished`` (None only when the engine failed and ended everything at once).
     times: RequestTimes | None = None
 
     @property

@@ -27,7 +27,8 @@ def delta_output(request: Request, stream_interval: int) -> EngineCoreOutput | N
                             request.finish_reason, request.num_prompt_tokens, request.num_cached_tokens,
                             index=request.index, request_finished=request.ends_request,
                             cumulative_logprob=cumulative,
-                            prompt_logprobs=request.prompt_logprobs if start == 0 else None)
+                            prompt_logprobs=request.prompt_logprobs if start == 0 else None,
+                            times=request.times() if request.ends_request else None)
 
 
 def best_of_outputs(request: Request) -> list[EngineCoreOutput]:
@@ -38,7 +39,7 @@ def best_of_outputs(request: Request) -> list[EngineCoreOutput]:
     return [EngineCoreOutput(s.request_id, list(s.output_token_ids), list(s.output_logprobs) if asked else None,
                              s.finish_reason, s.num_prompt_tokens, s.num_cached_tokens, index=i,
                              request_finished=i == len(best) - 1, cumulative_logprob=s.cumulative_logprob,
-                             prompt_logprobs=s.prompt_logprobs)
+                             prompt_logprobs=s.prompt_logprobs, times=request.times() if i == len(best) - 1 else None)
             for i, s in enumerate(best)]
 
 
@@ -52,4 +53,5 @@ def beam_outputs(first: Request, best: list[Hypothesis]) -> list[EngineCoreOutpu
         outputs.append(EngineCoreOutput(first.request_id, [], None, FinishReason.LENGTH,
                                         first.num_prompt_tokens, first.num_cached_tokens))
     outputs[-1].request_finished = True
+    outputs[-1].times = first.times()
     return outputs

@@ -19,6 +19,22 @@ if TYPE_CHECKING:
 TOKEN_DTYPE = np.int32
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """When a request passed each stage, in ``time.monotonic()`` seconds (for metrics and trace spans).
+
+    Of the whole request: with n > 1, best_of or beam search, the earliest of its sequences for
+    ``first_scheduled`` and ``first_token``. None: the request never got that far (aborted while
+    waiting, or failed)."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float
+    num_preemptions: int = 0        # times any of its sequences was preempted
+    num_generation_tokens: int = 0  # tokens sampled for it, all sequences together
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -136,6 +152,15 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+
+    def times(self) -> RequestTimes:
+        """When the whole request (all of ``sequences``) passed each stage, as of now: its end."""
+        seqs = self.sequences
+        scheduled = [s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None]
+        first = [s.first_token_time for s in seqs if s.first_token_time is not None]
+        return RequestTimes(self.arrival_time, min(scheduled, default=None), min(first, default=None),
+                            time.monotonic(), sum(s.num_preemptions for s in seqs),
+                            sum(s.num_output_tokens for s in seqs))
 
     @property
     def lora_id(self) -> int | None:
