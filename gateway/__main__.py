@@ -30,6 +30,17 @@ def _csv(value: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
+def _keepalive(value: str) -> float | None:
+    """``--keepalive-interval``: seconds > 0, or 0 for none."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not seconds >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value!r}")
+    return seconds or None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice gateway", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--body-read-timeout", type=float, default=60.0,
                    help="seconds a request's body gets to arrive (408 after)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per backend call (default: none)")
-    p.add_argument("--keepalive-interval", type=float, default=5.0, help="seconds between SSE keep-alive comments")
+    p.add_argument("--keepalive-interval", type=_keepalive, default=None, metavar="SECONDS",
+                   help="send an SSE comment (': keep-alive') after this many seconds without a token, for "
+                        "proxies that close idle connections (default: off, as vLLM; 0 also means off)")
     p.add_argument("--max-n", type=int, default=16, choices=range(1, 17), metavar="1..16",
                    help="largest n (and best_of) per request; the tokenizer service allows at most 16")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,

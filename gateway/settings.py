@@ -29,9 +29,14 @@ class GatewaySettings:
     body_read_timeout: float = 60.0
     # Deadline of each backend call in seconds; None: none for generation.
     request_timeout: float | None = None
-    # SSE comment sent when no token arrived for this long (also how long a stream
-    # waits for its first event before committing to a 200).
-    keepalive_interval: float = 5.0
+    # SSE comment (`: keep-alive`) sent when no token arrived for this long; None: never (the default, as
+    # vLLM: clients that strip each network read before splitting events, such as `vllm bench serve`,
+    # lose the stream after a comment). Opt in for proxies that close idle connections.
+    keepalive_interval: float | None = None
+    # Without keep-alives: how long a stream waits for its first event before it commits to a 200 (fast
+    # failures keep their status; once committed, Starlette's disconnect watch cancels a request still
+    # queued whose client left). With keep-alives it waits one keep-alive interval.
+    first_event_timeout: float = 5.0
     # Deadline of the /ready probe's backend call.
     ready_timeout: float = 2.0
     # Retry-After on 429/503 when the backend gives none.
@@ -53,8 +58,10 @@ class GatewaySettings:
             raise ValueError("body_read_timeout must be > 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0")
-        if self.keepalive_interval <= 0:
-            raise ValueError("keepalive_interval must be > 0")
+        if self.keepalive_interval is not None and self.keepalive_interval <= 0:
+            raise ValueError("keepalive_interval must be > 0 (None: no keep-alive comments)")
+        if self.first_event_timeout <= 0:
+            raise ValueError("first_event_timeout must be > 0")
         if self.ready_timeout <= 0:
             raise ValueError("ready_timeout must be > 0")
         if self.shutdown_timeout < 0:
@@ -63,6 +70,11 @@ class GatewaySettings:
             raise ValueError("max_n must be >= 1")
         if any(not k for k in self.api_keys):
             raise ValueError("api_keys must not be empty strings")
+
+    @property
+    def first_event_wait(self) -> float:
+        """Seconds a stream waits for its first event before its 200 is sent."""
+        return self.keepalive_interval if self.keepalive_interval is not None else self.first_event_timeout
 
     @property
     def unary_timeout(self) -> float:

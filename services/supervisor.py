@@ -122,6 +122,17 @@ def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _seconds(value: str) -> float:
+    """A number of seconds >= 0 (0: off)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value!r}")
+    return seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -135,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=api_key())
     p.add_argument("--allowed-origins", default=None)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
-    p.add_argument("--keepalive-interval", type=float, default=5.0, help="seconds between SSE keep-alive comments")
+    p.add_argument("--keepalive-interval", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="gateways send an SSE comment after this many seconds without a token, for proxies that "
+                        "close idle connections (default 0: off, as vLLM)")
     p.add_argument("--request-timeout", type=float, default=None, help="gateway deadline per request, seconds")
     p.add_argument("--tokenizer-mux", action=argparse.BooleanOptionalAction, default=True,
                    help="gateways multiplex requests on one GenerateStream per tokenizer service (one message per "

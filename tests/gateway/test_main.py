@@ -55,7 +55,7 @@ def test_bad_flag_values_exit_with_usage() -> None:
     from gateway.__main__ import main
 
     with pytest.raises(SystemExit) as info:
-        main(["--keepalive-interval", "0"])
+        main(["--keepalive-interval", "-1"])
     assert info.value.code == 2
 
 
@@ -83,3 +83,10 @@ def test_request_ids() -> None:
     assert pick_request_id(scope((b"x-request-id", b"req-1.a:b_c"))) == "req-1.a:b_c"
     generated = pick_request_id(scope((b"x-request-id", b"x" * 129)))
     assert len(generated) == 32 and generated != pick_request_id(scope())
+
+
+def test_keepalive_comments_are_off_unless_asked() -> None:
+    assert settings([]).keepalive_interval is None
+    assert settings(["--keepalive-interval", "0"]).keepalive_interval is None
+    assert settings(["--keepalive-interval", "0.5"]).keepalive_interval == 0.5
+    assert settings([]).first_event_wait == 5.0 and settings(["--keepalive-interval", "2"]).first_event_wait == 2.0
