@@ -21,12 +21,15 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from common.errors import InvalidRequestError
 from common.procs import ENV_PARENT_PID, grpc_serving
 from common.settings import ENV_API_KEY, api_key
 from engine.config import EngineConfig, LoRAConfig, default_max_queued_requests
 from engine.entrypoints.args import add_engine_args, config_from_args
+from engine.entrypoints.vllm_compat import normalize_flag_spelling
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.mindie_config import ConfigFileError, load_mindie_config
+from services.serve_args import add_vllm_serve_args, check_vllm_serve_args
 
 logger = logging.getLogger("sluice.serve")
 
@@ -164,12 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "bounded in time and output size")
     p.add_argument("--log-level", default="info")
     add_engine_args(p)
+    add_vllm_serve_args(p)
     return p
 
 
-def resolve_settings(argv: list[str]) -> argparse.Namespace:
-    """Flags over the MindIE config over defaults."""
+def resolve_settings(argv: list[str], notes: list[str] | None = None) -> argparse.Namespace:
+    """Flags over the MindIE config over defaults. vLLM flags accepted without effect add a line to ``notes``
+    saying why; those Sluice cannot honour end here with the reason (exit 2)."""
     parser = build_parser()
+    argv = normalize_flag_spelling(argv)
     ns = parser.parse_args(argv)
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
@@ -178,12 +184,18 @@ def resolve_settings(argv: list[str]) -> argparse.Namespace:
             from_file = load_mindie_config(ns.config)
         except ConfigFileError as e:
             parser.error(str(e))
-        explicit = _explicit_dests(parser, argv)
+        explicit = _explicit_dests(parser, argv) | ({"model"} if ns.model_tag is not None else set())
         for key, value in from_file.items():
             if key == "npu_device_ids":
                 continue
             if key not in explicit and hasattr(ns, key):
                 setattr(ns, key, value)
+    try:
+        accepted = check_vllm_serve_args(ns)
+    except InvalidRequestError as e:
+        parser.error(str(e))
+    if notes is not None:
+        notes.extend(accepted)
     return ns
 
 
@@ -227,7 +239,8 @@ class Supervisor:
             port = ns.port + i
             argv = [py, "-m", "gateway", "--tokenizer", ",".join(tok_addrs), "--host", ns.host, "--port", str(port),
                     "--served-model-name", config.model_name, "--shutdown-timeout", str(ns.shutdown_timeout),
-                    "--keepalive-interval", str(ns.keepalive_interval), "--log-level", ns.log_level]
+                    "--keepalive-interval", str(ns.keepalive_interval),
+                    "--log-level", ns.uvicorn_log_level or ns.log_level]
             if ns.request_timeout is not None:
                 argv += ["--request-timeout", str(ns.request_timeout)]
             if ns.tokenizer_mux:
@@ -305,8 +318,11 @@ class Supervisor:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    ns = resolve_settings(args)
+    notes: list[str] = []
+    ns = resolve_settings(args, notes)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s serve: %(message)s")
+    for note in notes:
+        logger.info("%s", note)
     try:
         config = config_from_args(ns)
     except ValueError as e:

@@ -20,6 +20,7 @@ from engine.config import (
     default_max_queued_requests,
     parse_size,
 )
+from engine.entrypoints.vllm_compat import add_vllm_compat_args
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     lora.add_argument("--enable-lora-bias", action="store_true", default=False,
                       help="refused: adapters with bias weights are not supported")
     lora.add_argument("--long-lora-scaling-factors", default=None, help="refused: LongLoRA is not supported")
+    add_vllm_compat_args(parser)
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
@@ -130,7 +132,16 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values["structured_outputs_config"] = structured_outputs_config(
         getattr(ns, "structured_outputs_config", None), getattr(ns, "guided_decoding_backend", None))
     values["lora_config"] = lora_config(ns)
+    values["num_kv_blocks"] = kv_blocks(ns)
     return EngineConfig(**values)
+
+
+def kv_blocks(ns: argparse.Namespace) -> int | None:
+    """``--num-kv-blocks``, or vLLM's ``--num-gpu-blocks-override`` (the same setting); both given must agree."""
+    ours, vllms = getattr(ns, "num_kv_blocks", None), getattr(ns, "num_gpu_blocks_override", None)
+    if ours is not None and vllms is not None and ours != vllms:
+        raise InvalidRequestError("--num-gpu-blocks-override", f"{vllms} contradicts --num-kv-blocks {ours}")
+    return ours if ours is not None else vllms
 
 
 _LORA_FLAGS = ("lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
