@@ -75,6 +75,15 @@ def http_ok(url: str) -> bool:
         return False
 
 
+def served_names(ns: argparse.Namespace, config: EngineConfig) -> list[str]:
+    """Every name the gateways answer to: ``--served-model-name``'s (the first is the model's, given to the
+    engine and the tokenizer services; the others aliases, as vLLM's), else the model's own name."""
+    names = getattr(ns, "served_model_name", None)
+    if isinstance(names, str):   # a MindIE config.json's modelName
+        names = [names]
+    return list(names) if names else [config.model_name]
+
+
 def engine_flags(config: EngineConfig) -> list[str]:
     """The child engine's command line for ``config`` (only what differs from the defaults)."""
     default = EngineConfig()
@@ -238,7 +247,8 @@ class Supervisor:
         for i in range(ns.gateways):
             port = ns.port + i
             argv = [py, "-m", "gateway", "--tokenizer", ",".join(tok_addrs), "--host", ns.host, "--port", str(port),
-                    "--served-model-name", config.model_name, "--shutdown-timeout", str(ns.shutdown_timeout),
+                    *[f for name in served_names(ns, config) for f in ("--served-model-name", name)],
+                    "--shutdown-timeout", str(ns.shutdown_timeout),
                     "--keepalive-interval", str(ns.keepalive_interval),
                     "--log-level", ns.uvicorn_log_level or ns.log_level]
             if ns.request_timeout is not None:

@@ -61,7 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine (vLLM's flag names)")
     g.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
     g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
-    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in the API (several: the first is the one responses carry, the others "
+                        "are aliases clients may send, as vLLM's); default: the model's path")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=KV_CACHE_DTYPES,
@@ -133,6 +135,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         getattr(ns, "structured_outputs_config", None), getattr(ns, "guided_decoding_backend", None))
     values["lora_config"] = lora_config(ns)
     values["num_kv_blocks"] = kv_blocks(ns)
+    if isinstance(values.get("served_model_name"), list):
+        values["served_model_name"] = values["served_model_name"][0]
     return EngineConfig(**values)
 
 

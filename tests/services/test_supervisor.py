@@ -45,3 +45,19 @@ def test_engine_flags_round_trip_through_the_engine_cli() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert config_from_args(parser.parse_args(engine_flags(config))) == config
+
+
+def test_several_served_model_names_are_the_model_and_its_aliases() -> None:
+    """vLLM's ``--served-model-name a b``: the engine and tokenizer services take the first, the gateways
+    answer to all of them."""
+    ns = supervisor.resolve_settings(["--served-model-name", "smol", "gpt-4o-mini", "--gateways", "2"])
+    config = supervisor.config_from_args(ns)
+    assert config.model_name == "smol"
+    stack = supervisor.Supervisor(ns, config)
+    for gateway in stack.gateways:
+        names = [gateway.argv[i + 1] for i, a in enumerate(gateway.argv) if a == "--served-model-name"]
+        assert names == ["smol", "gpt-4o-mini"]
+    for tokenizer in stack.tokenizers:
+        assert tokenizer.argv[tokenizer.argv.index("--served-model-name") + 1] == "smol"
+    engine = stack.engine.argv
+    assert engine[engine.index("--served-model-name") + 1] == "smol" and "gpt-4o-mini" not in engine
