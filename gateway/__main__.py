@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM, while new ones get 503 + "
                         "Retry-After; then the listener closes")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve neither /openapi.json nor /docs (vLLM's flag; the name is vLLM's, there is no FastAPI)")
     return p
 
 
@@ -97,6 +99,7 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         keepalive_interval=ns.keepalive_interval,
         max_n=ns.max_n,
         shutdown_timeout=ns.shutdown_timeout,
+        enable_docs=not ns.disable_fastapi_docs,
     )
 
 

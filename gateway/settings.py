@@ -46,6 +46,8 @@ class GatewaySettings:
     # After SIGTERM: new requests get 503 + Retry-After and /ready 503 while in-flight ones get this long
     # (seconds) to finish; then the listener closes.
     shutdown_timeout: float = 10.0
+    # Serve /openapi.json and /docs (vLLM's --disable-fastapi-docs turns them off).
+    enable_docs: bool = True
 
     def __post_init__(self) -> None:
         if not self.tokenizer_addresses:

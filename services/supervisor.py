@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-port", type=int, default=50061, help="first tokenizer service port")
     p.add_argument("--api-key", default=api_key())
     p.add_argument("--allowed-origins", default=None)
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /openapi.json and /docs on the gateways (vLLM's flag)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--keepalive-interval", type=_seconds, default=0.0, metavar="SECONDS",
                    help="gateways send an SSE comment after this many seconds without a token, for proxies that "
@@ -257,6 +259,8 @@ class Supervisor:
                 argv.append("--tokenizer-mux")
             if ns.allowed_origins:
                 argv += ["--allowed-origins", ns.allowed_origins]
+            if ns.disable_fastapi_docs:
+                argv.append("--disable-fastapi-docs")
             self.gateways.append(Child(f"gateway-{i}", argv,
                                        ready=(lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"))))
         self.env_api_key = ns.api_key

@@ -61,3 +61,10 @@ def test_several_served_model_names_are_the_model_and_its_aliases() -> None:
         assert tokenizer.argv[tokenizer.argv.index("--served-model-name") + 1] == "smol"
     engine = stack.engine.argv
     assert engine[engine.index("--served-model-name") + 1] == "smol" and "gpt-4o-mini" not in engine
+
+
+def test_disable_fastapi_docs_reaches_every_gateway() -> None:
+    for flags, expected in (([], False), (["--disable-fastapi-docs"], True)):
+        ns = supervisor.resolve_settings(["--gateways", "2", *flags])
+        stack = supervisor.Supervisor(ns, supervisor.config_from_args(ns))
+        assert [("--disable-fastapi-docs" in g.argv) for g in stack.gateways] == [expected, expected]
