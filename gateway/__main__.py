@@ -57,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted bearer key (repeatable; default: $SLUICE_API_KEY; none: no auth)")
     p.add_argument("--allowed-origins", type=_csv, default=(), metavar="ORIGIN[,ORIGIN...]",
                    help="CORS origins ('*' for any); default: CORS off")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (cookies, Authorization) from the allowed origins")
+    p.add_argument("--allowed-methods", type=_csv, default=None, metavar="METHOD[,METHOD...]",
+                   help="CORS: methods preflights may ask for ('*' for any; default: GET,POST,OPTIONS)")
+    p.add_argument("--allowed-headers", type=_csv, default=None, metavar="HEADER[,HEADER...]",
+                   help="CORS: request headers preflights may ask for ('*' for any; default: Authorization,"
+                        "Content-Type,X-Request-Id)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log line per HTTP request")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="model name(s) to answer to (default: the name the backend reports)")
     p.add_argument("--max-body-bytes", type=int, default=None,
@@ -91,6 +100,10 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         port=ns.port,
         api_keys=tuple(keys),
         allowed_origins=tuple(ns.allowed_origins),
+        allow_credentials=ns.allow_credentials,
+        **({"allowed_methods": ns.allowed_methods} if ns.allowed_methods is not None else {}),
+        **({"allowed_headers": ns.allowed_headers} if ns.allowed_headers is not None else {}),
+        access_log=not ns.disable_uvicorn_access_log,
         served_model_names=tuple(ns.served_model_name or ()),
         max_body_bytes=ns.max_body_bytes,
         header_read_timeout=ns.header_read_timeout,

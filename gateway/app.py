@@ -44,8 +44,9 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
     ]
     if settings.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                                     allow_methods=["GET", "POST", "OPTIONS"],
-                                     allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                                     allow_credentials=settings.allow_credentials,
+                                     allow_methods=list(settings.allowed_methods),
+                                     allow_headers=list(settings.allowed_headers),
                                      expose_headers=["X-Request-Id", "Retry-After"]))
     middleware.append(Middleware(AuthMiddleware, api_keys=settings.api_keys))
 

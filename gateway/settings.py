@@ -19,6 +19,12 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()
     # CORS origins; empty: no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
+    # With CORS on: credentials allowed, and the methods and request headers preflights may ask for.
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("GET", "POST", "OPTIONS")
+    allowed_headers: tuple[str, ...] = ("Authorization", "Content-Type", "X-Request-Id")
+    # uvicorn's one line per HTTP request (vLLM's --disable-uvicorn-access-log turns it off).
+    access_log: bool = True
     # Names the model is served under; empty: the name the backend reports.
     served_model_names: tuple[str, ...] = ()
     # Largest request body; None: sized from the model's context length (routes/common.py body_limit_for).

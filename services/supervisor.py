@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-port", type=int, default=50061, help="first tokenizer service port")
     p.add_argument("--api-key", default=api_key())
     p.add_argument("--allowed-origins", default=None)
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (gateway flag)")
+    p.add_argument("--allowed-methods", default=None, help="CORS: methods preflights may ask for (gateway flag)")
+    p.add_argument("--allowed-headers", default=None, help="CORS: headers preflights may ask for (gateway flag)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no /openapi.json and /docs on the gateways (vLLM's flag)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
@@ -261,6 +265,12 @@ class Supervisor:
                 argv += ["--allowed-origins", ns.allowed_origins]
             if ns.disable_fastapi_docs:
                 argv.append("--disable-fastapi-docs")
+            for flag in ("allow_credentials", "disable_uvicorn_access_log"):
+                if getattr(ns, flag):
+                    argv.append("--" + flag.replace("_", "-"))
+            for flag in ("allowed_methods", "allowed_headers"):
+                if getattr(ns, flag) is not None:
+                    argv += ["--" + flag.replace("_", "-"), getattr(ns, flag)]
             self.gateways.append(Child(f"gateway-{i}", argv,
                                        ready=(lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"))))
         self.env_api_key = ns.api_key

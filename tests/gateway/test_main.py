@@ -33,6 +33,18 @@ def test_flags() -> None:
                                 keepalive_interval=2.0, max_n=4, shutdown_timeout=3.0)
 
 
+def test_vllm_cors_and_access_log_flags() -> None:
+    s = settings(["--allowed-origins", "*", "--allow-credentials", "--allowed-methods", '["GET", "POST"]',
+                  "--allowed-headers", "*", "--disable-uvicorn-access-log"])
+    assert (s.allow_credentials, s.allowed_methods, s.allowed_headers, s.access_log) == (
+        True, ("GET", "POST"), ("*",), False)
+    d = settings([])
+    assert (d.allow_credentials, d.access_log) == (False, True) and "POST" in d.allowed_methods
+    from gateway.server import build_server
+    from gateway.drain import Drain
+    assert build_server(lambda *a: None, s, Drain()).config.access_log is False  # type: ignore[arg-type]
+
+
 def test_origins_as_a_json_list_like_vllm() -> None:
     assert settings(["--allowed-origins", '["*"]']).allowed_origins == ("*",)
     with pytest.raises(SystemExit):

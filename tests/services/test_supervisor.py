@@ -68,3 +68,13 @@ def test_disable_fastapi_docs_reaches_every_gateway() -> None:
         ns = supervisor.resolve_settings(["--gateways", "2", *flags])
         stack = supervisor.Supervisor(ns, supervisor.config_from_args(ns))
         assert [("--disable-fastapi-docs" in g.argv) for g in stack.gateways] == [expected, expected]
+
+
+def test_cors_and_access_log_flags_reach_every_gateway() -> None:
+    ns = supervisor.resolve_settings(["--gateways", "2", "--allowed-origins", "*", "--allow-credentials",
+                                      "--allowed-methods", "GET,POST", "--allowed-headers", "*",
+                                      "--disable-uvicorn-access-log"])
+    for g in supervisor.Supervisor(ns, supervisor.config_from_args(ns)).gateways:
+        tail = " ".join(g.argv)
+        assert "--allow-credentials" in g.argv and "--disable-uvicorn-access-log" in g.argv
+        assert "--allowed-methods GET,POST" in tail and "--allowed-headers *" in tail
