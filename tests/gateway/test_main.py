@@ -40,8 +40,8 @@ def test_vllm_cors_and_access_log_flags() -> None:
         True, ("GET", "POST"), ("*",), False)
     d = settings([])
     assert (d.allow_credentials, d.access_log) == (False, True) and "POST" in d.allowed_methods
-    from gateway.server import build_server
     from gateway.drain import Drain
+    from gateway.server import build_server
     assert build_server(lambda *a: None, s, Drain()).config.access_log is False  # type: ignore[arg-type]
 
 
