@@ -41,6 +41,8 @@ class GatewaySettings:
     # After SIGTERM: new requests get 503 + Retry-After and /ready 503 while in-flight ones get this long
     # (seconds) to finish; then the listener closes.
     shutdown_timeout: float = 10.0
+    # One INFO line per request received and finished (--enable-log-requests, vLLM's; off by default as there).
+    log_requests: bool = False
 
     def __post_init__(self) -> None:
         if not self.tokenizer_addresses:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 
+from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
 from engine.entrypoints.args import add_engine_args, config_from_args
 from engine.entrypoints.process import set_openmp_defaults, use_huge_pages
@@ -21,8 +21,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
     add_engine_args(parser)
+    add_observability_args(parser)
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s engine: %(message)s")
+    try:
+        observability = observability_settings(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    tracing = set_up(observability, log_level=ns.log_level, process="engine")
     config = config_from_args(ns)
     from engine.entrypoints.grpc_servicer import serve
 
@@ -32,7 +37,12 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(config, ns.host, ns.port, shutdown_grace=ns.shutdown_timeout))
+    try:
+        asyncio.run(serve(config, ns.host, ns.port, shutdown_grace=ns.shutdown_timeout, tracing=tracing,
+                          log_requests=observability.log_requests))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 if __name__ == "__main__":
