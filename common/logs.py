@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -78,6 +79,9 @@ def configure_logging(level: str, log_format: str, process: str) -> None:
     if log_format == "json":
         handler.setFormatter(JsonFormatter(process))
         logging.captureWarnings(True)
+        # Progress bars (weight loading) are not log lines. tqdm reads this when first imported, which in every
+        # process of the stack is later than this; the children of `sluice serve` inherit it.
+        os.environ.setdefault("TQDM_DISABLE", "1")
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {process}: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
