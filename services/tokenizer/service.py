@@ -201,8 +201,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # Each request's deltas are read by a task of its own (its Generate call's, or one per request of a
         # GenerateStream): lines it logs carry its id from here on.
         REQUEST_ID.set(request_id)
-        if self.log_requests:
-            logger.info("Received request %s", request_id)
         check_options(request)
         adapter = await self.lora_adapter(request.model, engine_resolves=True)
         plan = plan_tools(request, self.tools)
@@ -224,6 +222,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.tracing.inject(span, engine_req.trace_headers)
         time_limit = request.stopping.time_limit_ms / 1000 if request.stopping.HasField("time_limit_ms") else None
         deadline = time.monotonic() + time_limit if time_limit else None
+        if self.log_requests:  # as vLLM's, once the prompt is ready: a refused request was answered with its error
+            logger.info("Received request %s: %d prompt tokens, n=%d", request_id, len(prompt_ids), n)
         call = self.engine_stream.generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
         try:
             async for msg in _with_deadline(call, deadline):
