@@ -188,8 +188,10 @@ def test_client_traceparent_makes_the_gateway_span_its_child(stack: ServeStack,
 
 
 def test_per_request_generate_calls_carry_the_context(stack: ServeStack, collector: tuple[Collector, str],
-                                                      tmp_path: Path) -> None:
-    """A gateway without --tokenizer-mux (a Generate call per request) against the same tokenizer service."""
+                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway without --tokenizer-mux (a Generate call per request) against the same tokenizer service. Its
+    batches would leave only after 10 minutes: its span arrives because shutting down exports what is queued."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
     port = free_port()
     proc = spawn(["-m", "gateway", "--tokenizer", f"127.0.0.1:{stack.tokenizer_port}", "--port", str(port),
                   "--otlp-traces-endpoint", collector[1]], tmp_path / "gateway.log")
@@ -198,9 +200,12 @@ def test_per_request_generate_calls_carry_the_context(stack: ServeStack, collect
         wait_until(lambda: _ready(base_url), 60, proc, "gateway ready")
         response = _chat(base_url, "trace-unary-1")
         assert response.usage is not None
-        _check_chain(collector[0], "trace-unary-1", response.usage)
+        collector[0].wait_for(2, **{"gen_ai.request.id": "trace-unary-1"})  # the tokenizer's and the engine's
+        assert not any(s.service == "sluice-gateway" for s in collector[0].trace(
+            collector[0].wait_for(2, **{"gen_ai.request.id": "trace-unary-1"})[0].trace_id))
     finally:
-        stop(proc)
+        assert stop(proc) == 0  # SIGTERM: drained, then the span exported
+    _check_chain(collector[0], "trace-unary-1", response.usage)
 
 
 def _ready(base_url: str) -> bool:
