@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
+from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
 from common.settings import api_key
 from gateway.settings import GatewaySettings
@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="serve neither /openapi.json nor /docs (vLLM's flag; the name is vLLM's, there is no FastAPI)")
+    add_observability_args(p)
     return p
 
 
@@ -113,6 +114,7 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         max_n=ns.max_n,
         shutdown_timeout=ns.shutdown_timeout,
         enable_docs=not ns.disable_fastapi_docs,
+        log_requests=ns.log_requests,
     )
 
 
@@ -122,16 +124,21 @@ def main(argv: list[str] | None = None) -> None:
     ns = parser.parse_args(argv)
     try:
         settings = settings_from_args(ns, os.environ)
+        observability = observability_settings(ns)
     except ValueError as err:
         parser.error(str(err))
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s gateway: %(message)s")
+    tracing = set_up(observability, log_level=ns.log_level, process="gateway")
     from gateway.app import create_app
     from gateway.drain import Drain
     from gateway.server import build_server
 
     drain = Drain()
-    server = build_server(create_app(settings, drain=drain), settings, drain, log_level=ns.log_level)
-    server.run()
+    server = build_server(create_app(settings, drain=drain, tracing=tracing), settings, drain, log_level=ns.log_level)
+    try:
+        server.run()
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
     if not server.started:
         sys.exit(3)  # as uvicorn.run: the app failed to start
 

@@ -10,6 +10,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
+from common.tracing import Tracing
 from gateway.auth import AuthMiddleware
 from gateway.backend import Backend
 from gateway.drain import Drain, DrainMiddleware
@@ -20,14 +21,17 @@ from gateway.request_context import RequestContextMiddleware
 from gateway.routes import build_routes
 from gateway.routes.common import GatewayState, ServedModels
 from gateway.settings import GatewaySettings
+from gateway.tracing import TracingMiddleware
 
 
 def create_app(settings: GatewaySettings, backend: Backend | None = None,
-               metrics: GatewayMetrics | None = None, drain: Drain | None = None) -> Starlette:
+               metrics: GatewayMetrics | None = None, drain: Drain | None = None,
+               tracing: Tracing | None = None) -> Starlette:
     """The ASGI app. Without ``backend``, a gRPC client to ``settings.tokenizer_addresses``
     is opened at startup and closed at shutdown (the channel binds to the server's loop);
     a given backend is the caller's to close. ``drain``: the server's (``gateway/server.py``),
-    which turns new requests away once SIGTERM came."""
+    which turns new requests away once SIGTERM came. ``tracing``: a span per request, its
+    context sent on to the backend (None: tracing off)."""
     routes = build_routes()
     if settings.enable_docs:
         routes += docs_routes(secured=bool(settings.api_keys))
@@ -36,8 +40,11 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
     # included), metrics count them, a draining server turns requests away before
     # anything else (a load balancer probes without a key), CORS answers preflights
     # before auth asks for a key.
-    middleware = [
-        Middleware(RequestContextMiddleware),
+    middleware = [Middleware(RequestContextMiddleware, log_requests=settings.log_requests)]
+    if tracing is not None:
+        middleware.append(Middleware(TracingMiddleware, tracing=tracing,
+                                     known_paths=frozenset(r.path for r in routes)))
+    middleware += [
         Middleware(MetricsMiddleware, metrics=metrics, known_paths=frozenset(r.path for r in routes)),
         Middleware(DrainMiddleware, drain=drain if drain is not None else Drain(),
                    retry_after=settings.retry_after_seconds),
@@ -57,7 +64,7 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
             return
         from gateway.client import GrpcBackend
 
-        grpc_backend = GrpcBackend.connect(settings.tokenizer_addresses, mux=settings.tokenizer_mux)
+        grpc_backend = GrpcBackend.connect(settings.tokenizer_addresses, mux=settings.tokenizer_mux, tracing=tracing)
         app.state.gateway = _state(settings, grpc_backend, metrics)
         try:
             yield

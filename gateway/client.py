@@ -9,6 +9,9 @@ Generation is a ``Generate`` call per request, or, with ``mux`` (``--tokenizer-m
 what ``sluice serve`` uses), requests multiplexed on one ``GenerateStream`` per
 tokenizer address: the deltas of one engine step then arrive as one message for
 all of that tokenizer's requests instead of one message per request.
+
+With tracing on, each generation carries the current span's context (the request's
+span, ``gateway/tracing.py``) in ``GenerateRequest.trace_headers``, on either path.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.stream_mux import MuxClient, MuxRequest
+from common.tracing import Tracing
 from gateway.backend import Delta, GenerationParams, LoRAAdapter, ModelInfo, Prompt, TokenizeResult
 from gateway.convert import (
     adapter_from_pb,
@@ -169,8 +173,10 @@ class GrpcBackend:
     """:class:`gateway.backend.Backend` over one ``grpc.aio`` channel (and, with ``mux``, one
     ``GenerateStream`` per tokenizer address on channels of their own)."""
 
-    def __init__(self, channel: grpc.aio.Channel, mux_channels: Sequence[grpc.aio.Channel] = ()) -> None:
+    def __init__(self, channel: grpc.aio.Channel, mux_channels: Sequence[grpc.aio.Channel] = (),
+                 tracing: Tracing | None = None) -> None:
         self._channel = channel
+        self._tracing = tracing
         self._stub = generation_pb2_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
         self._health = health_pb2_grpc.HealthStub(channel)
         self._mux_channels = list(mux_channels)
@@ -179,17 +185,20 @@ class GrpcBackend:
         self._turn = -1
 
     @classmethod
-    def connect(cls, addresses: Sequence[str], *, mux: bool = False) -> GrpcBackend:
+    def connect(cls, addresses: Sequence[str], *, mux: bool = False, tracing: Tracing | None = None) -> GrpcBackend:
         channel = grpc.aio.insecure_channel(grpc_target(addresses), options=channel_options())
         if not mux:
-            return cls(channel)
+            return cls(channel, tracing=tracing)
         # One channel per address, so each stream goes to its own tokenizer service.
         addrs = [a.strip() for a in addresses if a.strip()]
-        return cls(channel, [grpc.aio.insecure_channel(grpc_target([a]), options=channel_options()) for a in addrs])
+        return cls(channel, [grpc.aio.insecure_channel(grpc_target([a]), options=channel_options()) for a in addrs],
+                   tracing=tracing)
 
     def generate(self, prompt: Prompt, params: GenerationParams, *, request_id: str,
                  timeout: float | None, adapter: str = "") -> GrpcGenerateCall | MuxGenerateCall:
         req = generate_request_to_pb(prompt, params, request_id, adapter)
+        if self._tracing is not None:
+            self._tracing.inject_current(req.trace_headers)
         if self._streams:  # the tokenizer with the fewest open requests; ties taken in turn
             self._turn = (self._turn + 1) % len(self._streams)
             turn = self._streams[self._turn:] + self._streams[:self._turn]

@@ -91,5 +91,6 @@ def build_server(app: ASGIApp, settings: GatewaySettings, drain: Drain, *, log_l
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop,
                             http=header_timeout_protocol(settings.header_read_timeout), log_level=log_level,
                             lifespan=lifespan, access_log=settings.access_log,
+                            log_config=None,  # its lines go through ours (common/logs.py)
                             timeout_graceful_shutdown=GRACE_AFTER_DRAIN_SECONDS, server_header=False)
     return DrainingServer(config, drain, settings.shutdown_timeout)

@@ -54,6 +54,8 @@ class GatewaySettings:
     shutdown_timeout: float = 10.0
     # Serve /openapi.json and /docs (vLLM's --disable-fastapi-docs turns them off).
     enable_docs: bool = True
+    # One INFO line per request received and finished (--enable-log-requests, vLLM's; off by default as there).
+    log_requests: bool = False
 
     def __post_init__(self) -> None:
         if not self.tokenizer_addresses:

@@ -18,10 +18,17 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from common.errors import InvalidRequestError
+from common.logs import configure_logging
+from common.observability import (
+    ObservabilitySettings,
+    add_observability_args,
+    observability_flags,
+    observability_settings,
+)
 from common.procs import ENV_PARENT_PID, grpc_serving
 from common.settings import ENV_API_KEY, api_key
 from engine.config import EngineConfig, LoRAConfig, default_max_queued_requests
@@ -183,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     add_engine_args(p)
     add_vllm_serve_args(p)
+    add_observability_args(p)
     return p
 
 
@@ -228,15 +236,21 @@ def _explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str
 
 
 class Supervisor:
-    def __init__(self, ns: argparse.Namespace, config: EngineConfig) -> None:
+    def __init__(self, ns: argparse.Namespace, config: EngineConfig,
+                 observability: ObservabilitySettings | None = None) -> None:
         self.ns = ns
         self.config = config
+        self.observability = observability if observability is not None else observability_settings(ns)
+        # Every child traces and logs alike; request lines come from the gateways and the engine (as vLLM's API
+        # server and engine), not from the tokenizer services in between.
+        child_flags = observability_flags(self.observability)
+        tokenizer_obs_flags = observability_flags(replace(self.observability, log_requests=False))
         self.stopping = False
         py = sys.executable
         engine_addr = f"127.0.0.1:{ns.engine_port}"
         self.engine = Child("engine", [py, "-m", "engine", "--host", "127.0.0.1", "--port", str(ns.engine_port),
                                        "--log-level", ns.log_level, "--shutdown-timeout", str(ns.shutdown_timeout),
-                                       *engine_flags(config)],
+                                       *engine_flags(config), *child_flags],
                             ready=lambda: grpc_serving(engine_addr, "sluice.v1.Engine"),
                             ready_timeout=_ENGINE_READY_TIMEOUT)
         tok_addrs = [f"127.0.0.1:{ns.tokenizer_port + i}" for i in range(ns.tokenizers)]
@@ -246,7 +260,8 @@ class Supervisor:
             Child(f"tokenizer-{i}", [py, "-m", "services.tokenizer", "--engine", engine_addr, "--host", "127.0.0.1",
                                      "--port", str(ns.tokenizer_port + i), "--served-model-name",
                                      config.model_name, "--log-level", ns.log_level,
-                                     "--shutdown-timeout", str(ns.shutdown_timeout), *model_flags],
+                                     "--shutdown-timeout", str(ns.shutdown_timeout), *model_flags,
+                                     *tokenizer_obs_flags],
                   ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation")))
             for i, addr in enumerate(tok_addrs)]
         self.gateways = []
@@ -256,7 +271,7 @@ class Supervisor:
                     *[f for name in served_names(ns, config) for f in ("--served-model-name", name)],
                     "--shutdown-timeout", str(ns.shutdown_timeout),
                     "--keepalive-interval", str(ns.keepalive_interval),
-                    "--log-level", ns.uvicorn_log_level or ns.log_level]
+                    "--log-level", ns.uvicorn_log_level or ns.log_level, *child_flags]
             if ns.request_timeout is not None:
                 argv += ["--request-timeout", str(ns.request_timeout)]
             if ns.tokenizer_mux:
@@ -293,7 +308,10 @@ class Supervisor:
                 self.shutdown()
                 return 1
         urls = ", ".join(f"http://{self.ns.host}:{self.ns.port + i}/v1" for i in range(self.ns.gateways))
-        print(f"Sluice is serving {self.config.model_name} at {urls}", flush=True)
+        if self.observability.log_format == "json":  # every line it prints stays JSON
+            logger.info("Sluice is serving %s at %s", self.config.model_name, urls)
+        else:
+            print(f"Sluice is serving {self.config.model_name} at {urls}", flush=True)
         while not self.stopping:
             for child in self.children:
                 if not child.alive() and not self.stopping:
@@ -344,14 +362,15 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     notes: list[str] = []
     ns = resolve_settings(args, notes)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s serve: %(message)s")
-    for note in notes:
-        logger.info("%s", note)
     try:
         config = config_from_args(ns)
+        observability = observability_settings(ns)
     except ValueError as e:
         raise SystemExit(f"sluice serve: {e}") from e
-    raise SystemExit(Supervisor(ns, config).run())
+    configure_logging(ns.log_level, observability.log_format, "serve")
+    for note in notes:
+        logger.info("%s", note)
+    raise SystemExit(Supervisor(ns, config, observability).run())
 
 
 if __name__ == "__main__":

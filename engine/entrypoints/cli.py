@@ -8,6 +8,7 @@ import logging
 import sys
 
 from common.errors import InvalidRequestError
+from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
 from engine.entrypoints.args import add_engine_args, config_from_args
 from engine.entrypoints.process import set_openmp_defaults, use_huge_pages
@@ -24,12 +25,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
     add_engine_args(parser)
+    add_observability_args(parser)
     ns = parser.parse_args(normalize_flag_spelling(sys.argv[1:] if argv is None else argv))
     try:
         notes = check_vllm_compat(ns)
-    except InvalidRequestError as e:
+        observability = observability_settings(ns)
+    except (InvalidRequestError, ValueError) as e:
         parser.error(str(e))
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s engine: %(message)s")
+    tracing = set_up(observability, log_level=ns.log_level, process="engine")
     for note in notes:
         logging.getLogger("engine").info("%s", note)
     config = config_from_args(ns)
@@ -41,7 +44,12 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(config, ns.host, ns.port, shutdown_grace=ns.shutdown_timeout))
+    try:
+        asyncio.run(serve(config, ns.host, ns.port, shutdown_grace=ns.shutdown_timeout, tracing=tracing,
+                          log_requests=observability.log_requests))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 if __name__ == "__main__":

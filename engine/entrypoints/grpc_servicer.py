@@ -18,7 +18,9 @@ import numpy as np
 from common.errors import EngineDeadError, InvalidRequestError
 from common.grpc_errors import ERROR_REASON_KEY, status_for
 from common.grpc_server import bind, new_server, stop_event
+from common.logs import REQUEST_ID
 from common.stream_mux import SinkMux
+from common.tracing import Tracing
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.lora_request import LoRARequest
@@ -28,6 +30,7 @@ from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.grpc_lora import adapters_to_pb, load_adapter, unload_adapter
 from engine.entrypoints.grpc_wire import abort_targets_from_pb, output_to_pb, sampling_params_from_pb, wire_error
 from engine.entrypoints.lora_registry import LoRARegistry
+from engine.entrypoints.request_observer import RequestObserver
 from engine.entrypoints.stats_logger import DEFAULT_INTERVAL_S
 from engine.text import Tokenizer
 from engine.worker.structured_output import GrammarVocabulary
@@ -54,11 +57,14 @@ def error_reason(error: BaseException) -> int:
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     """Registered before the server starts; answers UNAVAILABLE until the engine is attached (warm-up).
 
-    ``registry``: the engine's LoRA adapters by name (None: an empty one, made from the engine's settings)."""
+    ``registry``: the engine's LoRA adapters by name (None: an empty one, made from the engine's settings);
+    ``observer``: a span and log lines per request (None: neither is on)."""
 
-    def __init__(self, engine: AsyncEngine | None = None, registry: LoRARegistry | None = None) -> None:
+    def __init__(self, engine: AsyncEngine | None = None, registry: LoRARegistry | None = None,
+                 observer: RequestObserver | None = None) -> None:
         self._engine = engine
         self._registry = registry
+        self.observer = observer
         self.counters = {"shm_handoffs": 0, "inline_handoffs": 0, "finished_requests": 0, "stream_calls": 0}
         self._shm: Any = None  # ShmReader, created on first registration
 
@@ -118,6 +124,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             raise
         params = sampling_params_from_pb(request)
         lora = self.lora_request(request.lora_adapter)   # an unknown name: NOT_FOUND (common.grpc_errors)
+        REQUEST_ID.set(request.request_id)  # this call's task serves this request only
+        observer = self.observer
+        if observer is not None:
+            observer.added(request.request_id, len(prompt), params)
         first = True
         try:
             async for out in engine.generate(request.request_id, prompt, params, priority=request.priority,
@@ -127,6 +137,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     msg.released_shm_slot = released_slot
                 first = False
                 self.counters["finished_requests"] += out.request_finished
+                if observer is not None and out.request_finished:
+                    observer.finished(out, request.trace_headers, len(prompt), params)
                 yield msg
         except InvalidRequestError as e:  # refused by the core (e.g. a constraint that does not compile)
             raise wire_error(e) from e
@@ -191,6 +203,9 @@ class _StreamCall:
         self.loop = asyncio.get_running_loop()
         self._servicer = servicer
         self._engine = engine
+        self._observer = servicer.observer
+        # With an observer: what it needs at each live request's end (its parent's context, prompt length, params).
+        self._observed: dict[str, tuple[dict[str, str], int, SamplingParams]] = {}
         # Live requests: id -> shm slot to acknowledge with the first output (None: none, or done).
         self.mux: SinkMux[str, int | None, engine_pb2.EngineStreamRequest, engine_pb2.EngineStreamResponse] = \
             SinkMux(self)
@@ -221,17 +236,21 @@ class _StreamCall:
             self._refuse(rid, e)
             return
         self.mux.open(rid, released_slot)
+        if (observer := self._observer) is not None:
+            observer.added(rid, len(prompt), params)
+            self._observed[rid] = (dict(request.trace_headers), len(prompt), params)
         done.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._added, rid, f))
 
     def _added(self, rid: str, done: Future[None]) -> None:
         if (error := done.exception()) is not None:
+            self._observed.pop(rid, None)
             self._refuse(rid, error)
             self.mux.finish(rid)
 
     def _refuse(self, rid: str, error: BaseException) -> None:
         code, message = status_for(wire_error(error))
         if code is grpc.StatusCode.INTERNAL:
-            logger.error("request %s refused: %r", rid, error)
+            logger.error("request %s refused: %r", rid, error, extra={"request_id": rid})
         msg = engine_pb2.EngineStreamResponse()
         msg.errors.add(request_id=rid, code=code.value[0], message=message, reason=error_reason(error))
         self.mux.send(msg)
@@ -241,6 +260,7 @@ class _StreamCall:
         msg = engine_pb2.EngineStreamResponse()
         counters = self._servicer.counters
         live = self.mux.requests
+        finished: list[EngineCoreOutput] = []
         for out in outputs:
             rid = out.request_id
             if rid not in live:
@@ -254,8 +274,13 @@ class _StreamCall:
             if out.request_finished:
                 counters["finished_requests"] += 1
                 self.mux.finish(rid)
+                finished.append(out)
         if msg.outputs:
             self.mux.send(msg)
+        if self._observer is not None:  # after the outputs left: spans and log lines never hold them up
+            for out in finished:
+                if (observed := self._observed.pop(out.request_id, None)) is not None:
+                    self._observer.finished(out, *observed)
 
 
 def warm_up(core: EngineCore) -> None:
@@ -267,11 +292,14 @@ def warm_up(core: EngineCore) -> None:
 
 
 async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: float = 10.0,
-                ready: asyncio.Event | None = None) -> None:
+                ready: asyncio.Event | None = None, tracing: Tracing | None = None, log_requests: bool = False) -> None:
+    """``tracing``: a span per request (None: off); ``log_requests``: a line per request added and finished."""
     server, health_service = new_server(SERVICE_NAME)
     await health_service.set_serving(False)
     registry = LoRARegistry(config)
-    servicer = EngineServicer(registry=registry)
+    observer = (RequestObserver(config.model_name, tracing=tracing, log_requests=log_requests)
+                if tracing is not None or log_requests else None)
+    servicer = EngineServicer(registry=registry, observer=observer)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     bound = bind(server, host, port)
     await server.start()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 
+from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
 from engine.text.chat import load_chat_template
 from engine.text.tool_parsers import TOOL_PARSERS
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="threads that tokenize and render prompts off the event loop")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
+    add_observability_args(parser)
     ns = parser.parse_args(argv)
     try:
         tools = ToolSettings(ns.enable_auto_tool_choice, ns.tool_call_parser)
@@ -46,9 +47,10 @@ def main(argv: list[str] | None = None) -> None:
         limits = InputLimits(trust_request_chat_template=ns.trust_request_chat_template,
                              template_timeout_s=ns.request_chat_template_timeout,
                              tokenize_threads=ns.tokenize_threads)
+        observability = observability_settings(ns)
     except (ValueError, OSError) as e:
         parser.error(str(e))
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s tokenizer: %(message)s")
+    tracing = set_up(observability, log_level=ns.log_level, process="tokenizer")
     from services.tokenizer.server import serve
 
     try:
@@ -57,10 +59,14 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(engine_addr=ns.engine, host=ns.host, port=ns.port, model=ns.model, tokenizer=ns.tokenizer,
-                      served_model_name=ns.served_model_name, shm_tokens=ns.shm_tokens,
-                      shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools,
-                      limits=limits))
+    try:
+        asyncio.run(serve(engine_addr=ns.engine, host=ns.host, port=ns.port, model=ns.model, tokenizer=ns.tokenizer,
+                          served_model_name=ns.served_model_name, shm_tokens=ns.shm_tokens,
+                          shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools,
+                          limits=limits, tracing=tracing, log_requests=observability.log_requests))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import logging
 import grpc
 
 from common.grpc_server import CHANNEL_OPTIONS, Health, bind, new_server, stop_event
+from common.tracing import Tracing
 from engine.config import DEFAULT_SERVED_NAME, default_model_path
 from engine.text import Tokenizer
 from proto.sluice.v1 import generation_pb2_grpc
@@ -23,8 +24,9 @@ SERVICE_NAME = "sluice.v1.Generation"
 async def serve(*, engine_addr: str, host: str, port: int, model: str | None, tokenizer: str | None,
                 served_model_name: str | None, shm_tokens: int, shutdown_grace: float = 10.0,
                 chat_template: str | None = None, tools: ToolSettings | None = None,
-                limits: InputLimits | None = None) -> None:
-    """``chat_template``: the template text (``--chat-template``, already read), used instead of the model's."""
+                limits: InputLimits | None = None, tracing: Tracing | None = None, log_requests: bool = False) -> None:
+    """``chat_template``: the template text (``--chat-template``, already read), used instead of the model's;
+    ``tracing``: a span per generation (None: off); ``log_requests``: a line per request received and finished."""
     model_path = model or default_model_path()
     tok = Tokenizer.from_pretrained(tokenizer or model_path)
     if chat_template is not None:
@@ -37,7 +39,8 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
 
         name = EngineConfig(model=model).model_name
     servicer = GenerationServicer(tok, channel, served_model_name=name, model_path=model_path,
-                                  shm_tokens=shm_tokens, tools=tools, limits=limits)
+                                  shm_tokens=shm_tokens, tools=tools, limits=limits, tracing=tracing,
+                                  log_requests=log_requests)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await health_service.set_serving(False)
     bind_port = bind(server, host, port)

@@ -3,6 +3,11 @@
 Text in (tokenize, chat template), token ids to the engine (shared memory when
 co-located, inline otherwise), text deltas back (incremental detokenizer with
 stop strings held back; a matched stop string aborts the engine request).
+
+With tracing on, each generation gets a span (child of the request's ``trace_headers``, or of
+a ``Generate`` call's ``traceparent`` metadata) from its arrival to its last delta, covering
+tokenizing and templating; its context goes on to the engine in the engine request's
+``trace_headers``.
 """
 
 from __future__ import annotations
@@ -11,14 +16,16 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
 from common.errors import InvalidRequestError
+from common.logs import REQUEST_ID
+from common.tracing import Tracing, trace_headers_of
 from engine.text import IncrementalDetokenizer, Tokenizer
 from proto.shm import ShmRing
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -31,7 +38,12 @@ from services.tokenizer.outputs import SequenceOutput, Usage
 from services.tokenizer.prompt import PromptBuilder
 from services.tokenizer.tools import ToolSettings, plan_tools
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
 logger = logging.getLogger(__name__)
+
+SPAN_NAME = "sluice.v1.Generation/Generate"
 
 
 @dataclass
@@ -65,8 +77,11 @@ class _Handoff:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, engine_channel: grpc.aio.Channel, *, served_model_name: str,
                  model_path: str, shm_tokens: int = 0, tools: ToolSettings | None = None,
-                 limits: InputLimits | None = None) -> None:
+                 limits: InputLimits | None = None, tracing: Tracing | None = None,
+                 log_requests: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.tracing = tracing
+        self.log_requests = log_requests
         self.prompts = PromptBuilder(tokenizer, limits or InputLimits())
         self.tools = tools or ToolSettings()
         self.engine = engine_pb2_grpc.EngineStub(engine_channel)
@@ -135,6 +150,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = request.request_id or _metadata(context, "x-request-id") or f"gen-{uuid.uuid4().hex}"
         await context.send_initial_metadata((("x-request-id", request_id),))
+        if self.tracing is not None and not request.trace_headers:  # a gRPC client's own context
+            request.trace_headers.update(trace_headers_of(dict(context.invocation_metadata() or ())))
         async for out in self.generate(request, request_id, timeout=context.time_remaining()):
             yield out
 
@@ -149,10 +166,41 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             self._streams.discard(mux)
 
-    async def generate(self, request: generation_pb2.GenerateRequest, request_id: str, *, timeout: float | None
-                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    def generate(self, request: generation_pb2.GenerateRequest, request_id: str, *, timeout: float | None
+                 ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """One request's deltas, for ``Generate`` and ``GenerateStream`` alike; errors raise (typed, or the
         engine call's ``AioRpcError``). ``timeout``: seconds left of the caller's deadline, for the engine call."""
+        if self.tracing is None:
+            return self._generate(request, request_id, timeout, None)
+        return self._traced(self.tracing, request, request_id, timeout)
+
+    async def _traced(self, tracing: Tracing, request: generation_pb2.GenerateRequest, request_id: str,
+                      timeout: float | None) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """:meth:`_generate` in a span: from the request's arrival to its last delta (or its error)."""
+        span = tracing.start_span(SPAN_NAME, parent=request.trace_headers, attributes={
+            "rpc.system": "grpc", "rpc.service": "sluice.v1.Generation", "rpc.method": "Generate",
+            "gen_ai.request.id": request_id, "gen_ai.request.n": request.n or 1})
+        deltas = self._generate(request, request_id, timeout, span)
+        first = True
+        try:
+            async for out in deltas:
+                if first:
+                    span.add_event("first_response")
+                    first = False
+                yield out
+        except Exception as error:  # a cancelled call is not an error of the request
+            span.record_exception(error)
+            span.set_status(tracing.error_status)
+            raise
+        finally:
+            await deltas.aclose()
+            span.end()
+
+    async def _generate(self, request: generation_pb2.GenerateRequest, request_id: str, timeout: float | None,
+                        span: Span | None) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+        # Each request's deltas are read by a task of its own (its Generate call's, or one per request of a
+        # GenerateStream): lines it logs carry its id from here on.
+        REQUEST_ID.set(request_id)
         check_options(request)
         adapter = await self.lora_adapter(request.model, engine_resolves=True)
         plan = plan_tools(request, self.tools)
@@ -169,8 +217,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
         engine_req, handoff = await self.engine_request(engine_options(request, request_id, n, plan.guided, adapter),
                                                         prompt_ids, source=source)
+        if span is not None and self.tracing is not None:
+            span.add_event("prompt_ready", {"gen_ai.usage.prompt_tokens": len(prompt_ids)})
+            self.tracing.inject(span, engine_req.trace_headers)
         time_limit = request.stopping.time_limit_ms / 1000 if request.stopping.HasField("time_limit_ms") else None
         deadline = time.monotonic() + time_limit if time_limit else None
+        if self.log_requests:  # as vLLM's, once the prompt is ready: a refused request was answered with its error
+            logger.info("Received request %s: %d prompt tokens, n=%d", request_id, len(prompt_ids), n)
         call = self.engine_stream.generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
         try:
             async for msg in _with_deadline(call, deadline):
@@ -207,6 +260,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             handoff.release()
             await call.aclose()  # unfinished: aborts the engine request
+            if self.log_requests:
+                logger.info("Finished request %s", request_id)
 
     def _echo_text(self, request: generation_pb2.GenerateRequest, prompt_ids: list[int] | np.ndarray) -> str:
         """The prompt as the client gave it: its text, or its ids decoded as they are (special tokens too)."""
