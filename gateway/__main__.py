@@ -14,6 +14,7 @@ import sys
 
 from common.procs import die_with_parent
 from common.settings import api_key
+from gateway.metrics import add_metrics_args, federate_targets
 from gateway.settings import GatewaySettings
 
 
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM, while new ones get 503 + "
                         "Retry-After; then the listener closes")
     p.add_argument("--log-level", default="info")
+    add_metrics_args(p)
     return p
 
 
@@ -84,6 +86,7 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         keepalive_interval=ns.keepalive_interval,
         max_n=ns.max_n,
         shutdown_timeout=ns.shutdown_timeout,
+        metrics_federate=federate_targets(ns.metrics_federate),
     )
 
 

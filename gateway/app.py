@@ -28,7 +28,7 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
     a given backend is the caller's to close. ``drain``: the server's (``gateway/server.py``),
     which turns new requests away once SIGTERM came."""
     routes = build_routes()
-    metrics = metrics if metrics is not None else GatewayMetrics()
+    metrics = metrics if metrics is not None else GatewayMetrics(federate=settings.metrics_federate)
     # Outermost first: the request id and the catch-all see every response (401s
     # included), metrics count them, a draining server turns requests away before
     # anything else (a load balancer probes without a key), CORS answers preflights

@@ -41,6 +41,8 @@ class GatewaySettings:
     # After SIGTERM: new requests get 503 + Retry-After and /ready 503 while in-flight ones get this long
     # (seconds) to finish; then the listener closes.
     shutdown_timeout: float = 10.0
+    # Metrics pages appended to this gateway's /metrics (`sluice serve`: its engine's vllm:* page).
+    metrics_federate: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.tokenizer_addresses:

@@ -8,6 +8,7 @@ import logging
 
 from common.procs import die_with_parent
 from engine.entrypoints.args import add_engine_args, config_from_args
+from engine.entrypoints.metrics import add_metrics_args
 from engine.entrypoints.process import set_openmp_defaults, use_huge_pages
 
 
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
     add_engine_args(parser)
+    add_metrics_args(parser)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s engine: %(message)s")
     config = config_from_args(ns)
@@ -32,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(config, ns.host, ns.port, shutdown_grace=ns.shutdown_timeout))
+    asyncio.run(serve(config, ns.host, ns.port, shutdown_grace=ns.shutdown_timeout,
+                      metrics_host=ns.metrics_host, metrics_port=ns.metrics_port))
 
 
 if __name__ == "__main__":
