@@ -206,6 +206,7 @@ class AsyncEngine:
         if self._collect_metrics:
             self.metrics = EngineMetrics(core)
         metrics = self.metrics
+        observed = self._stats is not None or metrics is not None
         self.started.set_result(None)
         while True:
             block = not core.has_unfinished_requests()
@@ -230,14 +231,15 @@ class AsyncEngine:
                     cmd = None
             if not core.has_unfinished_requests():
                 continue
-            steps = core.total_steps
+            last = core.last_step if observed else None
             try:
                 outputs = core.step()
             except Exception as e:  # a failed step ends the requests in it, never the process
                 logger.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            if core.total_steps != steps and core.last_step is not None:  # not a step that only flushed outputs
+            # A step that ran the model has new StepStats (one that only handed back aborted outputs has not).
+            if observed and core.last_step is not None and core.last_step is not last:
                 if self._stats is not None:
                     self._stats.record_step(core.last_step.duration_s)
                 if metrics is not None:
