@@ -29,6 +29,7 @@ import httpx
 
 from benchmarks import bench, plot
 from benchmarks.report import machine_info, utc_timestamp
+from benchmarks.vllm_bench import VllmBench
 from common.procs import free_port, stop_process
 
 PEERS_DIR = Path(__file__).resolve().parent / ".peers"
@@ -146,8 +147,9 @@ def merge_results(parts: Sequence[Path], out: Path) -> None:
 
 
 def run_system(spec: SystemSpec, bench_argv: Sequence[str], out_dir: Path, ready_timeout_s: float,
-               steps: Sequence[tuple[str, int]] = ()) -> Path | None:
-    """Start, benchmark and stop one system; returns its result file (None on failure, logged)."""
+               steps: Sequence[tuple[str, int]] = (), vllm_bench: VllmBench | None = None) -> Path | None:
+    """Start, benchmark and stop one system; returns its result file (None on failure, logged). The client is
+    benchmarks.bench, or ``vllm bench serve`` when ``vllm_bench`` is given."""
     if not Path(spec.command[0]).exists() and "/" in spec.command[0]:
         print(f"[{spec.name}] skipped: {spec.command[0]} missing (run benchmarks/install_peers.sh)", flush=True)
         return None
@@ -162,6 +164,8 @@ def run_system(spec: SystemSpec, bench_argv: Sequence[str], out_dir: Path, ready
             started = time.monotonic()
             wait_ready(proc, f"http://127.0.0.1:{spec.port}{spec.ready_path}", ready_timeout_s)
             print(f"[{spec.name}] ready after {time.monotonic() - started:.0f} s", flush=True)
+            if vllm_bench is not None:
+                return vllm_bench.run(spec.name, spec.base_url.removesuffix("/v1"), steps, out_dir)
             common = [*bench_argv, *spec.bench_args, "--base-url", spec.base_url, "--label", spec.name]
             if len(steps) <= 1:
                 plan = [(steps[0] if steps else None, result)]
@@ -224,8 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measured requests per step: one number, or one per --concurrency step")
     p.add_argument("--max-prompts", action="append", default=[], metavar="NAME=N",
                    help="cap one system's requests per step, e.g. llamacpp=32 (repeatable)")
-    p.add_argument("--input-len", type=int, default=106)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--client", choices=("bench", "vllm-bench"), default="bench",
+                   help="the load generator: benchmarks.bench, or vLLM's `vllm bench serve` from the peer venv "
+                        "(random dataset, ignore_eos, temperature 1.0; its saved results fill the same table)")
+    p.add_argument("--vllm-bin", default=str(PEERS_DIR / "venv-vllm" / "bin" / "vllm"),
+                   help="the `vllm` command --client vllm-bench runs")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (bench: 106; vllm-bench: 256)")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens (bench: 64; vllm-bench: 128)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--bench-args", default="",
@@ -254,13 +263,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
+    vllm_bench = args.client == "vllm-bench"
+    args.input_len = args.input_len or (256 if vllm_bench else 106)
+    args.output_len = args.output_len or (128 if vllm_bench else 64)
+    client = VllmBench(Path(args.vllm_bin), args.hf_dir, args.input_len, args.output_len,
+                       endpoint=args.endpoint) if vllm_bench else None
+    if client is not None and not client.binary.exists():
+        print(f"{client.binary} missing (run benchmarks/install_peers.sh vllm)", file=sys.stderr)
+        return 2
     bench_argv = ["--input-len", str(args.input_len), "--output-len", str(args.output_len),
                   "--warmup", str(args.warmup), "--endpoint", args.endpoint, *shlex.split(args.bench_args)]
     results: list[Path] = []
     for name in names:
         spec = build_system(name, getattr(args, f"{base_name(name)}_cmd"), free_port(), gguf=args.gguf,
                             hf_dir=args.hf_dir, extra_args=extra.get(name, ""), env=envs.get(name))
-        path = run_system(spec, bench_argv, out_dir, args.ready_timeout, plans[name])
+        path = run_system(spec, bench_argv, out_dir, args.ready_timeout, plans[name], vllm_bench=client)
         if path is not None:
             results.append(path)
     if not results:
@@ -273,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{shlex.join(['python', '-m', 'benchmarks.compare', *argv])}`  ",
         f"Machine: {machine['cpu_model']}, {machine['cpu_cores']} cores  ",
         f"Workload: {args.num_prompts} requests, ~{args.input_len}-token prompts, {args.output_len} output tokens, "
-        f"streamed `/v1/{'chat/' if args.endpoint == 'chat' else ''}completions`", "",
+        f"streamed `/v1/{'chat/' if args.endpoint == 'chat' else ''}completions`"
+        + (", client `vllm bench serve` (random dataset, ignore_eos, temperature 1.0)" if vllm_bench else ""), "",
         markdown_table(docs), "",
         *[f"- {d['label']}: `{d['command']}`" for d in docs], ""])
     (out_dir / "summary.md").write_text(md, encoding="utf-8")

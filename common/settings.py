@@ -15,10 +15,12 @@ SLUICE_API_KEY        the bearer key the REST API requires           ``--api-key
 SLUICE_PARENT_PID     set by ``sluice serve`` for its children only  (process plumbing, not user-facing)
 ====================  =============================================  ==========================================
 
-One variable keeps vLLM's name, so that a deployment written for vLLM carries over:
+Variables with vLLM's names, so that a deployment written for vLLM carries over:
 
 ================================  ===================================  ===========================================
 VLLM_ALLOW_RUNTIME_LORA_UPDATING  true: clients may load LoRA adapters  ``--allow-runtime-lora-updating``
+VLLM_API_KEY                      the bearer key, when SLUICE_API_KEY   ``--api-key``
+                                  is not set
 ================================  ===================================  ===========================================
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 from collections.abc import Mapping, MutableMapping
 
 ENV_API_KEY = "SLUICE_API_KEY"
+ENV_VLLM_API_KEY = "VLLM_API_KEY"
 ENV_PARENT_PID = "SLUICE_PARENT_PID"
 ENV_RUNTIME_LORA_UPDATING = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 _OFF = ("0", "false", "no", "off")
@@ -72,8 +75,9 @@ def runtime_lora_updating(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def api_key(environ: Mapping[str, str] | None = None) -> str | None:
-    """``SLUICE_API_KEY``, None when unset or empty."""
-    return _environ(environ).get(ENV_API_KEY) or None
+    """``SLUICE_API_KEY``, else vLLM's ``VLLM_API_KEY``; None when neither is set (or both are empty)."""
+    env = _environ(environ)
+    return env.get(ENV_API_KEY) or env.get(ENV_VLLM_API_KEY) or None
 
 
 def take_parent_pid(environ: MutableMapping[str, str] | None = None) -> int | None:

@@ -31,6 +31,17 @@ def _csv(value: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
+def _keepalive(value: str) -> float | None:
+    """``--keepalive-interval``: seconds > 0, or 0 for none."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not seconds >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value!r}")
+    return seconds or None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice gateway", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted bearer key (repeatable; default: $SLUICE_API_KEY; none: no auth)")
     p.add_argument("--allowed-origins", type=_csv, default=(), metavar="ORIGIN[,ORIGIN...]",
                    help="CORS origins ('*' for any); default: CORS off")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (cookies, Authorization) from the allowed origins")
+    p.add_argument("--allowed-methods", type=_csv, default=None, metavar="METHOD[,METHOD...]",
+                   help="CORS: methods preflights may ask for ('*' for any; default: GET,POST,OPTIONS)")
+    p.add_argument("--allowed-headers", type=_csv, default=None, metavar="HEADER[,HEADER...]",
+                   help="CORS: request headers preflights may ask for ('*' for any; default: Authorization,"
+                        "Content-Type,X-Request-Id)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log line per HTTP request")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="model name(s) to answer to (default: the name the backend reports)")
     p.add_argument("--max-body-bytes", type=int, default=None,
@@ -57,13 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--body-read-timeout", type=float, default=60.0,
                    help="seconds a request's body gets to arrive (408 after)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per backend call (default: none)")
-    p.add_argument("--keepalive-interval", type=float, default=5.0, help="seconds between SSE keep-alive comments")
+    p.add_argument("--keepalive-interval", type=_keepalive, default=None, metavar="SECONDS",
+                   help="send an SSE comment (': keep-alive') after this many seconds without a token, for "
+                        "proxies that close idle connections (default: off, as vLLM; 0 also means off)")
     p.add_argument("--max-n", type=int, default=16, choices=range(1, 17), metavar="1..16",
                    help="largest n (and best_of) per request; the tokenizer service allows at most 16")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM, while new ones get 503 + "
                         "Retry-After; then the listener closes")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve neither /openapi.json nor /docs (vLLM's flag; the name is vLLM's, there is no FastAPI)")
     add_metrics_args(p)
     return p
 
@@ -78,6 +102,10 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         port=ns.port,
         api_keys=tuple(keys),
         allowed_origins=tuple(ns.allowed_origins),
+        allow_credentials=ns.allow_credentials,
+        **({"allowed_methods": ns.allowed_methods} if ns.allowed_methods is not None else {}),
+        **({"allowed_headers": ns.allowed_headers} if ns.allowed_headers is not None else {}),
+        access_log=not ns.disable_uvicorn_access_log,
         served_model_names=tuple(ns.served_model_name or ()),
         max_body_bytes=ns.max_body_bytes,
         header_read_timeout=ns.header_read_timeout,
@@ -86,6 +114,7 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         keepalive_interval=ns.keepalive_interval,
         max_n=ns.max_n,
         shutdown_timeout=ns.shutdown_timeout,
+        enable_docs=not ns.disable_fastapi_docs,
         metrics_federate=federate_targets(ns.metrics_federate),
     )
 

@@ -15,6 +15,7 @@ from gateway.backend import Backend
 from gateway.drain import Drain, DrainMiddleware
 from gateway.errors import ApiError, api_error_handler, http_exception_handler
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.openapi import docs_routes
 from gateway.request_context import RequestContextMiddleware
 from gateway.routes import build_routes
 from gateway.routes.common import GatewayState, ServedModels
@@ -28,6 +29,8 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
     a given backend is the caller's to close. ``drain``: the server's (``gateway/server.py``),
     which turns new requests away once SIGTERM came."""
     routes = build_routes()
+    if settings.enable_docs:
+        routes += docs_routes(secured=bool(settings.api_keys))
     metrics = metrics if metrics is not None else GatewayMetrics(federate=settings.metrics_federate)
     # Outermost first: the request id and the catch-all see every response (401s
     # included), metrics count them, a draining server turns requests away before
@@ -41,8 +44,9 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
     ]
     if settings.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                                     allow_methods=["GET", "POST", "OPTIONS"],
-                                     allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                                     allow_credentials=settings.allow_credentials,
+                                     allow_methods=list(settings.allowed_methods),
+                                     allow_headers=list(settings.allowed_headers),
                                      expose_headers=["X-Request-Id", "Retry-After"]))
     middleware.append(Middleware(AuthMiddleware, api_keys=settings.api_keys))
 

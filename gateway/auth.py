@@ -13,8 +13,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import ApiError
 
-# Probes and Prometheus scrapers carry no key (as in vLLM); nothing here is private.
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# Probes, Prometheus scrapers and the API's description carry no key (as in vLLM); nothing here is private.
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/docs"})
 
 
 def bearer_token(scope: Scope) -> str | None:

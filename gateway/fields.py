@@ -1,20 +1,24 @@
-"""Typed readers of JSON request fields that fail with a 400 naming the field.
+"""A request body, from bytes to a validated model, failing with a 400 that names the field.
 
-JSON ``null`` reads as "absent", as OpenAI and vLLM do. Booleans are never
-accepted as numbers, and every number must be finite.
+The body is read with the standard JSON parser (NaN / Infinity are not JSON and
+are refused), every string checked to be UTF-8 text, then validated by a model of
+gateway/models.py; the model's first error becomes the OpenAI error body, its
+location the ``param``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
+from typing import TypeVar
 
-from gateway.errors import ApiError, bad_request
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
-UINT32_MAX = 2**32 - 1
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+from gateway.errors import bad_request
+from gateway.models import TAG_PREFIX
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def json_type(value: object) -> str:
@@ -95,72 +99,42 @@ def _check_encodable(body: dict[str, object]) -> None:
             stack.extend((item, (path, i)) for i, item in enumerate(value) if isinstance(item, (str, dict, list)))
 
 
-def _type_error(name: str, expected: str, value: object) -> ApiError:
-    return bad_request(name, f"`{name}` must be {expected}, got {json_type(value)}.")
+_EXPECTED = {"string_type": "a string", "int_type": "an integer", "bool_type": "a boolean", "float_type": "a number",
+             "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
+             "list_type": "an array"}
 
 
-def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def param_of(loc: tuple[str | int, ...]) -> str | None:
+    """``("messages", 0, "content", "@parts", 1)`` -> ``messages[0].content[1]``: union tags dropped."""
+    parts = [f"[{key}]" if isinstance(key, int) else f".{key}" for key in loc
+             if isinstance(key, int) or not key.startswith(TAG_PREFIX)]
+    return "".join(parts).lstrip(".") or None
 
 
-def opt_bool(body: Mapping[str, object], name: str) -> bool | None:
-    value = body.get(name)
-    if value is None or isinstance(value, bool):
-        return value
-    raise _type_error(name, "a boolean", value)
+def _message(model: type[BaseModel], name: str, error: ErrorDetails) -> str:
+    kind, value = error["type"], error.get("input")
+    if kind == "missing" or (value is None and kind in _EXPECTED):  # null reads as absent
+        return f"`{name}` is required."
+    if kind == "extra_forbidden":
+        if len(error["loc"]) == 1:
+            fields = ", ".join(f.alias or n for n, f in model.model_fields.items())
+            return f"`{name}` is not supported here; the fields are {fields}."
+        return f"`{name}` is not supported."
+    if kind in _EXPECTED:
+        return f"`{name}` must be {_EXPECTED[kind]}, got {json_type(value)}."
+    if kind in ("invalid_union", "invalid_field"):
+        return f"`{name}` {error['msg']}, got {json_type(value)}."
+    message = error["msg"]
+    return f"`{name}`: {message[0].lower()}{message[1:]}{'' if message.endswith('.') else '.'}"
 
 
-def opt_str(body: Mapping[str, object], name: str) -> str | None:
-    value = body.get(name)
-    if value is None or isinstance(value, str):
-        return value
-    raise _type_error(name, "a string", value)
-
-
-def opt_int(body: Mapping[str, object], name: str, lo: int, hi: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # 16.0 is an integer in JSON's eyes
-    if not is_int(value):
-        raise _type_error(name, "an integer", value)
-    assert isinstance(value, int)
-    if not lo <= value <= hi:
-        raise bad_request(name, f"`{name}` must be in [{lo}, {hi}], got {value}.")
-    return value
-
-
-def opt_float(body: Mapping[str, object], name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _type_error(name, "a number", value)
-    number = float(value)
-    below = number <= lo if lo_open else number < lo
-    if not math.isfinite(number) or below or number > hi:
-        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise bad_request(name, f"`{name}` must be in {interval}, got {value}.")
-    return number
-
-
-def opt_object(body: Mapping[str, object], name: str) -> dict[str, object] | None:
-    value = body.get(name)
-    if value is None or isinstance(value, dict):
-        return value
-    raise _type_error(name, "an object", value)
-
-
-def token_ids(value: object, name: str, *, allow_empty: bool = False) -> tuple[int, ...]:
-    """A JSON array of token ids (uint32)."""
-    if not isinstance(value, list):
-        raise _type_error(name, "an array of token ids", value)
-    if not value and not allow_empty:
-        raise bad_request(name, f"`{name}` must not be empty.")
-    for i, tok in enumerate(value):
-        if not is_int(tok):
-            raise _type_error(f"{name}[{i}]", "an integer token id", tok)
-        if not 0 <= tok <= UINT32_MAX:
-            raise bad_request(f"{name}[{i}]", f"`{name}[{i}]` must be a token id >= 0, got {tok}.")
-    return tuple(value)
+def validate(model: type[M], body: Mapping[str, object]) -> M:
+    """``body`` as ``model``, or a 400 naming the first field in error."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        error = err.errors(include_url=False)[0]
+        name = param_of(error["loc"])
+        if name is None:
+            raise bad_request(None, f"The request body is invalid: {error['msg']}.") from None
+        raise bad_request(name, _message(model, name, error)) from None

@@ -90,6 +90,6 @@ def build_server(app: ASGIApp, settings: GatewaySettings, drain: Drain, *, log_l
                  loop: str = "uvloop", lifespan: LifespanType = "auto") -> DrainingServer:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop,
                             http=header_timeout_protocol(settings.header_read_timeout), log_level=log_level,
-                            lifespan=lifespan,
+                            lifespan=lifespan, access_log=settings.access_log,
                             timeout_graceful_shutdown=GRACE_AFTER_DRAIN_SECONDS, server_header=False)
     return DrainingServer(config, drain, settings.shutdown_timeout)

@@ -19,6 +19,12 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()
     # CORS origins; empty: no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
+    # With CORS on: credentials allowed, and the methods and request headers preflights may ask for.
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("GET", "POST", "OPTIONS")
+    allowed_headers: tuple[str, ...] = ("Authorization", "Content-Type", "X-Request-Id")
+    # uvicorn's one line per HTTP request (vLLM's --disable-uvicorn-access-log turns it off).
+    access_log: bool = True
     # Names the model is served under; empty: the name the backend reports.
     served_model_names: tuple[str, ...] = ()
     # Largest request body; None: sized from the model's context length (routes/common.py body_limit_for).
@@ -29,9 +35,14 @@ class GatewaySettings:
     body_read_timeout: float = 60.0
     # Deadline of each backend call in seconds; None: none for generation.
     request_timeout: float | None = None
-    # SSE comment sent when no token arrived for this long (also how long a stream
-    # waits for its first event before committing to a 200).
-    keepalive_interval: float = 5.0
+    # SSE comment (`: keep-alive`) sent when no token arrived for this long; None: never (the default, as
+    # vLLM: clients that strip each network read before splitting events, such as `vllm bench serve`,
+    # lose the stream after a comment). Opt in for proxies that close idle connections.
+    keepalive_interval: float | None = None
+    # Without keep-alives: how long a stream waits for its first event before it commits to a 200 (fast
+    # failures keep their status; once committed, Starlette's disconnect watch cancels a request still
+    # queued whose client left). With keep-alives it waits one keep-alive interval.
+    first_event_timeout: float = 5.0
     # Deadline of the /ready probe's backend call.
     ready_timeout: float = 2.0
     # Retry-After on 429/503 when the backend gives none.
@@ -41,6 +52,8 @@ class GatewaySettings:
     # After SIGTERM: new requests get 503 + Retry-After and /ready 503 while in-flight ones get this long
     # (seconds) to finish; then the listener closes.
     shutdown_timeout: float = 10.0
+    # Serve /openapi.json and /docs (vLLM's --disable-fastapi-docs turns them off).
+    enable_docs: bool = True
     # Metrics pages appended to this gateway's /metrics (`sluice serve`: its engine's vllm:* page).
     metrics_federate: tuple[str, ...] = ()
 
@@ -55,8 +68,10 @@ class GatewaySettings:
             raise ValueError("body_read_timeout must be > 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0")
-        if self.keepalive_interval <= 0:
-            raise ValueError("keepalive_interval must be > 0")
+        if self.keepalive_interval is not None and self.keepalive_interval <= 0:
+            raise ValueError("keepalive_interval must be > 0 (None: no keep-alive comments)")
+        if self.first_event_timeout <= 0:
+            raise ValueError("first_event_timeout must be > 0")
         if self.ready_timeout <= 0:
             raise ValueError("ready_timeout must be > 0")
         if self.shutdown_timeout < 0:
@@ -65,6 +80,11 @@ class GatewaySettings:
             raise ValueError("max_n must be >= 1")
         if any(not k for k in self.api_keys):
             raise ValueError("api_keys must not be empty strings")
+
+    @property
+    def first_event_wait(self) -> float:
+        """Seconds a stream waits for its first event before its 200 is sent."""
+        return self.keepalive_interval if self.keepalive_interval is not None else self.first_event_timeout
 
     @property
     def unary_timeout(self) -> float:

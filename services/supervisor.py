@@ -21,12 +21,15 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from common.errors import InvalidRequestError
 from common.procs import ENV_PARENT_PID, free_port, grpc_serving, port_number
 from common.settings import ENV_API_KEY, api_key
 from engine.config import EngineConfig, LoRAConfig, default_max_queued_requests
 from engine.entrypoints.args import add_engine_args, config_from_args
+from engine.entrypoints.vllm_compat import normalize_flag_spelling
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.mindie_config import ConfigFileError, load_mindie_config
+from services.serve_args import add_vllm_serve_args, check_vllm_serve_args
 
 logger = logging.getLogger("sluice.serve")
 
@@ -70,6 +73,15 @@ def http_ok(url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+def served_names(ns: argparse.Namespace, config: EngineConfig) -> list[str]:
+    """Every name the gateways answer to: ``--served-model-name``'s (the first is the model's, given to the
+    engine and the tokenizer services; the others aliases, as vLLM's), else the model's own name."""
+    names = getattr(ns, "served_model_name", None)
+    if isinstance(names, str):   # a MindIE config.json's modelName
+        names = [names]
+    return list(names) if names else [config.model_name]
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -122,6 +134,17 @@ def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _seconds(value: str) -> float:
+    """A number of seconds >= 0 (0: off)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value!r}")
+    return seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,8 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-port", type=int, default=50061, help="first tokenizer service port")
     p.add_argument("--api-key", default=api_key())
     p.add_argument("--allowed-origins", default=None)
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (gateway flag)")
+    p.add_argument("--allowed-methods", default=None, help="CORS: methods preflights may ask for (gateway flag)")
+    p.add_argument("--allowed-headers", default=None, help="CORS: headers preflights may ask for (gateway flag)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /openapi.json and /docs on the gateways (vLLM's flag)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
-    p.add_argument("--keepalive-interval", type=float, default=5.0, help="seconds between SSE keep-alive comments")
+    p.add_argument("--keepalive-interval", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="gateways send an SSE comment after this many seconds without a token, for proxies that "
+                        "close idle connections (default 0: off, as vLLM)")
     p.add_argument("--request-timeout", type=float, default=None, help="gateway deadline per request, seconds")
     p.add_argument("--tokenizer-mux", action=argparse.BooleanOptionalAction, default=True,
                    help="gateways multiplex requests on one GenerateStream per tokenizer service (one message per "
@@ -151,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bounded in time and output size")
     p.add_argument("--log-level", default="info")
     add_engine_args(p)
+    add_vllm_serve_args(p)
     add_metrics_args(p)
     return p
 
@@ -167,9 +199,11 @@ def metrics_port(ns: argparse.Namespace) -> int:
     return free_port() if ns.engine_metrics_port is None else int(ns.engine_metrics_port)
 
 
-def resolve_settings(argv: list[str]) -> argparse.Namespace:
-    """Flags over the MindIE config over defaults."""
+def resolve_settings(argv: list[str], notes: list[str] | None = None) -> argparse.Namespace:
+    """Flags over the MindIE config over defaults. vLLM flags accepted without effect add a line to ``notes``
+    saying why; those Sluice cannot honour end here with the reason (exit 2)."""
     parser = build_parser()
+    argv = normalize_flag_spelling(argv)
     ns = parser.parse_args(argv)
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
@@ -178,12 +212,18 @@ def resolve_settings(argv: list[str]) -> argparse.Namespace:
             from_file = load_mindie_config(ns.config)
         except ConfigFileError as e:
             parser.error(str(e))
-        explicit = _explicit_dests(parser, argv)
+        explicit = _explicit_dests(parser, argv) | ({"model"} if ns.model_tag is not None else set())
         for key, value in from_file.items():
             if key == "npu_device_ids":
                 continue
             if key not in explicit and hasattr(ns, key):
                 setattr(ns, key, value)
+    try:
+        accepted = check_vllm_serve_args(ns)
+    except InvalidRequestError as e:
+        parser.error(str(e))
+    if notes is not None:
+        notes.extend(accepted)
     return ns
 
 
@@ -227,14 +267,24 @@ class Supervisor:
         for i in range(ns.gateways):
             port = ns.port + i
             argv = [py, "-m", "gateway", "--tokenizer", ",".join(tok_addrs), "--host", ns.host, "--port", str(port),
-                    "--served-model-name", config.model_name, "--shutdown-timeout", str(ns.shutdown_timeout),
-                    "--keepalive-interval", str(ns.keepalive_interval), "--log-level", ns.log_level]
+                    *[f for name in served_names(ns, config) for f in ("--served-model-name", name)],
+                    "--shutdown-timeout", str(ns.shutdown_timeout),
+                    "--keepalive-interval", str(ns.keepalive_interval),
+                    "--log-level", ns.uvicorn_log_level or ns.log_level]
             if ns.request_timeout is not None:
                 argv += ["--request-timeout", str(ns.request_timeout)]
             if ns.tokenizer_mux:
                 argv.append("--tokenizer-mux")
             if ns.allowed_origins:
                 argv += ["--allowed-origins", ns.allowed_origins]
+            if ns.disable_fastapi_docs:
+                argv.append("--disable-fastapi-docs")
+            for flag in ("allow_credentials", "disable_uvicorn_access_log"):
+                if getattr(ns, flag):
+                    argv.append("--" + flag.replace("_", "-"))
+            for flag in ("allowed_methods", "allowed_headers"):
+                if getattr(ns, flag) is not None:
+                    argv += ["--" + flag.replace("_", "-"), getattr(ns, flag)]
             if engine_metrics:
                 argv += ["--metrics-federate", f"http://127.0.0.1:{engine_metrics}/metrics"]
             self.gateways.append(Child(f"gateway-{i}", argv,
@@ -308,8 +358,11 @@ class Supervisor:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    ns = resolve_settings(args)
+    notes: list[str] = []
+    ns = resolve_settings(args, notes)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s serve: %(message)s")
+    for note in notes:
+        logger.info("%s", note)
     try:
         config = config_from_args(ns)
     except ValueError as e:

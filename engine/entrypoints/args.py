@@ -20,6 +20,7 @@ from engine.config import (
     default_max_queued_requests,
     parse_size,
 )
+from engine.entrypoints.vllm_compat import add_vllm_compat_args
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine (vLLM's flag names)")
     g.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
     g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
-    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in the API (several: the first is the one responses carry, the others "
+                        "are aliases clients may send, as vLLM's); default: the model's path")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=KV_CACHE_DTYPES,
@@ -121,6 +124,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     lora.add_argument("--enable-lora-bias", action="store_true", default=False,
                       help="refused: adapters with bias weights are not supported")
     lora.add_argument("--long-lora-scaling-factors", default=None, help="refused: LongLoRA is not supported")
+    add_vllm_compat_args(parser)
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
@@ -130,7 +134,18 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values["structured_outputs_config"] = structured_outputs_config(
         getattr(ns, "structured_outputs_config", None), getattr(ns, "guided_decoding_backend", None))
     values["lora_config"] = lora_config(ns)
+    values["num_kv_blocks"] = kv_blocks(ns)
+    if isinstance(values.get("served_model_name"), list):
+        values["served_model_name"] = values["served_model_name"][0]
     return EngineConfig(**values)
+
+
+def kv_blocks(ns: argparse.Namespace) -> int | None:
+    """``--num-kv-blocks``, or vLLM's ``--num-gpu-blocks-override`` (the same setting); both given must agree."""
+    ours, vllms = getattr(ns, "num_kv_blocks", None), getattr(ns, "num_gpu_blocks_override", None)
+    if ours is not None and vllms is not None and ours != vllms:
+        raise InvalidRequestError("--num-gpu-blocks-override", f"{vllms} contradicts --num-kv-blocks {ours}")
+    return ours if ours is not None else vllms
 
 
 _LORA_FLAGS = ("lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
+from common.errors import InvalidRequestError
 from common.procs import die_with_parent
 from engine.entrypoints.args import add_engine_args, config_from_args
 from engine.entrypoints.metrics import add_metrics_args
 from engine.entrypoints.process import set_openmp_defaults, use_huge_pages
+from engine.entrypoints.vllm_compat import check_vllm_compat, normalize_flag_spelling
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,8 +26,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="info")
     add_engine_args(parser)
     add_metrics_args(parser)
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(normalize_flag_spelling(sys.argv[1:] if argv is None else argv))
+    try:
+        notes = check_vllm_compat(ns)
+    except InvalidRequestError as e:
+        parser.error(str(e))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s engine: %(message)s")
+    for note in notes:
+        logging.getLogger("engine").info("%s", note)
     config = config_from_args(ns)
     from engine.entrypoints.grpc_servicer import serve
 

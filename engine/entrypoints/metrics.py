@@ -18,6 +18,7 @@ import argparse
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -26,10 +27,12 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from common.procs import port_number
-from engine.core.engine_core import EngineCore
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, RequestTimes
 from engine.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:   # the engine CLI imports this module before torch may load (engine.entrypoints.process)
+    from engine.core.engine_core import EngineCore
 
 # vLLM's finished_reason strings: an end-of-sequence token and a stop token id are both "stop".
 FINISHED_REASON = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",

@@ -1,7 +1,7 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``, whole or streamed.
 
 One HTTP request is one backend call per prompt (one for chat). A stream
-waits up to one keep-alive interval for its first event before it commits to
+waits up to ``first_event_wait`` for its first event before it commits to
 a 200, so requests that fail fast (a full queue, a bad argument, a backend that
 is down) still get their exact status; after that, failures arrive as an SSE
 error event followed by ``[DONE]``.
@@ -109,7 +109,7 @@ async def _generate(request: Request, *, is_chat: bool) -> Response:
     if not req.stream:
         return await _whole(request, run)
     try:
-        first = await run.stream.next(timeout=state.settings.keepalive_interval)
+        first = await run.stream.next(timeout=state.settings.first_event_wait)
     except BackendError as err:
         await run.close()
         raise run.api_error(err) from None
@@ -146,7 +146,8 @@ async def _events(run: _Run, first: tuple[int, Delta] | str | None) -> AsyncIter
     try:
         while item is not None:
             if item == TIMED_OUT:
-                yield KEEPALIVE
+                if run.state.settings.keepalive_interval is not None:  # else the first wait ran out: no comment
+                    yield KEEPALIVE
             else:
                 assert isinstance(item, tuple)
                 prompt_index, delta = item

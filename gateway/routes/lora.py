@@ -7,13 +7,12 @@ off the routes answer 404, as vLLM does by not mounting them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from gateway.errors import ApiError, BackendError, BackendErrorKind, bad_request
-from gateway.fields import opt_str
+from gateway.fields import validate
+from gateway.models import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from gateway.routes.common import GatewayState, gateway_state, read_json
 
 _RUNTIME_OFF = ("Loading and unloading LoRA adapters at runtime is off: start the engine with "
@@ -22,11 +21,9 @@ _RUNTIME_OFF = ("Loading and unloading LoRA adapters at runtime is off: start th
 
 async def load_lora_adapter(request: Request) -> Response:
     state = gateway_state(request)
-    body = await read_json(request)
-    _only(body, ("lora_name", "lora_path", "base_model_name"))
-    name = _required(body, "lora_name")
-    path = _required(body, "lora_path")
-    base = opt_str(body, "base_model_name") or ""
+    req = validate(LoadLoraAdapterRequest, await read_json(request))
+    name, path = _required("lora_name", req.lora_name), _required("lora_path", req.lora_path)
+    base = req.base_model_name or ""
     try:
         if name in await state.models.names():  # requests naming it would never reach the adapter
             raise bad_request("lora_name", f"`lora_name` {name!r} is the served model's name.")
@@ -42,9 +39,7 @@ async def load_lora_adapter(request: Request) -> Response:
 
 async def unload_lora_adapter(request: Request) -> Response:
     state = gateway_state(request)
-    body = await read_json(request)
-    _only(body, ("lora_name",))
-    name = _required(body, "lora_name")
+    name = _required("lora_name", validate(UnloadLoraAdapterRequest, await read_json(request)).lora_name)
     try:
         await state.backend.unload_lora_adapter(name, timeout=state.settings.unary_timeout)
     except BackendError as err:
@@ -63,16 +58,7 @@ def _refusal(state: GatewayState, err: BackendError) -> ApiError:
     return state.api_error(err)  # INVALID_ARGUMENT: a 400 with the backend's message naming the file and field
 
 
-def _required(body: Mapping[str, object], name: str) -> str:
-    value = opt_str(body, name)
+def _required(name: str, value: str) -> str:
     if not value:
         raise bad_request(name, f"`{name}` is required.")
     return value
-
-
-def _only(body: Mapping[str, object], fields: tuple[str, ...]) -> None:
-    """A field this route does not know is refused rather than ignored."""
-    for name in body:
-        if name not in fields:
-            raise bad_request(name[:100], f"`{name[:100]}` is not supported here; the fields are "
-                                          f"{', '.join(fields)}.")

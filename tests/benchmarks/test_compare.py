@@ -102,7 +102,7 @@ def test_main_routes_counts_caps_and_extra_args_to_each_system(tmp_path: Path,
     calls: list[tuple[compare.SystemSpec, list[tuple[str, int]]]] = []
 
     def fake_run_system(spec: compare.SystemSpec, bench_argv: Sequence[str], out_dir: Path, ready_timeout_s: float,
-                        steps: Sequence[tuple[str, int]] = ()) -> Path | None:
+                        steps: Sequence[tuple[str, int]] = (), vllm_bench: object = None) -> Path | None:
         calls.append((spec, list(steps)))
         return None
 

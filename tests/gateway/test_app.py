@@ -271,6 +271,22 @@ async def test_cors_off_by_default_and_on_when_asked(make_gateway: GatewayFactor
         assert r.headers["access-control-allow-origin"] == "https://app.example"
 
 
+async def test_cors_credentials_methods_and_headers_as_vllm_names_them(make_gateway: GatewayFactory) -> None:
+    origin = "https://app.example"
+    ask = {"Origin": origin, "Access-Control-Request-Method": "DELETE",
+           "Access-Control-Request-Headers": "X-Custom"}
+    async with make_gateway(allowed_origins=(origin,)) as gw:   # the defaults: no credentials, our own lists
+        r = await gw.client.options("/v1/completions", headers=ask)
+        assert r.status_code == 400 and "access-control-allow-credentials" not in r.headers
+    async with make_gateway(allowed_origins=(origin,), allow_credentials=True, allowed_methods=("*",),
+                            allowed_headers=("X-Custom",)) as gw:
+        r = await gw.client.options("/v1/completions", headers=ask)
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-credentials"] == "true"
+        assert "DELETE" in r.headers["access-control-allow-methods"]
+        assert "x-custom" in r.headers["access-control-allow-headers"].lower()
+
+
 async def test_auth_accepts_the_key(make_gateway: GatewayFactory) -> None:
     async with make_gateway(api_keys=("k1", "k2")) as gw:
         for key in ("k1", "k2"):

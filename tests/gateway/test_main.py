@@ -33,6 +33,18 @@ def test_flags() -> None:
                                 keepalive_interval=2.0, max_n=4, shutdown_timeout=3.0)
 
 
+def test_vllm_cors_and_access_log_flags() -> None:
+    s = settings(["--allowed-origins", "*", "--allow-credentials", "--allowed-methods", '["GET", "POST"]',
+                  "--allowed-headers", "*", "--disable-uvicorn-access-log"])
+    assert (s.allow_credentials, s.allowed_methods, s.allowed_headers, s.access_log) == (
+        True, ("GET", "POST"), ("*",), False)
+    d = settings([])
+    assert (d.allow_credentials, d.access_log) == (False, True) and "POST" in d.allowed_methods
+    from gateway.drain import Drain
+    from gateway.server import build_server
+    assert build_server(lambda *a: None, s, Drain()).config.access_log is False  # type: ignore[arg-type]
+
+
 def test_origins_as_a_json_list_like_vllm() -> None:
     assert settings(["--allowed-origins", '["*"]']).allowed_origins == ("*",)
     with pytest.raises(SystemExit):
@@ -55,7 +67,7 @@ def test_bad_flag_values_exit_with_usage() -> None:
     from gateway.__main__ import main
 
     with pytest.raises(SystemExit) as info:
-        main(["--keepalive-interval", "0"])
+        main(["--keepalive-interval", "-1"])
     assert info.value.code == 2
 
 
@@ -83,3 +95,10 @@ def test_request_ids() -> None:
     assert pick_request_id(scope((b"x-request-id", b"req-1.a:b_c"))) == "req-1.a:b_c"
     generated = pick_request_id(scope((b"x-request-id", b"x" * 129)))
     assert len(generated) == 32 and generated != pick_request_id(scope())
+
+
+def test_keepalive_comments_are_off_unless_asked() -> None:
+    assert settings([]).keepalive_interval is None
+    assert settings(["--keepalive-interval", "0"]).keepalive_interval is None
+    assert settings(["--keepalive-interval", "0.5"]).keepalive_interval == 0.5
+    assert settings([]).first_event_wait == 5.0 and settings(["--keepalive-interval", "2"]).first_event_wait == 2.0

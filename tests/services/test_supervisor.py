@@ -45,3 +45,36 @@ def test_engine_flags_round_trip_through_the_engine_cli() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert config_from_args(parser.parse_args(engine_flags(config))) == config
+
+
+def test_several_served_model_names_are_the_model_and_its_aliases() -> None:
+    """vLLM's ``--served-model-name a b``: the engine and tokenizer services take the first, the gateways
+    answer to all of them."""
+    ns = supervisor.resolve_settings(["--served-model-name", "smol", "gpt-4o-mini", "--gateways", "2"])
+    config = supervisor.config_from_args(ns)
+    assert config.model_name == "smol"
+    stack = supervisor.Supervisor(ns, config)
+    for gateway in stack.gateways:
+        names = [gateway.argv[i + 1] for i, a in enumerate(gateway.argv) if a == "--served-model-name"]
+        assert names == ["smol", "gpt-4o-mini"]
+    for tokenizer in stack.tokenizers:
+        assert tokenizer.argv[tokenizer.argv.index("--served-model-name") + 1] == "smol"
+    engine = stack.engine.argv
+    assert engine[engine.index("--served-model-name") + 1] == "smol" and "gpt-4o-mini" not in engine
+
+
+def test_disable_fastapi_docs_reaches_every_gateway() -> None:
+    for flags, expected in (([], False), (["--disable-fastapi-docs"], True)):
+        ns = supervisor.resolve_settings(["--gateways", "2", *flags])
+        stack = supervisor.Supervisor(ns, supervisor.config_from_args(ns))
+        assert [("--disable-fastapi-docs" in g.argv) for g in stack.gateways] == [expected, expected]
+
+
+def test_cors_and_access_log_flags_reach_every_gateway() -> None:
+    ns = supervisor.resolve_settings(["--gateways", "2", "--allowed-origins", "*", "--allow-credentials",
+                                      "--allowed-methods", "GET,POST", "--allowed-headers", "*",
+                                      "--disable-uvicorn-access-log"])
+    for g in supervisor.Supervisor(ns, supervisor.config_from_args(ns)).gateways:
+        tail = " ".join(g.argv)
+        assert "--allow-credentials" in g.argv and "--disable-uvicorn-access-log" in g.argv
+        assert "--allowed-methods GET,POST" in tail and "--allowed-headers *" in tail

@@ -232,3 +232,15 @@ def test_async_engine_counts_what_its_requests_generated() -> None:
     assert val("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == deltas - 3
     assert val("vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count") >= 6
     assert val("vllm:num_requests_running", "vllm:num_requests_running") == 0
+
+
+def test_the_engine_cli_still_loads_no_torch_before_main() -> None:
+    """The metrics flags' module is imported by the engine CLI, which sets OpenMP's defaults before torch loads."""
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT
+
+    out = subprocess.run([sys.executable, "-c", "import sys, engine.entrypoints.cli; print('torch' in sys.modules)"],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

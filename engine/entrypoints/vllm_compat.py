@@ -1,0 +1,237 @@
+"""vLLM's ``serve`` flags that Sluice has no setting of its own for: each is accepted with its effect, accepted
+because its effect is already how Sluice works (one log line says so), or refused with the reason.
+
+A vLLM command line (the vLLM-Ascend guides', say) then runs as written, or stops at once with a one-line
+reason naming the flag, never at argparse's bare "unrecognized arguments". The flags are declared once, in
+``ENGINE_FLAGS``; ``services/supervisor.py`` declares the API server's in the same form. docs/serving.md
+("vLLM flags") lists every one.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from common.errors import InvalidRequestError
+
+# The value given (never None: a flag not given is not checked) and the whole namespace -> a reason to
+# refuse that value, or None to accept it.
+Refusal = Callable[[Any, argparse.Namespace], str | None]
+
+
+def _never(value: Any, ns: argparse.Namespace) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    """One vLLM flag. ``no_effect``: why an accepted value changes nothing here (logged); None when the flag
+    is implemented by the code that reads its ``dest``. ``refuse``: the values Sluice cannot honour."""
+
+    names: tuple[str, ...]
+    no_effect: str | None
+    refuse: Refusal = _never
+    kind: str = "value"                       # value | switch (given or not) | bool (--x / --no-x)
+    type: Callable[[str], Any] = str
+    choices: Sequence[str] | None = None
+    help: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.names[0].lstrip("-").replace("-", "_")
+
+    def add_to(self, group: argparse._ArgumentGroup) -> None:
+        kwargs: dict[str, Any] = {"dest": self.dest, "default": None, "help": self.help or self.no_effect}
+        if self.kind == "switch":
+            kwargs["action"] = "store_const"
+            kwargs["const"] = True
+        elif self.kind == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = self.type
+            kwargs["choices"] = self.choices
+        group.add_argument(*self.names, **kwargs)
+
+
+def refuse_always(reason: str) -> Refusal:
+    return lambda value, ns: reason
+
+
+def refuse_unless(allowed: Callable[[Any], bool], reason: str) -> Refusal:
+    return lambda value, ns: None if allowed(value) else reason
+
+
+def _non_negative(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value!r}")
+    return number
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def _is_gguf(ns: argparse.Namespace) -> bool:
+    """The default model is a GGUF file; otherwise the path says."""
+    model = getattr(ns, "model", None)
+    return model is None or str(model).endswith(".gguf")
+
+
+def _load_format(value: str, ns: argparse.Namespace) -> str | None:
+    if value == "auto" or value == ("gguf" if _is_gguf(ns) else "safetensors"):
+        return None
+    return (f"{value!r} is not this model's format: Sluice loads an HF directory's safetensors or a .gguf "
+            "file, chosen by the path (auto)")
+
+
+def _quantization(value: str, ns: argparse.Namespace) -> str | None:
+    if value == "gguf" and _is_gguf(ns):
+        return None
+    return (f"{value!r} is not supported: Sluice serves float weights (safetensors) or GGUF files, whose "
+            "quantized blocks it runs as they are")
+
+
+_HUB = "Sluice loads local files only and never downloads: give that revision's directory as the model"
+_TP = "is not implemented yet (issue 23): one worker per engine"
+_SPEC = "speculative decoding is not implemented yet"
+_OVERRIDE = "overriding the model's own configuration is not supported"
+
+ENGINE_FLAGS: tuple[CompatFlag, ...] = (
+    CompatFlag(("--trust-remote-code",), "Sluice runs only its own model code; nothing in the model's directory "
+                                         "is ever executed", kind="switch"),
+    CompatFlag(("--revision",), None, refuse_always(f"selects a Hugging Face Hub revision; {_HUB}")),
+    CompatFlag(("--code-revision",), None, refuse_always(f"selects a Hub revision of the model's code; {_HUB}")),
+    CompatFlag(("--tokenizer-revision",), None, refuse_always(f"selects a Hub revision of the tokenizer; {_HUB}")),
+    CompatFlag(("--download-dir",), "Sluice never downloads weights: the model is a local path"),
+    CompatFlag(("--hf-token",), "Sluice never downloads from the Hugging Face Hub"),
+    CompatFlag(("--load-format",), "the weights' format follows the model path (HF safetensors or .gguf)",
+               _load_format),
+    CompatFlag(("--quantization", "-q"), "a GGUF file's quantized blocks are always run as they are", _quantization),
+    CompatFlag(("--tokenizer-mode",), "Sluice always uses the model's fast (Rust) tokenizer",
+               refuse_unless(lambda v: v in ("auto", "hf"), "only the model's fast (Rust) tokenizer is supported "
+                                                            "(auto)")),
+    CompatFlag(("--enable-chunked-prefill",), "prefill is always chunked: prompts share each step's "
+                                              "--max-num-batched-tokens budget with decodes", kind="bool",
+               refuse=refuse_unless(bool, "Sluice always chunks prefill (one token budget per step, no prefill "
+                                          "phase); it cannot be turned off")),
+    CompatFlag(("--swap-space",), "Sluice preempts by recompute (as vLLM V1 does): nothing is swapped to CPU "
+                                  "memory", type=_non_negative),
+    CompatFlag(("--preemption-mode",), "Sluice preempts by recompute",
+               refuse_unless(lambda v: v == "recompute", "only recompute preemption is implemented")),
+    CompatFlag(("--cpu-offload-gb",), "no weights are offloaded at 0", type=_non_negative,
+               refuse=refuse_unless(lambda v: v == 0, "offloading weights to CPU memory is not implemented")),
+    CompatFlag(("--num-gpu-blocks-override",), None, type=_positive_int,
+               help="vLLM's name for --num-kv-blocks: exactly this many KV cache blocks"),
+    CompatFlag(("--disable-async-output-proc",), "output processing (detokenization, stop strings) already runs "
+                                                 "in the tokenizer service, apart from the engine's step loop",
+               kind="switch"),
+    CompatFlag(("--async-scheduling",), "not implemented yet: each step is scheduled after the previous one "
+                                        "ends (the outputs are the same)", kind="switch"),
+    CompatFlag(("--disable-sliding-window",), "Sluice's attention always covers the whole context (no sliding "
+                                              "window)", kind="switch"),
+    CompatFlag(("--use-v2-block-manager",), "Sluice has one block manager", kind="switch"),
+    CompatFlag(("--disable-custom-all-reduce",), "no all-reduce runs at tensor-parallel size 1", kind="switch"),
+    CompatFlag(("--enable-expert-parallel",), "at tensor-parallel size 1 every expert is on the one worker",
+               kind="switch"),
+    CompatFlag(("--max-seq-len-to-capture",), "Sluice runs eagerly: no graphs are captured", type=_positive_int),
+    CompatFlag(("--compilation-config",), "Sluice runs eagerly and compiles nothing; its kernels are chosen when "
+                                          "the model loads"),
+    CompatFlag(("--additional-config",), "vLLM-Ascend's plugin options (graph mode, its scheduler) have no "
+                                         "counterpart: Sluice runs eagerly with one scheduler"),
+    CompatFlag(("--max-parallel-loading-workers",), "the engine loads the weights in one pass",
+               type=_positive_int),
+    CompatFlag(("--tokenizer-pool-size",), "tokenization runs on the tokenizer service's threads (scale it with "
+                                           "--tokenizers)", type=int),
+    CompatFlag(("--pipeline-parallel-size", "-pp"), "1 is the only pipeline-parallel size", type=_positive_int,
+               refuse=refuse_unless(lambda v: v == 1, f"pipeline parallel {_TP}")),
+    CompatFlag(("--data-parallel-size", "-dp"), "1 replica is what one sluice serve runs", type=_positive_int,
+               refuse=refuse_unless(lambda v: v == 1, "data parallel in one command is not implemented: run a "
+                                                      "sluice serve per replica behind a load balancer")),
+    CompatFlag(("--distributed-executor-backend",), "at tensor-parallel size 1 the one worker runs in the engine "
+                                                    "process", choices=("uni", "mp", "ray", "external_launcher"),
+               refuse=lambda v, ns: None if v in ("uni", "mp") else f"the {v} executor {_TP}"),
+    CompatFlag(("--num-scheduler-steps",), "1 step per schedule is how Sluice runs", type=_positive_int,
+               refuse=refuse_unless(lambda v: v == 1, "multi-step scheduling is not implemented yet")),
+    CompatFlag(("--speculative-config",), None, refuse_always(_SPEC)),
+    CompatFlag(("--speculative-model",), None, refuse_always(_SPEC)),
+    CompatFlag(("--num-speculative-tokens",), None, refuse_always(_SPEC), type=int),
+    CompatFlag(("--generation-config",), "Sluice's default sampling parameters are vLLM's own",
+               refuse_unless(lambda v: v == "vllm", "Sluice does not take default sampling parameters from the "
+                                                    "model's generation_config.json (only 'vllm' is accepted)")),
+    CompatFlag(("--override-generation-config",), None, refuse_always(_OVERRIDE)),
+    CompatFlag(("--hf-overrides",), None, refuse_always(_OVERRIDE)),
+    CompatFlag(("--rope-scaling",), None, refuse_always(_OVERRIDE)),
+    CompatFlag(("--rope-theta",), None, refuse_always(_OVERRIDE)),
+    CompatFlag(("--task", "--runner"), "text generation is what Sluice serves",
+               refuse_unless(lambda v: v in ("auto", "generate"), "Sluice serves text generation only")),
+    CompatFlag(("--limit-mm-per-prompt",), None, refuse_always("Sluice serves text-only models")),
+    CompatFlag(("--kv-transfer-config",), None, refuse_always("disaggregated prefill is not implemented")),
+    CompatFlag(("--enable-sleep-mode",), None, refuse_always("sleep mode is not implemented"), kind="switch"),
+    CompatFlag(("--skip-tokenizer-init",), None, refuse_always("the tokenizer service needs the tokenizer"),
+               kind="switch"),
+)
+
+# Flags Sluice has under vLLM's name whose values it cannot all honour.
+_ENGINE_VALUE_LIMITS: tuple[tuple[str, str, Refusal], ...] = (
+    ("tensor_parallel_size", "--tensor-parallel-size",
+     refuse_unless(lambda v: v == 1, f"tensor parallel {_TP}")),
+)
+
+
+def add_compat_flags(parser: argparse.ArgumentParser, flags: Sequence[CompatFlag], title: str) -> None:
+    group = parser.add_argument_group(title, "accepted for vLLM command lines; docs/serving.md says what each does")
+    for flag in flags:
+        flag.add_to(group)
+
+
+def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
+    add_compat_flags(parser, ENGINE_FLAGS, "vLLM engine flags without a Sluice setting of their own")
+
+
+def check_compat_flags(ns: argparse.Namespace, flags: Sequence[CompatFlag],
+                       limits: Sequence[tuple[str, str, Refusal]] = ()) -> list[str]:
+    """Raises InvalidRequestError (naming the flag) for the first value Sluice cannot honour; returns one
+    line per accepted flag that has no effect, saying why."""
+    notes = []
+    for dest, name, refuse in limits:
+        value = getattr(ns, dest, None)
+        if value is not None and (reason := refuse(value, ns)) is not None:
+            raise InvalidRequestError(name, reason)
+    for flag in flags:
+        value = getattr(ns, flag.dest, None)
+        if value is None:
+            continue
+        shown = flag.names[0] if value is not False else "--no-" + flag.names[0][2:]
+        if (reason := flag.refuse(value, ns)) is not None:
+            raise InvalidRequestError(shown, reason)
+        if flag.no_effect is not None:
+            notes.append(f"{shown} has no effect: {flag.no_effect}")
+    return notes
+
+
+def check_vllm_compat(ns: argparse.Namespace) -> list[str]:
+    return check_compat_flags(ns, ENGINE_FLAGS, _ENGINE_VALUE_LIMITS)
+
+
+def normalize_flag_spelling(argv: Sequence[str]) -> list[str]:
+    """vLLM accepts ``--max_model_len`` for ``--max-model-len`` (its guides use both): underscores in a long
+    option's name become dashes; values are left alone."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg:
+            name, sep, value = arg.partition("=")
+            arg = name.replace("_", "-") + sep + value
+        out.append(arg)
+    return out

@@ -1,0 +1,236 @@
+"""``sluice serve`` takes vLLM's command lines: the vLLM-Ascend guides' ``vllm serve`` commands and vLLM's common
+flags either parse (with their effect, or a logged line saying why there is none) or stop with exit 2 and a
+one-line reason naming the flag — never argparse's bare "unrecognized arguments"."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from engine.entrypoints import vllm_compat
+from engine.entrypoints.args import add_engine_args, config_from_args
+from services import serve_args, supervisor
+
+# The `vllm serve` command lines of vLLM-Ascend's guides, as written there.
+GUIDE_COMMANDS: list[tuple[str, str, str | None]] = [
+    # (source, command line, the flag refused or None when it parses)
+    # https://github.com/vllm-project/vllm-ascend/blob/main/docs/source/quick_start.md
+    ("quickstart", "vllm serve Qwen/Qwen2.5-0.5B-Instruct", None),
+    # https://github.com/vllm-project/vllm-ascend/blob/main/docs/source/tutorials/single_npu.md (graph, eager)
+    ("single NPU", "vllm serve Qwen/Qwen3-8B --max_model_len 26240", None),
+    ("single NPU, eager", "vllm serve Qwen/Qwen3-8B --max_model_len 26240 --enforce-eager", None),
+    # https://github.com/vllm-project/vllm-ascend/blob/main/docs/source/tutorials/Qwen2.5-7B.md
+    ("Qwen2.5-7B", "vllm serve Qwen/Qwen2.5-7B-Instruct --host 0.0.0.0 --port 8000 "
+                   "--served-model-name qwen-2.5-7b-instruct --trust-remote-code --max-model-len 32768", None),
+    # https://github.com/vllm-project/vllm-ascend/blob/main/docs/source/tutorials/single_node_300i.md
+    ("300I, 1 card", "vllm serve Qwen/Qwen3-0.6B --tensor-parallel-size 1 --enforce-eager --dtype float16 "
+                     "--compilation-config '{\"custom_ops\":[\"none\", \"+rms_norm\", \"+rotary_embedding\"]}'",
+     None),
+    ("300I, 2 cards", "vllm serve Qwen/Qwen2.5-7B-Instruct --tensor-parallel-size 2 --enforce-eager "
+                      "--dtype float16 --compilation-config '{\"custom_ops\":[\"none\", \"+rms_norm\"]}'",
+     "--tensor-parallel-size"),
+    ("300I, Pangu MoE", "vllm serve /home/pangu-pro-moe-mode/ --tensor-parallel-size 4 --enable-expert-parallel "
+                        "--dtype float16 --trust-remote-code --enforce-eager", "--tensor-parallel-size"),
+    # https://docs.vllm.ai/projects/ascend/en/v0.9.1/tutorials/multi_npu.html
+    ("multi NPU, QwQ", "vllm serve Qwen/QwQ-32B --max-model-len 4096 --port 8000 -tp 4", "--tensor-parallel-size"),
+    # https://docs.vllm.ai/projects/ascend/en/v0.9.1/tutorials/multi_npu_qwen3_moe.html
+    ("multi NPU, Qwen3 MoE", "vllm serve Qwen/Qwen3-30B-A3B --tensor-parallel-size 4 --enable-expert-parallel",
+     "--tensor-parallel-size"),
+    # https://github.com/vllm-project/vllm-ascend/blob/main/docs/source/tutorials/multi_npu_quantization.md
+    ("multi NPU, W8A8", "vllm serve /home/models/QwQ-32B-w8a8 --tensor-parallel-size 1 --served-model-name "
+                        "qwq-32b-w8a8 --max-model-len 4096 --quantization ascend", "--quantization"),
+]
+
+# vLLM's common `serve` flags (vllm/engine/arg_utils.py, vllm/entrypoints/openai/cli_args.py) that Sluice has under
+# the same name: each changes the setting of that name.
+SAME_NAME: list[tuple[str, str, object]] = [
+    ("--served-model-name m", "served_model_name", "m"),
+    ("--max-model-len 1024", "max_model_len", 1024),
+    ("--max-num-seqs 8", "max_num_seqs", 8),
+    ("--max-num-batched-tokens 512", "max_num_batched_tokens", 512),
+    ("--block-size 32", "block_size", 32),
+    ("--gpu-memory-utilization 0.5", "device_memory_utilization", 0.5),
+    ("--dtype float16", "dtype", "float16"),
+    ("--kv-cache-dtype float16", "kv_cache_dtype", "float16"),
+    ("--seed 7", "seed", 7),
+    ("--no-enable-prefix-caching", "enable_prefix_caching", False),
+    ("--tokenizer /m/tok", "tokenizer", "/m/tok"),
+    ("--max-logprobs 5", "max_logprobs", 5),
+    ("--disable-log-stats", "disable_log_stats", True),
+    ("--scheduling-policy priority", "scheduling_policy", "priority"),
+    ("--stream-interval 4", "stream_interval", 4),
+    ("--tensor-parallel-size 1", "tensor_parallel_size", 1),
+    ("--num-gpu-blocks-override 96", "num_kv_blocks", 96),   # vLLM's name for --num-kv-blocks
+]
+
+# Every flag of the compatibility tables, with a command line fragment and what must happen.
+REFUSED = [
+    "--revision main", "--code-revision v1", "--tokenizer-revision v1", "--load-format pt",
+    "--quantization awq", "--tokenizer-mode slow", "--no-enable-chunked-prefill", "--preemption-mode swap",
+    "--cpu-offload-gb 4", "--pipeline-parallel-size 2", "--data-parallel-size 2",
+    "--distributed-executor-backend ray", "--num-scheduler-steps 8", "--speculative-config {}",
+    "--speculative-model m", "--num-speculative-tokens 3", "--generation-config auto",
+    "--override-generation-config {}", "--hf-overrides {}", "--rope-scaling {}", "--rope-theta 1e6",
+    "--task embed", "--limit-mm-per-prompt image=2", "--kv-transfer-config {}", "--enable-sleep-mode",
+    "--skip-tokenizer-init", "--ssl-keyfile k.pem", "--ssl-certfile c.pem", "--ssl-ca-certs ca.pem",
+    "--root-path /api", "--middleware m.M", "--response-role bot", "--return-tokens-as-token-ids",
+    "--api-server-count 2", "--enable-reasoning", "--reasoning-parser deepseek_r1", "--headless",
+    "--tensor-parallel-size 2",
+]
+NO_EFFECT = [
+    "--trust-remote-code", "--download-dir /d", "--hf-token t", "--load-format auto", "--load-format gguf",
+    "--quantization gguf", "--tokenizer-mode auto", "--enable-chunked-prefill", "--swap-space 4",
+    "--preemption-mode recompute", "--cpu-offload-gb 0", "--disable-async-output-proc", "--async-scheduling",
+    "--disable-sliding-window", "--use-v2-block-manager", "--disable-custom-all-reduce", "--enable-expert-parallel",
+    "--max-seq-len-to-capture 8192", "--compilation-config 3", "--additional-config {}",
+    "--max-parallel-loading-workers 2", "--tokenizer-pool-size 4", "--pipeline-parallel-size 1",
+    "--data-parallel-size 1", "--distributed-executor-backend mp", "--num-scheduler-steps 1",
+    "--generation-config vllm", "--task generate", "--response-role assistant", "--api-server-count 1",
+    "--disable-frontend-multiprocessing",
+]
+IMPLEMENTED = ["--num-gpu-blocks-override", "--uvicorn-log-level"]   # effects tested below
+
+
+def resolve(command: str) -> tuple[argparse.Namespace, list[str]]:
+    notes: list[str] = []
+    return supervisor.resolve_settings(shlex.split(command), notes), notes
+
+
+def refusal(command: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """The error line of a refused command line (exit 2, as argparse's own errors)."""
+    with pytest.raises(SystemExit) as info:
+        resolve(command)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "unrecognized arguments" not in err
+    return err
+
+
+@pytest.mark.parametrize(("source", "command", "refused"), GUIDE_COMMANDS, ids=[g[0] for g in GUIDE_COMMANDS])
+def test_guide_command_lines_run_as_written_or_stop_with_a_reason(
+        source: str, command: str, refused: str | None, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = command.removeprefix("vllm serve ")
+    if refused is None:
+        ns, _ = resolve(argv)
+        assert ns.model == shlex.split(argv)[0]
+        config_from_args(ns)   # and the engine settings are valid
+    else:
+        err = refusal(argv, capsys)
+        assert err.startswith(f"sluice serve: error: {refused}: ") and "not" in err
+
+
+@pytest.mark.parametrize(("flag", "field", "value"), SAME_NAME, ids=[s[0].split()[0] for s in SAME_NAME])
+def test_vllm_flags_set_the_setting_of_their_name(flag: str, field: str, value: object) -> None:
+    ns, notes = resolve(flag)
+    assert getattr(config_from_args(ns), field) == value and notes == []
+
+
+@pytest.mark.parametrize("fragment", REFUSED)
+def test_flags_sluice_cannot_honour_are_refused_naming_the_flag(fragment: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    err = refusal(fragment, capsys)
+    prefix = f"sluice serve: error: {fragment.split()[0]}: "
+    assert err.startswith(prefix) and len(err) > len(prefix) + 20   # a reason, not just the name
+
+
+@pytest.mark.parametrize("fragment", NO_EFFECT)
+def test_flags_accepted_without_effect_log_why(fragment: str) -> None:
+    ns, notes = resolve(fragment)
+    flag = fragment.split()[0]
+    assert len(notes) == 1 and notes[0].startswith(f"{flag} has no effect: ")
+    assert config_from_args(ns) == config_from_args(resolve("")[0])   # nothing changed
+
+
+def test_every_compat_flag_is_covered_here() -> None:
+    tested = {f.split()[0] for f in REFUSED + NO_EFFECT} | set(IMPLEMENTED)
+    declared = {flag.names[0] for flag in (*vllm_compat.ENGINE_FLAGS, *serve_args.SERVE_FLAGS)}
+    assert declared - tested == set()
+
+
+def test_the_notes_are_logged_once_each_at_start(monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(supervisor.Supervisor, "run", lambda self: 0)
+    with caplog.at_level(logging.INFO, logger="sluice.serve"), pytest.raises(SystemExit) as info:
+        supervisor.main(["--trust-remote-code", "--swap-space", "4", "--disable-log-stats"])
+    assert info.value.code == 0
+    lines = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert [line.split()[0] for line in lines] == ["--trust-remote-code", "--swap-space"]
+
+
+def test_positional_model_is_the_model_everywhere() -> None:
+    ns, _ = resolve("/models/qwen --served-model-name q")
+    sup = supervisor.Supervisor(ns, config_from_args(ns))
+    assert sup.engine.argv[sup.engine.argv.index("--model") + 1] == "/models/qwen"
+    assert all(t.argv[t.argv.index("--model") + 1] == "/models/qwen" for t in sup.tokenizers)
+    assert resolve("--max-num-seqs 4 /models/qwen")[0].model == "/models/qwen"   # after the flags too
+    assert resolve("/models/qwen --model /models/qwen")[0].model == "/models/qwen"
+    assert resolve("")[0].model is None and config_from_args(resolve("")[0]).model is None   # the default model
+
+
+def test_model_given_twice_differently_names_both(capsys: pytest.CaptureFixture[str]) -> None:
+    err = refusal("/models/a --model /models/b", capsys)
+    assert "--model" in err and "/models/a" in err and "/models/b" in err
+
+
+def test_underscore_spelling_as_vllm_accepts_it() -> None:
+    ns, _ = resolve("--max_model_len=512 --max_num_seqs 3 --enable_prefix_caching --chat-template /t/a_b.jinja")
+    assert (ns.max_model_len, ns.max_num_seqs, ns.chat_template) == (512, 3, "/t/a_b.jinja")
+
+
+def test_num_gpu_blocks_override_reaches_the_engine_as_num_kv_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    ns, _ = resolve("--num-gpu-blocks-override 96")
+    flags = supervisor.engine_flags(config_from_args(ns))
+    assert flags[flags.index("--num-kv-blocks") + 1] == "96"
+    with pytest.raises(ValueError, match="--num-gpu-blocks-override: 96 contradicts --num-kv-blocks 64"):
+        config_from_args(resolve("--num-gpu-blocks-override 96 --num-kv-blocks 64")[0])
+
+
+def test_uvicorn_log_level_is_the_gateways_log_level() -> None:
+    ns, _ = resolve("--uvicorn-log-level warning")
+    gateway = supervisor.Supervisor(ns, config_from_args(ns)).gateways[0].argv
+    assert gateway[gateway.index("--log-level") + 1] == "warning"
+    engine = supervisor.Supervisor(ns, config_from_args(ns)).engine.argv
+    assert engine[engine.index("--log-level") + 1] == "info"
+
+
+def test_keepalive_is_off_unless_asked_and_forwarded_when_asked() -> None:
+    def gateway_value(command: str) -> float:
+        ns, _ = resolve(command)
+        argv = supervisor.Supervisor(ns, config_from_args(ns)).gateways[0].argv
+        return float(argv[argv.index("--keepalive-interval") + 1])
+
+    assert gateway_value("") == 0.0   # the gateway reads 0 as off
+    assert gateway_value("--keepalive-interval 15") == 15.0
+
+
+def test_vllm_api_key_variable_as_vllm_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLUICE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vk")
+    assert resolve("")[0].api_key == "vk"
+    monkeypatch.setenv("SLUICE_API_KEY", "sk")
+    assert resolve("")[0].api_key == "sk"
+
+
+def test_the_engine_cli_takes_the_same_engine_flags() -> None:
+    """``sluice engine`` (what runs under sluice serve, or alone) parses and refuses them the same way."""
+    parser = argparse.ArgumentParser(prog="sluice engine")
+    add_engine_args(parser)
+    ns = parser.parse_args(vllm_compat.normalize_flag_spelling(["--swap_space", "4", "--trust-remote-code"]))
+    assert [n.split()[0] for n in vllm_compat.check_vllm_compat(ns)] == ["--trust-remote-code", "--swap-space"]
+
+
+@pytest.mark.parametrize(("command", "line"), [
+    (["services.cli", "serve", "/m/qwen", "-tp", "2"],
+     "sluice serve: error: --tensor-parallel-size: tensor parallel is not implemented yet (issue 23)"),
+    (["engine", "--speculative-config", "{}"],
+     "sluice engine: error: --speculative-config: speculative decoding is not implemented yet"),
+])
+def test_a_refusal_is_one_line_and_exit_2_from_the_real_command(command: list[str], line: str) -> None:
+    done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(line) and "Traceback" not in done.stderr
