@@ -188,7 +188,7 @@ def test_sluice_serve_gives_the_engine_a_metrics_port_and_its_gateways_that_page
     sup = supervisor.Supervisor(ns, supervisor.config_from_args(ns))
     engine_ns = PARSERS["engine"].parse_args(sup.engine.argv[3:])
     assert engine_ns.metrics_port > 0 and engine_ns.metrics_host == "127.0.0.1"
-    assert engine_ns.served_model_name == "chat"   # the engine labels its series with it
+    assert engine_ns.served_model_name == ["chat"]   # the engine labels its series with it
     main = gateway.__main__
     for child in sup.gateways:
         settings = main.settings_from_args(main.build_parser().parse_args(child.argv[3:]), {})
