@@ -9,6 +9,7 @@ in a parent that already runs threads (the supervisor's gRPC health probes start
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import signal
@@ -17,7 +18,7 @@ import subprocess
 
 from common.settings import ENV_PARENT_PID, take_parent_pid
 
-__all__ = ["ENV_PARENT_PID", "die_with_parent", "free_port", "grpc_serving", "stop_process"]
+__all__ = ["ENV_PARENT_PID", "die_with_parent", "free_port", "grpc_serving", "port_number", "stop_process"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -46,6 +47,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def port_number(value: str) -> int:
+    """An argparse type: a TCP port, 0..65535 (0: the flag's "off" or "any free one", as it documents)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {port}")
+    return port
 
 
 def grpc_serving(addr: str, service: str = "") -> bool:

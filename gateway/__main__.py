@@ -14,6 +14,7 @@ import sys
 from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
 from common.settings import api_key
+from gateway.metrics import add_metrics_args, federate_targets
 from gateway.settings import GatewaySettings
 
 
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="serve neither /openapi.json nor /docs (vLLM's flag; the name is vLLM's, there is no FastAPI)")
     add_observability_args(p)
+    add_metrics_args(p)
     return p
 
 
@@ -115,6 +117,7 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         shutdown_timeout=ns.shutdown_timeout,
         enable_docs=not ns.disable_fastapi_docs,
         log_requests=ns.log_requests,
+        metrics_federate=federate_targets(ns.metrics_federate),
     )
 
 

@@ -1,26 +1,47 @@
 """Prometheus metrics of one gateway app, on its own registry (never the global one,
 so that several apps in one process, as in tests, do not collide).
 
-Names follow vLLM's (``vllm:e2e_request_latency_seconds`` → ``sluice:…``) so
-existing dashboards carry over.
+The gateway's own series are ``sluice:*``: what this gateway saw of its HTTP requests and of the latency its
+clients got (network and tokenizer service included). vLLM's names (``vllm:*``), which vLLM dashboards and
+autoscalers read, come from the engine, the one place that knows its queue, KV cache and per-request stages
+and where a request is counted once however many gateways front it (engine/entrypoints/metrics.py). With
+``--metrics-federate URL`` (``sluice serve`` passes its engine's) this gateway's ``/metrics`` appends each URL's
+page after its own, so one scrape of ``:8000/metrics`` shows everything; in Kubernetes each process is scraped
+on its own instead and the gateways are not told to federate (docs/metrics.md).
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import logging
 import time
+import urllib.request
+from collections.abc import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.backend import Usage
 
+logger = logging.getLogger(__name__)
+
+# A federated target that does not answer within this is left out of the page (a Prometheus scrape times out
+# after 10 s by default; the gateway's own series must still get there).
+FEDERATE_TIMEOUT_S = 3.0
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    """``federate``: the metrics pages (URLs) appended to this one's, fetched at each scrape."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, federate: Sequence[str] = (),
+                 federate_timeout: float = FEDERATE_TIMEOUT_S) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.federate = tuple(federate)
+        self.federate_timeout = federate_timeout
         r = self.registry
         self.http_requests = Counter("sluice:http_requests_total", "HTTP requests by route, method and status.",
                                      ["route", "method", "status"], registry=r)
@@ -39,9 +60,30 @@ class GatewayMetrics:
                                          ["model_name"], registry=r)
         self.running = Gauge("sluice:num_requests_running", "Generation requests in flight in this gateway.",
                              ["model_name"], registry=r)
+        self.federate_up = Gauge("sluice:metrics_federate_up",
+                                 "1 when the last scrape got the federated target's metrics, else 0.", ["target"],
+                                 registry=r)
 
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    async def render(self) -> tuple[bytes, str]:
+        """This gateway's page, then each federated target's (fetched concurrently); a target that fails adds
+        nothing and reads 0 in ``sluice:metrics_federate_up``."""
+        pages = await asyncio.gather(*(asyncio.to_thread(self._fetch, url) for url in self.federate))
+        for url, page in zip(self.federate, pages):
+            self.federate_up.labels(url).set(page is not None)
+        body = generate_latest(self.registry)
+        for page in pages:
+            if page:
+                body += page if page.endswith(b"\n") else page + b"\n"
+        return body, CONTENT_TYPE_LATEST
+
+    def _fetch(self, url: str) -> bytes | None:
+        """One target's exposition text (the plain text format: no Accept header asks for OpenMetrics)."""
+        try:
+            with urllib.request.urlopen(url, timeout=self.federate_timeout) as response:
+                return bytes(response.read())
+        except (OSError, ValueError) as e:   # refused, timed out, HTTP error status, malformed answer
+            logger.warning("metrics of %s not fetched: %s", url, e)
+            return None
 
     def track(self, model: str) -> GenerationTracker:
         return GenerationTracker(self, model)
@@ -110,3 +152,17 @@ class MetricsMiddleware:
             method = scope["method"] if scope["method"] in ("GET", "POST", "OPTIONS", "HEAD") else "other"
             self.metrics.http_requests.labels(route, method, str(status)).inc()
             self.metrics.http_latency.labels(route).observe(time.monotonic() - start)
+
+
+def add_metrics_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-federate", action="append", default=None, metavar="URL",
+                        help="a Prometheus metrics page (e.g. the engine's http://HOST:PORT/metrics) appended to "
+                             "this gateway's /metrics (repeatable; `sluice serve` passes its engine's)")
+
+
+def federate_targets(urls: Sequence[str] | None) -> tuple[str, ...]:
+    """``--metrics-federate``'s URLs, checked: http(s) only."""
+    for url in urls or ():
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--metrics-federate: {url!r} is not an http:// or https:// URL")
+    return tuple(urls or ())

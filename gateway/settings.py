@@ -56,6 +56,8 @@ class GatewaySettings:
     enable_docs: bool = True
     # One INFO line per request received and finished (--enable-log-requests, vLLM's; off by default as there).
     log_requests: bool = False
+    # Metrics pages appended to this gateway's /metrics (`sluice serve`: its engine's vllm:* page).
+    metrics_federate: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.tokenizer_addresses:

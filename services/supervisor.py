@@ -29,7 +29,7 @@ from common.observability import (
     observability_flags,
     observability_settings,
 )
-from common.procs import ENV_PARENT_PID, grpc_serving
+from common.procs import ENV_PARENT_PID, free_port, grpc_serving, port_number
 from common.settings import ENV_API_KEY, api_key
 from engine.config import EngineConfig, LoRAConfig, default_max_queued_requests
 from engine.entrypoints.args import add_engine_args, config_from_args
@@ -191,7 +191,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_vllm_serve_args(p)
     add_observability_args(p)
+    add_metrics_args(p)
     return p
+
+
+def add_metrics_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("metrics")
+    g.add_argument("--engine-metrics-port", type=port_number, default=None,
+                   help="port of the engine's vllm:* metrics on 127.0.0.1, which each gateway's /metrics appends "
+                        "to its own (default: a free port; 0: no engine metrics)")
+
+
+def metrics_port(ns: argparse.Namespace) -> int:
+    """The engine's --metrics-port: the one given, else a free one (0: off)."""
+    return free_port() if ns.engine_metrics_port is None else int(ns.engine_metrics_port)
 
 
 def resolve_settings(argv: list[str], notes: list[str] | None = None) -> argparse.Namespace:
@@ -248,9 +261,10 @@ class Supervisor:
         self.stopping = False
         py = sys.executable
         engine_addr = f"127.0.0.1:{ns.engine_port}"
+        engine_metrics = metrics_port(ns)
         self.engine = Child("engine", [py, "-m", "engine", "--host", "127.0.0.1", "--port", str(ns.engine_port),
                                        "--log-level", ns.log_level, "--shutdown-timeout", str(ns.shutdown_timeout),
-                                       *engine_flags(config), *child_flags],
+                                       "--metrics-port", str(engine_metrics), *engine_flags(config), *child_flags],
                             ready=lambda: grpc_serving(engine_addr, "sluice.v1.Engine"),
                             ready_timeout=_ENGINE_READY_TIMEOUT)
         tok_addrs = [f"127.0.0.1:{ns.tokenizer_port + i}" for i in range(ns.tokenizers)]
@@ -286,6 +300,8 @@ class Supervisor:
             for flag in ("allowed_methods", "allowed_headers"):
                 if getattr(ns, flag) is not None:
                     argv += ["--" + flag.replace("_", "-"), getattr(ns, flag)]
+            if engine_metrics:
+                argv += ["--metrics-federate", f"http://127.0.0.1:{engine_metrics}/metrics"]
             self.gateways.append(Child(f"gateway-{i}", argv,
                                        ready=(lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"))))
         self.env_api_key = ns.api_key

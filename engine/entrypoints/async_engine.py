@@ -28,6 +28,7 @@ from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, SequenceId
 from engine.core.sampling_params import SamplingParams
+from engine.entrypoints.metrics import EngineMetrics
 from engine.entrypoints.stats_logger import StatsLogger
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class AsyncEngine:
     core: EngineCore
 
     def __init__(self, core: EngineCore | Callable[[], EngineCore], *,
-                 log_stats_interval: float | None = None) -> None:
+                 log_stats_interval: float | None = None, collect_metrics: bool = False) -> None:
         """``core``: an :class:`EngineCore`, or a function that builds one (loads the model, warms up).
 
         A function runs first thing on the engine thread, so that loading, warm-up and every step run on one
@@ -104,12 +105,16 @@ class AsyncEngine:
         decoded tokens, against ≈ 100 with one pool). ``started`` is done once the core exists (or holds
         the function's exception; the engine is then dead). Requests sent before that wait in the queue.
         ``log_stats_interval``: seconds between vLLM-style status lines (engine.entrypoints.stats_logger); None: none.
+        ``collect_metrics``: keep the ``vllm:*`` Prometheus series in ``metrics`` (engine.entrypoints.metrics),
+        made once the core exists.
         """
         self._build = None if isinstance(core, EngineCore) else core
         if isinstance(core, EngineCore):
             self.core = core
         self._log_stats_interval = log_stats_interval
         self._stats: StatsLogger | None = None
+        self._collect_metrics = collect_metrics
+        self.metrics: EngineMetrics | None = None
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
         self._sinks: dict[str, OutputGroup] = {}   # engine thread only: where each live request's outputs go
         self._dead: BaseException | None = None
@@ -119,10 +124,10 @@ class AsyncEngine:
 
     @classmethod
     async def launch(cls, build: Callable[[], EngineCore], *,
-                     log_stats_interval: float | None = None) -> AsyncEngine:
+                     log_stats_interval: float | None = None, collect_metrics: bool = False) -> AsyncEngine:
         """Start an engine whose core ``build()`` makes on the engine thread; returns once it is built, and
         raises what ``build`` raised."""
-        engine = cls(build, log_stats_interval=log_stats_interval)
+        engine = cls(build, log_stats_interval=log_stats_interval, collect_metrics=collect_metrics)
         await asyncio.wrap_future(engine.started)
         return engine
 
@@ -198,6 +203,10 @@ class AsyncEngine:
         core = self.core
         if self._log_stats_interval:
             self._stats = StatsLogger(core, self._log_stats_interval)
+        if self._collect_metrics:
+            self.metrics = EngineMetrics(core)
+        metrics = self.metrics
+        observed = self._stats is not None or metrics is not None
         self.started.set_result(None)
         while True:
             block = not core.has_unfinished_requests()
@@ -222,18 +231,25 @@ class AsyncEngine:
                     cmd = None
             if not core.has_unfinished_requests():
                 continue
+            last = core.last_step if observed else None
             try:
                 outputs = core.step()
             except Exception as e:  # a failed step ends the requests in it, never the process
                 logger.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            if self._stats is not None and core.last_step is not None:
-                self._stats.record_step(core.last_step.duration_s)
+            # A step that ran the model has new StepStats (one that only handed back aborted outputs has not).
+            if observed and core.last_step is not None and core.last_step is not last:
+                if self._stats is not None:
+                    self._stats.record_step(core.last_step.duration_s)
+                if metrics is not None:
+                    metrics.record_step(core.last_step.num_batched_tokens)
             self._hand_back(outputs)
 
     def _hand_back(self, outputs: list[EngineCoreOutput]) -> None:
         """One step's outputs to their groups: one ``call_soon_threadsafe`` per event loop."""
+        if self.metrics is not None:
+            self.metrics.record_outputs(outputs)
         groups: dict[int, tuple[OutputGroup, list[EngineCoreOutput]]] = {}
         sinks = self._sinks
         for out in outputs:
@@ -263,6 +279,8 @@ class AsyncEngine:
             else:
                 self._sinks[cmd.request_id] = cmd.group
                 cmd.done.set_result(None)
+                if self.metrics is not None:
+                    self.metrics.record_admitted(cmd.params)
         elif isinstance(cmd, _Abort):
             self.core.abort_requests(cmd.targets)
         else:
@@ -285,3 +303,5 @@ class AsyncEngine:
         # still gets exactly one terminal output.
         self._hand_back([EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, request_finished=True)
                          for rid in list(self._sinks)])
+        if self.metrics is not None:
+            self.metrics.forget_requests()

@@ -11,6 +11,7 @@ from common.errors import InvalidRequestError
 from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
 from engine.entrypoints.args import add_engine_args, config_from_args
+from engine.entrypoints.metrics import add_metrics_args
 from engine.entrypoints.process import set_openmp_defaults, use_huge_pages
 from engine.entrypoints.vllm_compat import check_vllm_compat, normalize_flag_spelling
 
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="info")
     add_engine_args(parser)
     add_observability_args(parser)
+    add_metrics_args(parser)
     ns = parser.parse_args(normalize_flag_spelling(sys.argv[1:] if argv is None else argv))
     try:
         notes = check_vllm_compat(ns)
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         pass
     try:
         asyncio.run(serve(config, ns.host, ns.port, shutdown_grace=ns.shutdown_timeout, tracing=tracing,
-                          log_requests=observability.log_requests))
+                          log_requests=observability.log_requests, metrics_host=ns.metrics_host,
+                          metrics_port=ns.metrics_port))
     finally:
         if tracing is not None:
             tracing.shutdown()

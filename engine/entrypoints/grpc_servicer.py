@@ -30,6 +30,7 @@ from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.grpc_lora import adapters_to_pb, load_adapter, unload_adapter
 from engine.entrypoints.grpc_wire import abort_targets_from_pb, output_to_pb, sampling_params_from_pb, wire_error
 from engine.entrypoints.lora_registry import LoRARegistry
+from engine.entrypoints.metrics import serve_metrics
 from engine.entrypoints.request_observer import RequestObserver
 from engine.entrypoints.stats_logger import DEFAULT_INTERVAL_S
 from engine.text import Tokenizer
@@ -292,8 +293,12 @@ def warm_up(core: EngineCore) -> None:
 
 
 async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: float = 10.0,
-                ready: asyncio.Event | None = None, tracing: Tracing | None = None, log_requests: bool = False) -> None:
-    """``tracing``: a span per request (None: off); ``log_requests``: a line per request added and finished."""
+                ready: asyncio.Event | None = None, tracing: Tracing | None = None, log_requests: bool = False,
+                metrics_host: str = "127.0.0.1", metrics_port: int = 0) -> None:
+    """The engine process's servers: gRPC on ``host:port``, and with ``metrics_port`` the ``vllm:*`` Prometheus
+    metrics on ``metrics_host:metrics_port`` (engine.entrypoints.metrics), once the model is loaded.
+    ``tracing``: a span per request (None: off); ``log_requests``: a line per request added and finished."""
+    metrics_registry, metrics_server = serve_metrics(metrics_host, metrics_port) if metrics_port else (None, None)
     server, health_service = new_server(SERVICE_NAME)
     await health_service.set_serving(False)
     registry = LoRARegistry(config)
@@ -316,7 +321,11 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
 
     # Loaded, warmed up and stepped on the engine's own thread: one OpenMP pool (see AsyncEngine).
     engine = await AsyncEngine.launch(build,
-                                      log_stats_interval=None if config.disable_log_stats else DEFAULT_INTERVAL_S)
+                                      log_stats_interval=None if config.disable_log_stats else DEFAULT_INTERVAL_S,
+                                      collect_metrics=metrics_registry is not None)
+    if metrics_registry is not None and engine.metrics is not None:
+        metrics_registry.register(engine.metrics)
+        logger.info("engine metrics at http://%s:%d/metrics", metrics_host, metrics_port)
     servicer.attach(engine)
     await health_service.set_serving(True)
     logger.info("engine ready: %s on %s:%d", config.model_name, host, bound)
@@ -327,3 +336,5 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
     await health_service.set_serving(False)
     await server.stop(shutdown_grace)
     engine.shutdown()
+    if metrics_server is not None:
+        metrics_server.shutdown()

@@ -44,5 +44,5 @@ async def list_models(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    body, content_type = gateway_state(request).metrics.render()
+    body, content_type = await gateway_state(request).metrics.render()
     return Response(body, media_type=content_type)

@@ -183,6 +183,29 @@ def test_sluice_serve_gateways_multiplex_on_the_tokenizers_unless_told_not_to(fl
         assert settings.tokenizer_addresses == ("127.0.0.1:50061", "127.0.0.1:50062")
 
 
+def test_sluice_serve_gives_the_engine_a_metrics_port_and_its_gateways_that_page() -> None:
+    ns = supervisor.resolve_settings(["--gateways", "2", "--served-model-name", "chat"])
+    sup = supervisor.Supervisor(ns, supervisor.config_from_args(ns))
+    engine_ns = PARSERS["engine"].parse_args(sup.engine.argv[3:])
+    assert engine_ns.metrics_port > 0 and engine_ns.metrics_host == "127.0.0.1"
+    assert engine_ns.served_model_name == ["chat"]   # the engine labels its series with it
+    main = gateway.__main__
+    for child in sup.gateways:
+        settings = main.settings_from_args(main.build_parser().parse_args(child.argv[3:]), {})
+        assert settings.metrics_federate == (f"http://127.0.0.1:{engine_ns.metrics_port}/metrics",)
+    ns = supervisor.resolve_settings(["--engine-metrics-port", "0"])
+    sup = supervisor.Supervisor(ns, supervisor.config_from_args(ns))
+    assert PARSERS["engine"].parse_args(sup.engine.argv[3:]).metrics_port == 0
+    assert all("--metrics-federate" not in child.argv for child in sup.gateways)
+
+
+def test_metrics_ports_are_port_numbers() -> None:
+    for module, flag in (("engine", "--metrics-port"), ("services.supervisor", "--engine-metrics-port")):
+        for bad in ("-1", "65536", "x"):
+            with pytest.raises(pytest.fail.Exception):
+                parse(Command("sample", module, [flag, bad]))
+
+
 def test_sample_commands_are_rejected_when_wrong() -> None:
     """The checker itself: an unknown flag, an abbreviation and a bad value each fail."""
     for args in (["--no-such-flag", "1"], ["--max-model", "8"], ["--device", "tpu"]):
@@ -269,6 +292,12 @@ def run_healthcheck(test: list[str], port: int) -> tuple[int, list[str]]:
     return 0, asked
 
 
+def test_compose_engines_serve_metrics_to_the_network() -> None:
+    for stack in (COMPOSE, COMPOSE_CUDA):
+        ns = parse(command_of(stack["engine"]["command"], "compose engine"))
+        assert (ns.metrics_host, ns.metrics_port) == ("0.0.0.0", 9090)
+
+
 @pytest.mark.parametrize("service", ["engine", "tokenizer"])
 def test_compose_grpc_healthchecks_ask_the_servers_health_service(
         service: str, health_server: tuple[int, health.HealthServicer]) -> None:
@@ -344,7 +373,9 @@ def test_k8s_probes_hit_the_processes_ports_and_health_names() -> None:
     for name, c, cmd in k8s_containers():
         pod = DEPLOYMENTS[name]["spec"]["template"]["spec"]
         ns = parse(cmd)
-        assert [p["containerPort"] for p in c["ports"]] == [ns.port]
+        # Its server's port, and the engine's metrics port (the gateway serves /metrics on its own port).
+        assert [p["containerPort"] for p in c["ports"]] == [ns.port, *([ns.metrics_port] if cmd.module == "engine"
+                                                                       else [])]
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c.get(kind)
             if probe is None:
@@ -360,6 +391,29 @@ def test_k8s_probes_hit_the_processes_ports_and_health_names() -> None:
                     ("engine", "livenessProbe", "grpc"), ("services.tokenizer", "readinessProbe", "grpc"),
                     ("services.tokenizer", "livenessProbe", "tcpSocket"),
                     ("gateway", "readinessProbe", "/ready"), ("gateway", "livenessProbe", "/health")}
+
+
+def test_k8s_prometheus_scrapes_every_process_once() -> None:
+    """Each pod says where its metrics are (prometheus.io annotations): the model pod the engine's vllm:* page,
+    the gateway pod the gateway's sluice:* page; the gateways do not federate the engine's (no double count)."""
+    scraped = set()
+    for name, dep in DEPLOYMENTS.items():
+        template = dep["spec"]["template"]
+        notes = template["metadata"]["annotations"]
+        assert notes["prometheus.io/scrape"] == "true" and notes["prometheus.io/path"] == "/metrics", name
+        port = int(notes["prometheus.io/port"])
+        container_port(template["spec"], port)   # declared by a container of the pod
+        for _, _, cmd in [x for x in k8s_containers() if x[0] == name]:
+            ns = parse(cmd)
+            if cmd.module == "engine":
+                assert (ns.metrics_host, ns.metrics_port) == ("0.0.0.0", port)
+                scraped.add("engine")
+            elif cmd.module == "gateway":
+                assert ns.port == port and "/metrics" in PUBLIC_PATHS
+                assert "/metrics" in {r.path for r in build_routes()}
+                assert not ns.metrics_federate
+                scraped.add("gateway")
+    assert scraped == {"engine", "gateway"}
 
 
 def test_k8s_services_select_their_pods_and_ports() -> None:
