@@ -81,6 +81,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                  log_requests: bool = False) -> None:
         self.tokenizer = tokenizer
         self.tracing = tracing
+        # Engine keys: this service's random prefix (several services share one engine) and a counter.
+        self._key_prefix = f"tok-{uuid.uuid4().hex[:12]}"
+        self._keys_issued = 0
         self.log_requests = log_requests
         self.prompts = PromptBuilder(tokenizer, limits or InputLimits())
         self.tools = tools or ToolSettings()
@@ -215,7 +218,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             for i in range(n)}
         usage = Usage(prompt=len(prompt_ids))
         source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
-        engine_req, handoff = await self.engine_request(engine_options(request, request_id, n, plan.guided, adapter),
+        # The engine's key for the request is Sluice's own, unique in this service's life: never the caller's id,
+        # which two requests may share and a caller may reuse while an earlier abort is still on its way.
+        key = self._engine_key()
+        engine_req, handoff = await self.engine_request(engine_options(request, key, n, plan.guided, adapter),
                                                         prompt_ids, source=source)
         if span is not None and self.tracing is not None:
             span.add_event("prompt_ready", {"gen_ai.usage.prompt_tokens": len(prompt_ids)})
@@ -223,12 +229,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         time_limit = request.stopping.time_limit_ms / 1000 if request.stopping.HasField("time_limit_ms") else None
         deadline = time.monotonic() + time_limit if time_limit else None
         if self.log_requests:  # as vLLM's, once the prompt is ready: a refused request was answered with its error
-            logger.info("Received request %s: %d prompt tokens, n=%d", request_id, len(prompt_ids), n)
+            logger.info("Received request %s (engine key %s): %d prompt tokens, n=%d", request_id, key,
+                        len(prompt_ids), n)
         call = self.engine_stream.generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
         try:
             async for msg in _with_deadline(call, deadline):
                 if msg is None:  # the time limit elapsed
-                    await self._abort_engine(request_id)
+                    await self._abort_engine(key)
                     for seq in seqs.values():
                         if not seq.finished:
                             seq.finished = True
@@ -249,7 +256,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     # A stop string ended it here while the engine still runs it.
                     if all(s.finished for s in seqs.values()):
                         return  # nothing left to read: leaving the call aborts the engine request
-                    asyncio.ensure_future(self._abort_engine(request_id, seq.index))  # its siblings go on
+                    asyncio.ensure_future(self._abort_engine(key, seq.index))  # its siblings go on
             # The engine ended the call after the request's last message (request_done): it decides that.
         except grpc.aio.AioRpcError as e:
             if error_reason(e) == engine_pb2.ERROR_REASON_SHM_NOT_REGISTERED:
@@ -269,14 +276,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return request.text
         return self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
 
-    async def _abort_engine(self, request_id: str, index: int | None = None) -> None:
-        """Abort the engine request, or only its sequence ``index`` (its siblings go on)."""
-        abort = (engine_pb2.AbortRequest(request_ids=[request_id]) if index is None else
-                 engine_pb2.AbortRequest(sequences=[engine_pb2.SequenceRef(request_id=request_id, index=index)]))
+    def _engine_key(self) -> str:
+        self._keys_issued += 1
+        return f"{self._key_prefix}-{self._keys_issued}"
+
+    async def _abort_engine(self, key: str, index: int | None = None) -> None:
+        """Abort the engine request ``key``, or only its sequence ``index`` (its siblings go on). A late abort
+        finds nothing: no later request ever has the same key."""
+        abort = (engine_pb2.AbortRequest(request_ids=[key]) if index is None else
+                 engine_pb2.AbortRequest(sequences=[engine_pb2.SequenceRef(request_id=key, index=index)]))
         try:
             await self.engine.Abort(abort, timeout=5)
         except grpc.aio.AioRpcError:
-            logger.warning("abort of %s (sequence %s) did not reach the engine", request_id,
+            logger.warning("abort of engine request %s (sequence %s) did not reach the engine", key,
                            "all" if index is None else index)
 
     async def engine_request(self, req: engine_pb2.EngineGenerateRequest, prompt_ids: list[int] | np.ndarray, *,

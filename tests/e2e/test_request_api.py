@@ -365,3 +365,23 @@ def test_echo_and_prompt_logprobs_match_transformers(stack: ServeStack, model: s
     for pos, entry in enumerate(plp[1:], start=1):
         got = entry[str(ids[pos])]["logprob"]
         assert abs(got - float(expected[pos - 1])) < 1e-4
+
+
+# -- request keys ------------------------------------------------------------------------------------------------
+def test_a_client_request_id_is_not_the_engines_key(stack: ServeStack, model: str) -> None:
+    """X-Request-Id is the client's, for logs and echo: two requests in flight may share one, and an id is
+    reusable at once after a stop string ended its request (the engine's abort of that request, still on its
+    way, must not reach the next one)."""
+    client = _client(stack)
+    body = dict(model=model, prompt="Count: one, two, three,", max_tokens=24, temperature=0.0)
+    with ThreadPoolExecutor(2) as pool:
+        shared = list(pool.map(lambda _: client.completions.with_raw_response.create(
+            **body, extra_headers={"X-Request-Id": "same-id"}), range(2)))
+    assert [r.headers["x-request-id"] for r in shared] == ["same-id", "same-id"]
+    texts = [r.parse().choices[0].text for r in shared]
+    assert texts[0] == texts[1] and len(texts[0]) > 4   # both ran to the end, greedily alike
+    stop = texts[0][2:5]   # a string the greedy output reaches early: the tokenizer service stops it
+    for _ in range(30):
+        r = client.completions.with_raw_response.create(**body, stop=[stop], extra_headers={"X-Request-Id": "again"})
+        choice = r.parse().choices[0]
+        assert choice.finish_reason == "stop" and choice.text == texts[0][:texts[0].index(stop)], choice
