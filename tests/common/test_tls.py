@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import health_probe
 from common.grpc_server import bind, new_server
 from common.procs import grpc_serving
 from common.tls import (
@@ -165,6 +166,11 @@ def test_mutual_tls_port_refuses_clients_without_a_trusted_certificate(pki: dict
             probes = await asyncio.gather(*(asyncio.to_thread(grpc_serving, addr, "sluice.v1.Test", tls)
                                             for tls in (client_tls, None, stranger_tls)))
             assert probes == [True, False, False]
+            # The exec probe of the Kubernetes manifests: the same answer as its exit code.
+            flags = ["--grpc-tls-cert", str(pki["client"].cert), "--grpc-tls-key", str(pki["client"].key),
+                     "--grpc-tls-ca", str(pki["ca"].cert)]
+            assert await asyncio.to_thread(health_probe.main, [addr, "sluice.v1.Test", *flags]) == 0
+            assert await asyncio.to_thread(health_probe.main, [addr, "sluice.v1.Test"]) == 1
             # No client certificate at all (TLS, the server verified): the handshake is refused.
             no_cert = grpc.ssl_channel_credentials(root_certificates=pki["ca"].cert.read_bytes())
             with grpc.secure_channel(addr, no_cert) as ch:
