@@ -204,7 +204,6 @@ def _run_async(coro: Any) -> Any:
 async def run_client(address: str, settings: HandoffSettings, prompts: dict[int, list[int]]) -> list[
         tuple[str, str, int, float, float]]:
     """(request_id, mode, size, t_send, t_first_reply) per request, warm-up ones included."""
-
     from common.tls import aio_channel
     from proto.sluice.v1 import generation_pb2
     from services.tokenizer.engine_request import engine_options
