@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters the server was started with: requests name them in turn instead of --model")
     s.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     s.add_argument("--api-key", default=None)
+    s.add_argument("--ca-certs", default=None, metavar="PEM",
+                   help="verify an https --base-url against these CA certificates (default: the system's roots)")
     s.add_argument("--label", default=None, help="name of this server in tables and plots")
     s.add_argument("--timeout", type=float, default=1800.0, help="seconds a whole request may take")
     load = p.add_argument_group("load")
@@ -171,7 +173,7 @@ async def run_benchmark(args: argparse.Namespace, argv: Sequence[str]) -> dict[s
     slo: Slo | None = parse_slo(args.goodput) if args.goodput else None
     count = tokenizer_counter(args.tokenizer) if args.tokenizer else approx_token_count
     points = load_points(args)
-    async with make_client(args.timeout) as client:
+    async with make_client(args.timeout, args.ca_certs) as client:
         model = args.model or await resolve_model(client, base_url, args.api_key)
         target = _target(args, base_url, model)
         runs = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -210,9 +211,11 @@ async def _read_events(resp: aiohttp.ClientResponse, state: _StreamState, clock:
         state.on_event(tail, clock())
 
 
-def make_client(timeout_s: float | None) -> aiohttp.ClientSession:
+def make_client(timeout_s: float | None, ca_certs: str | None = None) -> aiohttp.ClientSession:
     """No connection cap (aiohttp defaults to 100, which would throttle concurrency 128), no proxies from
     the environment (a benchmark must reach the server directly), ``timeout_s`` for a whole request
-    (None: no limit). Create it inside the event loop that uses it."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False,
+    (None: no limit); HTTPS servers verified against ``ca_certs`` (a PEM file; None: the system's roots).
+    Create it inside the event loop that uses it."""
+    tls: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_certs) if ca_certs is not None else True
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=tls), trust_env=False,
                                  timeout=aiohttp.ClientTimeout(total=timeout_s, connect=30.0))

@@ -8,7 +8,8 @@ Peers come from their own virtualenvs (benchmarks/install_peers.sh). Command tem
 (more free ports, for Sluice's internal gRPC services), {gguf} (default model file), {hf_dir} and {peers}.
 A system named BASE-VARIANT (e.g. sluice-t2) runs BASE's command plus its --extra-args, with its --env
 variables: ``--systems sluice,sluice-onednn --env sluice-onednn=SLUICE_AMX_LINEAR=0`` compares an engine switch
-served, in one run.
+served, in one run. ``--ca-certs sluice-tls=ca.pem`` benchmarks a variant whose --extra-args serve HTTPS
+(docs/security.md has the whole TLS-against-plain command).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import shlex
+import ssl
 import subprocess
 import sys
 import time
@@ -59,10 +61,16 @@ class SystemSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     bench_args: tuple[str, ...] = ()
     ready_path: str = "/v1/models"
+    # The server speaks HTTPS, verified against this CA file (--ca-certs NAME=PEM); None: plain HTTP.
+    ca_certs: str | None = None
+
+    @property
+    def origin(self) -> str:
+        return f"{'http' if self.ca_certs is None else 'https'}://127.0.0.1:{self.port}"  # this machine only
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"  # requests go to this machine only
+        return f"{self.origin}/v1"
 
 
 def base_name(name: str) -> str:
@@ -71,13 +79,13 @@ def base_name(name: str) -> str:
 
 
 def build_system(name: str, template: str, port: int, *, gguf: str, hf_dir: str,
-                 extra_args: str = "", env: Mapping[str, str] | None = None) -> SystemSpec:
+                 extra_args: str = "", env: Mapping[str, str] | None = None, ca_certs: str | None = None) -> SystemSpec:
     command = template.format(python=sys.executable, port=port, engine_port=free_port(),
                               tokenizer_port=free_port(), gguf=gguf, hf_dir=hf_dir, peers=PEERS_DIR)
     base = base_name(name)
     return SystemSpec(name=name, command=(*shlex.split(command), *shlex.split(extra_args)), port=port,
                       env={**DEFAULT_ENV.get(base, {}), **(env or {})}, bench_args=DEFAULT_BENCH_ARGS.get(base, ()),
-                      ready_path=READY_PATHS.get(base, "/v1/models"))
+                      ready_path=READY_PATHS.get(base, "/v1/models"), ca_certs=ca_certs)
 
 
 def parse_name_values(items: Sequence[str], flag: str) -> dict[str, str]:
@@ -116,10 +124,12 @@ def step_plan(concurrency: str, num_prompts: str, cap: int | None) -> list[tuple
     return [(c, min(n, cap) if cap else n) for c, n in zip(conc, counts)]
 
 
-def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
-    """Poll ``url`` until it answers 200; fail early when the process dies."""
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, ca_certs: str | None = None) -> None:
+    """Poll ``url`` until it answers 200 (HTTPS verified against ``ca_certs``); fail early when the process
+    dies."""
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=5.0, trust_env=False) as client:
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_certs) if ca_certs is not None else True
+    with httpx.Client(timeout=5.0, trust_env=False, verify=verify) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"exited with code {proc.returncode} before it was ready")
@@ -162,11 +172,12 @@ def run_system(spec: SystemSpec, bench_argv: Sequence[str], out_dir: Path, ready
                                 env={**os.environ, **spec.env})
         try:
             started = time.monotonic()
-            wait_ready(proc, f"http://127.0.0.1:{spec.port}{spec.ready_path}", ready_timeout_s)
+            wait_ready(proc, f"{spec.origin}{spec.ready_path}", ready_timeout_s, spec.ca_certs)
             print(f"[{spec.name}] ready after {time.monotonic() - started:.0f} s", flush=True)
             if vllm_bench is not None:
                 return vllm_bench.run(spec.name, spec.base_url.removesuffix("/v1"), steps, out_dir)
-            common = [*bench_argv, *spec.bench_args, "--base-url", spec.base_url, "--label", spec.name]
+            common = [*bench_argv, *spec.bench_args, "--base-url", spec.base_url, "--label", spec.name,
+                      *(["--ca-certs", spec.ca_certs] if spec.ca_certs is not None else [])]
             if len(steps) <= 1:
                 plan = [(steps[0] if steps else None, result)]
             else:  # per-step calls; a different seed per step keeps later steps off the prefix cache
@@ -226,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--num-prompts", default="64",
                    help="measured requests per step: one number, or one per --concurrency step")
+    p.add_argument("--ca-certs", action="append", default=[], metavar="NAME=PEM",
+                   help="one system serves HTTPS, verified against this CA file, e.g. 'sluice-tls=ca.pem' with its "
+                        "--extra-args turning TLS on (repeatable)")
     p.add_argument("--max-prompts", action="append", default=[], metavar="NAME=N",
                    help="cap one system's requests per step, e.g. llamacpp=32 (repeatable)")
     p.add_argument("--client", choices=("bench", "vllm-bench"), default="bench",
@@ -259,11 +273,15 @@ def main(argv: list[str] | None = None) -> int:
         extra = parse_name_values(args.extra_args, "--extra-args")
         envs = parse_env(args.env)
         caps = {k: int(v) for k, v in parse_name_values(args.max_prompts, "--max-prompts").items()}
+        cas = parse_name_values(args.ca_certs, "--ca-certs")
         plans = {n: step_plan(args.concurrency, args.num_prompts, caps.get(n)) for n in names}
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
     vllm_bench = args.client == "vllm-bench"
+    if vllm_bench and cas:
+        print("--ca-certs works with --client bench only", file=sys.stderr)
+        return 2
     args.input_len = args.input_len or (256 if vllm_bench else 106)
     args.output_len = args.output_len or (128 if vllm_bench else 64)
     client = VllmBench(Path(args.vllm_bin), args.hf_dir, args.input_len, args.output_len,
@@ -276,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Path] = []
     for name in names:
         spec = build_system(name, getattr(args, f"{base_name(name)}_cmd"), free_port(), gguf=args.gguf,
-                            hf_dir=args.hf_dir, extra_args=extra.get(name, ""), env=envs.get(name))
+                            hf_dir=args.hf_dir, extra_args=extra.get(name, ""), env=envs.get(name),
+                            ca_certs=cas.get(name))
         path = run_system(spec, bench_argv, out_dir, args.ready_timeout, plans[name], vllm_bench=client)
         if path is not None:
             results.append(path)

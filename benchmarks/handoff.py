@@ -144,6 +144,7 @@ async def serve(keep_ids: bool) -> None:
     import grpc
 
     from common.grpc_errors import ErrorMappingInterceptor
+    from common.tls import bind_port
     from engine.entrypoints.grpc_servicer import EngineServicer
     from proto.sluice.v1 import engine_pb2_grpc
 
@@ -151,7 +152,7 @@ async def serve(keep_ids: bool) -> None:
                              options=[("grpc.max_receive_message_length", _MSG_LIMIT), ("grpc.so_reuseport", 0)])
     engine = RecordingEngine(keep_ids)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = bind_port(server, "127.0.0.1:0", None)
     await server.start()
     print(json.dumps({"port": port}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -203,14 +204,13 @@ def _run_async(coro: Any) -> Any:
 async def run_client(address: str, settings: HandoffSettings, prompts: dict[int, list[int]]) -> list[
         tuple[str, str, int, float, float]]:
     """(request_id, mode, size, t_send, t_first_reply) per request, warm-up ones included."""
-    import grpc
-
+    from common.tls import aio_channel
     from proto.sluice.v1 import generation_pb2
     from services.tokenizer.engine_request import engine_options
     from services.tokenizer.service import GenerationServicer
 
-    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", _MSG_LIMIT),
-                                                          ("grpc.max_send_message_length", _MSG_LIMIT)])
+    channel = aio_channel(address, None, options=[("grpc.max_receive_message_length", _MSG_LIMIT),
+                                                  ("grpc.max_send_message_length", _MSG_LIMIT)])
     # Two tokenizer-service servicers on one channel: one with a ring (shm), one without (inline ids).
     # The tokenizer itself is never used by engine_request.
     ring = GenerationServicer(None, channel, served_model_name="bench", model_path="",  # type: ignore[arg-type]

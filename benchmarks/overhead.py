@@ -288,11 +288,12 @@ async def _grpc_workload(addr: str, prompts: list[str], output_tokens: int, conc
     """Every prompt through Generation.Generate, ``concurrency`` at a time; (prompt tokens, output tokens)."""
     import grpc
 
+    from common.tls import aio_channel
     from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
     totals = [0, 0]
     queue = list(reversed(prompts))
-    async with grpc.aio.insecure_channel(addr) as channel:
+    async with aio_channel(addr, None) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
 
         async def worker() -> None:

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.grpc_errors import ErrorMappingInterceptor
+from common.tls import GrpcTls, bind_port
 
 # Prompts of 128k token ids travel inline when shared memory is not available.
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -43,8 +44,9 @@ def new_server(service_name: str) -> tuple[grpc.aio.Server, Health]:
     return server, health_service
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, tls: GrpcTls | None = None) -> int:
+    """Listens on ``host:port``, with TLS when ``tls`` is given; returns the port bound."""
+    bound = bind_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return bound

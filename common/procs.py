@@ -15,8 +15,12 @@ import os
 import signal
 import socket
 import subprocess
+from typing import TYPE_CHECKING
 
 from common.settings import ENV_PARENT_PID, take_parent_pid
+
+if TYPE_CHECKING:
+    from common.tls import GrpcTls
 
 __all__ = ["ENV_PARENT_PID", "die_with_parent", "free_port", "grpc_serving", "port_number", "stop_process"]
 
@@ -60,13 +64,16 @@ def port_number(value: str) -> int:
     return port
 
 
-def grpc_serving(addr: str, service: str = "") -> bool:
-    """Whether the gRPC health service at ``addr`` reports ``service`` ("" = the whole server) SERVING."""
+def grpc_serving(addr: str, service: str = "", tls: GrpcTls | None = None) -> bool:
+    """Whether the gRPC health service at ``addr`` reports ``service`` ("" = the whole server) SERVING; over
+    TLS (presenting the client certificate under mTLS) when ``tls`` is given."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from common.tls import sync_channel
+
     try:
-        with grpc.insecure_channel(addr) as ch:
+        with sync_channel(addr, tls) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
             return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
     except grpc.RpcError:

@@ -14,6 +14,7 @@ import sys
 from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
 from common.settings import api_key
+from common.tls import add_grpc_tls_args, add_rest_tls_args, grpc_tls_from_args, rest_tls_from_args
 from gateway.metrics import add_metrics_args, federate_targets
 from gateway.settings import GatewaySettings
 
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve neither /openapi.json nor /docs (vLLM's flag; the name is vLLM's, there is no FastAPI)")
     add_observability_args(p)
     add_metrics_args(p)
+    add_rest_tls_args(p)
+    add_grpc_tls_args(p)
     return p
 
 
@@ -118,6 +121,8 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         enable_docs=not ns.disable_fastapi_docs,
         log_requests=ns.log_requests,
         metrics_federate=federate_targets(ns.metrics_federate),
+        rest_tls=rest_tls_from_args(ns),
+        grpc_tls=grpc_tls_from_args(ns),
     )
 
 

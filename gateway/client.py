@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.stream_mux import MuxClient, MuxRequest
+from common.tls import GrpcTls, aio_channel
 from common.tracing import Tracing
 from gateway.backend import Delta, GenerationParams, LoRAAdapter, ModelInfo, Prompt, TokenizeResult
 from gateway.convert import (
@@ -35,7 +36,7 @@ from gateway.convert import (
     model_info_from_pb,
 )
 from gateway.errors import BackendError, BackendErrorKind
-from gateway.targets import channel_options, grpc_target
+from gateway.targets import channel_options, grpc_target, tls_authority
 from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 # Where they were first: tests and tools import them from here.
@@ -185,13 +186,16 @@ class GrpcBackend:
         self._turn = -1
 
     @classmethod
-    def connect(cls, addresses: Sequence[str], *, mux: bool = False, tracing: Tracing | None = None) -> GrpcBackend:
-        channel = grpc.aio.insecure_channel(grpc_target(addresses), options=channel_options())
+    def connect(cls, addresses: Sequence[str], *, mux: bool = False, tracing: Tracing | None = None,
+                tls: GrpcTls | None = None) -> GrpcBackend:
+        """Channels to ``addresses``, over TLS when ``tls`` is given (every channel alike)."""
+        authority = tls_authority(addresses) if tls is not None else None
+        channel = aio_channel(grpc_target(addresses), tls, options=channel_options(authority))
         if not mux:
             return cls(channel, tracing=tracing)
         # One channel per address, so each stream goes to its own tokenizer service.
         addrs = [a.strip() for a in addresses if a.strip()]
-        return cls(channel, [grpc.aio.insecure_channel(grpc_target([a]), options=channel_options()) for a in addrs],
+        return cls(channel, [aio_channel(grpc_target([a]), tls, options=channel_options()) for a in addrs],
                    tracing=tracing)
 
     def generate(self, prompt: Prompt, params: GenerationParams, *, request_id: str,

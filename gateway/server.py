@@ -1,17 +1,19 @@
-"""The gateway's uvicorn server: a bound on how long a client may take to send its headers, and the
-drain of ``gateway/drain.py`` on SIGTERM."""
+"""The gateway's uvicorn server: HTTPS when configured, a bound on how long a client may take to send its
+headers, and the drain of ``gateway/drain.py`` on SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.config import LifespanType
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from common.tls import RestTls
 from gateway.drain import Drain
 from gateway.settings import GatewaySettings
 
@@ -92,5 +94,14 @@ def build_server(app: ASGIApp, settings: GatewaySettings, drain: Drain, *, log_l
                             http=header_timeout_protocol(settings.header_read_timeout), log_level=log_level,
                             lifespan=lifespan, access_log=settings.access_log,
                             log_config=None,  # its lines go through ours (common/logs.py)
-                            timeout_graceful_shutdown=GRACE_AFTER_DRAIN_SECONDS, server_header=False)
+                            timeout_graceful_shutdown=GRACE_AFTER_DRAIN_SECONDS, server_header=False,
+                            **_ssl_config(settings.rest_tls))
     return DrainingServer(config, drain, settings.shutdown_timeout)
+
+
+def _ssl_config(tls: RestTls | None) -> dict[str, Any]:
+    """uvicorn's SSL arguments for ``tls`` (none: plain HTTP)."""
+    if tls is None:
+        return {}
+    return {"ssl_certfile": tls.certfile, "ssl_keyfile": tls.keyfile, "ssl_ca_certs": tls.ca_certs,
+            "ssl_cert_reqs": tls.cert_reqs}

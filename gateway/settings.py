@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.tls import GrpcTls, RestTls
+from gateway.targets import tls_authority
+
 
 @dataclass(frozen=True)
 class GatewaySettings:
@@ -58,6 +61,10 @@ class GatewaySettings:
     log_requests: bool = False
     # Metrics pages appended to this gateway's /metrics (`sluice serve`: its engine's vllm:* page).
     metrics_federate: tuple[str, ...] = ()
+    # HTTPS on the REST port (uvicorn's --ssl-* settings); None: plain HTTP.
+    rest_tls: RestTls | None = None
+    # TLS (and mTLS with a CA) on the channels to the tokenizer services; None: plaintext.
+    grpc_tls: GrpcTls | None = None
 
     def __post_init__(self) -> None:
         if not self.tokenizer_addresses:
@@ -82,6 +89,8 @@ class GatewaySettings:
             raise ValueError("max_n must be >= 1")
         if any(not k for k in self.api_keys):
             raise ValueError("api_keys must not be empty strings")
+        if self.grpc_tls is not None:
+            tls_authority(self.tokenizer_addresses)  # raises for listed addresses no one certificate names
 
     @property
     def first_event_wait(self) -> float:

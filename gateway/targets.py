@@ -46,9 +46,26 @@ def _resolve(addr: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, 
         return ips[0], int(port_s)
 
 
-def channel_options() -> list[tuple[str, object]]:
+def tls_authority(addresses: Sequence[str]) -> str | None:
+    """The name a TLS channel to several listed addresses checks the servers' certificates against: the
+    one host they share (``127.0.0.1`` under ``sluice serve``). gRPC would check the whole ``ipv4:`` list,
+    which no certificate names; one channel has one name, so addresses on different hosts are refused.
+    None for one address or a full target: gRPC checks the host dialed."""
+    addrs = [a.strip() for a in addresses if a.strip()]
+    if len(addrs) < 2:
+        return None
+    hosts = {a.rpartition(":")[0].strip("[]") for a in addrs}
+    if len(hosts) != 1:
+        raise ValueError("with gRPC TLS, listed tokenizer addresses must share one host name (the one their "
+                         "certificates name); give one dns:/// name for services on several hosts")
+    return hosts.pop()
+
+
+def channel_options(authority: str | None = None) -> list[tuple[str, object]]:
+    """``authority``: the name TLS checks the servers' certificates against (:func:`tls_authority`)."""
     return [
         ("grpc.lb_policy_name", "round_robin"),
         ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+        *([("grpc.default_authority", authority)] if authority is not None else []),
     ]

@@ -17,14 +17,9 @@ from engine.entrypoints.vllm_compat import (
     refuse_unless,
 )
 
-_TLS = "TLS on the REST port is not implemented yet: terminate TLS at a proxy (deploy/nginx)"
-
 SERVE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--uvicorn-log-level",), None, choices=("debug", "info", "warning", "error", "critical", "trace"),
                help="the gateways' log level (default: --log-level)"),
-    CompatFlag(("--ssl-keyfile",), None, refuse_always(_TLS)),
-    CompatFlag(("--ssl-certfile",), None, refuse_always(_TLS)),
-    CompatFlag(("--ssl-ca-certs",), None, refuse_always(_TLS)),
     CompatFlag(("--root-path",), None, refuse_always("serving under a path prefix is not supported: let the proxy "
                                                      "strip it")),
     CompatFlag(("--middleware",), None, refuse_always("Sluice loads no Python code named on the command line")),

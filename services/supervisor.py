@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -31,6 +32,16 @@ from common.observability import (
 )
 from common.procs import ENV_PARENT_PID, free_port, grpc_serving, port_number
 from common.settings import ENV_API_KEY, api_key
+from common.tls import (
+    GrpcTls,
+    RestTls,
+    add_grpc_tls_args,
+    add_rest_tls_args,
+    grpc_tls_flags,
+    grpc_tls_from_args,
+    rest_tls_flags,
+    rest_tls_from_args,
+)
 from engine.config import EngineConfig, LoRAConfig, default_max_queued_requests
 from engine.entrypoints.args import add_engine_args, config_from_args
 from engine.entrypoints.vllm_compat import normalize_flag_spelling
@@ -74,9 +85,9 @@ class Child:
         return False
 
 
-def http_ok(url: str) -> bool:
+def http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:
+        with urllib.request.urlopen(url, timeout=1.0, context=context) as r:
             return r.status == 200
     except OSError:
         return False
@@ -192,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_vllm_serve_args(p)
     add_observability_args(p)
     add_metrics_args(p)
+    add_rest_tls_args(p)
+    add_grpc_tls_args(p)
     return p
 
 
@@ -250,14 +263,18 @@ def _explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str
 
 class Supervisor:
     def __init__(self, ns: argparse.Namespace, config: EngineConfig,
-                 observability: ObservabilitySettings | None = None) -> None:
+                 observability: ObservabilitySettings | None = None, *, grpc_tls: GrpcTls | None = None,
+                 rest_tls: RestTls | None = None) -> None:
+        """``grpc_tls``: TLS on every gRPC hop, the same files forwarded to every child (and used by the
+        readiness probes); ``rest_tls``: HTTPS on every gateway."""
         self.ns = ns
         self.config = config
         self.observability = observability if observability is not None else observability_settings(ns)
         # Every child traces and logs alike; request lines come from the gateways and the engine (as vLLM's API
         # server and engine), not from the tokenizer services in between.
-        child_flags = observability_flags(self.observability)
-        tokenizer_obs_flags = observability_flags(replace(self.observability, log_requests=False))
+        tls_flags = grpc_tls_flags(grpc_tls)
+        child_flags = [*observability_flags(self.observability), *tls_flags]
+        tokenizer_obs_flags = [*observability_flags(replace(self.observability, log_requests=False)), *tls_flags]
         self.stopping = False
         py = sys.executable
         engine_addr = f"127.0.0.1:{ns.engine_port}"
@@ -265,7 +282,7 @@ class Supervisor:
         self.engine = Child("engine", [py, "-m", "engine", "--host", "127.0.0.1", "--port", str(ns.engine_port),
                                        "--log-level", ns.log_level, "--shutdown-timeout", str(ns.shutdown_timeout),
                                        "--metrics-port", str(engine_metrics), *engine_flags(config), *child_flags],
-                            ready=lambda: grpc_serving(engine_addr, "sluice.v1.Engine"),
+                            ready=lambda: grpc_serving(engine_addr, "sluice.v1.Engine", grpc_tls),
                             ready_timeout=_ENGINE_READY_TIMEOUT)
         tok_addrs = [f"127.0.0.1:{ns.tokenizer_port + i}" for i in range(ns.tokenizers)]
         model_flags = (["--model", config.model] if config.model else []) + (
@@ -276,8 +293,10 @@ class Supervisor:
                                      config.model_name, "--log-level", ns.log_level,
                                      "--shutdown-timeout", str(ns.shutdown_timeout), *model_flags,
                                      *tokenizer_obs_flags],
-                  ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation")))
+                  ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation", grpc_tls)))
             for i, addr in enumerate(tok_addrs)]
+        self.scheme = scheme = "http" if rest_tls is None else "https"
+        probe = None if rest_tls is None else rest_tls.probe_context()
         self.gateways = []
         for i in range(ns.gateways):
             port = ns.port + i
@@ -302,8 +321,9 @@ class Supervisor:
                     argv += ["--" + flag.replace("_", "-"), getattr(ns, flag)]
             if engine_metrics:
                 argv += ["--metrics-federate", f"http://127.0.0.1:{engine_metrics}/metrics"]
+            argv += rest_tls_flags(rest_tls)
             self.gateways.append(Child(f"gateway-{i}", argv,
-                                       ready=(lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"))))
+                                       ready=(lambda p=port: http_ok(f"{scheme}://127.0.0.1:{p}/health", probe))))
         self.env_api_key = ns.api_key
 
     @property
@@ -323,7 +343,7 @@ class Supervisor:
                 logger.error("%s did not become ready; stopping", child.name)
                 self.shutdown()
                 return 1
-        urls = ", ".join(f"http://{self.ns.host}:{self.ns.port + i}/v1" for i in range(self.ns.gateways))
+        urls = ", ".join(f"{self.scheme}://{self.ns.host}:{self.ns.port + i}/v1" for i in range(self.ns.gateways))
         if self.observability.log_format == "json":  # every line it prints stays JSON
             logger.info("Sluice is serving %s at %s", self.config.model_name, urls)
         else:
@@ -381,12 +401,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = config_from_args(ns)
         observability = observability_settings(ns)
+        grpc_tls, rest_tls = grpc_tls_from_args(ns), rest_tls_from_args(ns)
     except ValueError as e:
         raise SystemExit(f"sluice serve: {e}") from e
     configure_logging(ns.log_level, observability.log_format, "serve")
     for note in notes:
         logger.info("%s", note)
-    raise SystemExit(Supervisor(ns, config, observability).run())
+    raise SystemExit(Supervisor(ns, config, observability, grpc_tls=grpc_tls, rest_tls=rest_tls).run())
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -67,12 +68,12 @@ def tokenizer_process(tmp: Path, engine_addr: str, *flags: str) -> Iterator[str]
         stop(proc)
 
 
-def http_status(url: str, timeout: float = 2.0) -> int | None:
+def http_status(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None) -> int | None:
     import urllib.error
     import urllib.request
 
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as r:
             return int(r.status)
     except urllib.error.HTTPError as e:
         return int(e.code)
@@ -83,7 +84,9 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
 class ServeStack:
     """``sluice serve`` as a real process tree; ports are chosen free."""
 
-    def __init__(self, tmp: Path, *flags: str) -> None:
+    def __init__(self, tmp: Path, *flags: str, ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context``: the gateways serve HTTPS (flags with --ssl-certfile), verified with it."""
+        self.ssl_context = ssl_context
         self.port = free_port()
         self.engine_port = free_port()
         self.tokenizer_port = free_port()
@@ -95,7 +98,7 @@ class ServeStack:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'http' if self.ssl_context is None else 'https'}://127.0.0.1:{self.port}"
 
     @property
     def engine_addr(self) -> str:
@@ -105,7 +108,8 @@ class ServeStack:
         self.proc = spawn(["-m", "services.cli", "serve", "--port", str(self.port), "--engine-port",
                            str(self.engine_port), "--tokenizer-port", str(self.tokenizer_port), *self.flags],
                           self.log)
-        wait_until(lambda: http_status(f"{self.base_url}/ready") == 200, timeout, self.proc, "sluice serve ready")
+        wait_until(lambda: http_status(f"{self.base_url}/ready", context=self.ssl_context) == 200, timeout,
+                   self.proc, "sluice serve ready")
         return self
 
     def engine_idle(self, timeout: float = 15) -> engine_pb2.GetInfoResponse:

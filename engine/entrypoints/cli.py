@@ -10,6 +10,7 @@ import sys
 from common.errors import InvalidRequestError
 from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
+from common.tls import add_grpc_tls_args, grpc_tls_from_args
 from engine.entrypoints.args import add_engine_args, config_from_args
 from engine.entrypoints.metrics import add_metrics_args
 from engine.entrypoints.process import set_openmp_defaults, use_huge_pages
@@ -28,10 +29,12 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(parser)
     add_observability_args(parser)
     add_metrics_args(parser)
+    add_grpc_tls_args(parser)
     ns = parser.parse_args(normalize_flag_spelling(sys.argv[1:] if argv is None else argv))
     try:
         notes = check_vllm_compat(ns)
         observability = observability_settings(ns)
+        tls = grpc_tls_from_args(ns)
     except (InvalidRequestError, ValueError) as e:
         parser.error(str(e))
     tracing = set_up(observability, log_level=ns.log_level, process="engine")
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         asyncio.run(serve(config, ns.host, ns.port, shutdown_grace=ns.shutdown_timeout, tracing=tracing,
                           log_requests=observability.log_requests, metrics_host=ns.metrics_host,
-                          metrics_port=ns.metrics_port))
+                          metrics_port=ns.metrics_port, tls=tls))
     finally:
         if tracing is not None:
             tracing.shutdown()

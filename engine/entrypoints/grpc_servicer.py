@@ -20,6 +20,7 @@ from common.grpc_errors import ERROR_REASON_KEY, status_for
 from common.grpc_server import bind, new_server, stop_event
 from common.logs import REQUEST_ID
 from common.stream_mux import SinkMux
+from common.tls import GrpcTls
 from common.tracing import Tracing
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
@@ -294,9 +295,10 @@ def warm_up(core: EngineCore) -> None:
 
 async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: float = 10.0,
                 ready: asyncio.Event | None = None, tracing: Tracing | None = None, log_requests: bool = False,
-                metrics_host: str = "127.0.0.1", metrics_port: int = 0) -> None:
-    """The engine process's servers: gRPC on ``host:port``, and with ``metrics_port`` the ``vllm:*`` Prometheus
-    metrics on ``metrics_host:metrics_port`` (engine.entrypoints.metrics), once the model is loaded.
+                metrics_host: str = "127.0.0.1", metrics_port: int = 0, tls: GrpcTls | None = None) -> None:
+    """The engine process's servers: gRPC on ``host:port`` (with TLS when ``tls`` is given), and with
+    ``metrics_port`` the ``vllm:*`` Prometheus metrics on ``metrics_host:metrics_port``
+    (engine.entrypoints.metrics), once the model is loaded.
     ``tracing``: a span per request (None: off); ``log_requests``: a line per request added and finished."""
     metrics_registry, metrics_server = serve_metrics(metrics_host, metrics_port) if metrics_port else (None, None)
     server, health_service = new_server(SERVICE_NAME)
@@ -306,9 +308,10 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
                 if tracing is not None or log_requests else None)
     servicer = EngineServicer(registry=registry, observer=observer)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-    bound = bind(server, host, port)
+    bound = bind(server, host, port, tls)
     await server.start()
-    logger.info("engine gRPC listening on %s:%d (loading model)", host, bound)
+    logger.info("engine gRPC listening on %s:%d%s (loading model)", host, bound,
+                "" if tls is None else " with mutual TLS" if tls.mutual else " with TLS")
     stop = stop_event()
 
     def build() -> EngineCore:

@@ -7,6 +7,7 @@ import asyncio
 
 from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
+from common.tls import add_grpc_tls_args, grpc_tls_from_args
 from engine.text.chat import load_chat_template
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.tokenizer.limits import InputLimits
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
     add_observability_args(parser)
+    add_grpc_tls_args(parser)
     ns = parser.parse_args(argv)
     try:
         tools = ToolSettings(ns.enable_auto_tool_choice, ns.tool_call_parser)
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
                              template_timeout_s=ns.request_chat_template_timeout,
                              tokenize_threads=ns.tokenize_threads)
         observability = observability_settings(ns)
+        tls = grpc_tls_from_args(ns)
     except (ValueError, OSError) as e:
         parser.error(str(e))
     tracing = set_up(observability, log_level=ns.log_level, process="tokenizer")
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(serve(engine_addr=ns.engine, host=ns.host, port=ns.port, model=ns.model, tokenizer=ns.tokenizer,
                           served_model_name=ns.served_model_name, shm_tokens=ns.shm_tokens,
                           shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools,
-                          limits=limits, tracing=tracing, log_requests=observability.log_requests))
+                          limits=limits, tracing=tracing, log_requests=observability.log_requests,
+                          tls=tls))
     finally:
         if tracing is not None:
             tracing.shutdown()

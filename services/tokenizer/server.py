@@ -8,6 +8,7 @@ import logging
 import grpc
 
 from common.grpc_server import CHANNEL_OPTIONS, Health, bind, new_server, stop_event
+from common.tls import GrpcTls, aio_channel
 from common.tracing import Tracing
 from engine.config import DEFAULT_SERVED_NAME, default_model_path
 from engine.text import Tokenizer
@@ -24,14 +25,16 @@ SERVICE_NAME = "sluice.v1.Generation"
 async def serve(*, engine_addr: str, host: str, port: int, model: str | None, tokenizer: str | None,
                 served_model_name: str | None, shm_tokens: int, shutdown_grace: float = 10.0,
                 chat_template: str | None = None, tools: ToolSettings | None = None,
-                limits: InputLimits | None = None, tracing: Tracing | None = None, log_requests: bool = False) -> None:
-    """``chat_template``: the template text (``--chat-template``, already read), used instead of the model's;
+                limits: InputLimits | None = None, tracing: Tracing | None = None, log_requests: bool = False,
+                tls: GrpcTls | None = None) -> None:
+    """``tls``: TLS on this service's port and on its channel to the engine (None: plaintext);
+    ``chat_template``: the template text (``--chat-template``, already read), used instead of the model's;
     ``tracing``: a span per generation (None: off); ``log_requests``: a line per request received and finished."""
     model_path = model or default_model_path()
     tok = Tokenizer.from_pretrained(tokenizer or model_path)
     if chat_template is not None:
         tok.chat_template = chat_template
-    channel = grpc.aio.insecure_channel(engine_addr, options=CHANNEL_OPTIONS)
+    channel = aio_channel(engine_addr, tls, options=CHANNEL_OPTIONS)
     server, health_service = new_server(SERVICE_NAME)
     name = served_model_name or (DEFAULT_SERVED_NAME if model is None else None)
     if name is None:
@@ -43,7 +46,7 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
                                   log_requests=log_requests)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await health_service.set_serving(False)
-    bind_port = bind(server, host, port)
+    bind_port = bind(server, host, port, tls)
     await server.start()
     stop = stop_event()
     watcher = asyncio.create_task(track_engine(servicer, channel, health_service, stop))

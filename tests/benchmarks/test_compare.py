@@ -157,7 +157,7 @@ def _record_bench(monkeypatch: pytest.MonkeyPatch) -> list[argparse.Namespace]:
         return 0
 
     monkeypatch.setattr(compare.bench, "main", fake_bench_main)
-    monkeypatch.setattr(compare, "wait_ready", lambda proc, url, timeout_s: None)
+    monkeypatch.setattr(compare, "wait_ready", lambda proc, url, timeout_s, ca_certs=None: None)
     return seen
 
 
@@ -192,3 +192,22 @@ def test_run_system_single_step_is_one_call_without_a_seed(tmp_path: Path,
         ("1,8", 12, 7, str(result))]  # the user's seed stands
     assert json.loads(result.read_text(encoding="utf-8"))["config"]["num_prompts"] == 12
     assert not list(tmp_path.glob("*.step*.json"))
+
+
+def test_an_https_variant_is_polled_and_benchmarked_over_https_with_its_ca(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    seen = _record_bench(monkeypatch)
+    polled: list[tuple[str, str | None]] = []
+    monkeypatch.setattr(compare, "wait_ready", lambda proc, url, timeout_s, ca_certs=None: polled.append(
+        (url, ca_certs)))
+    spec = compare.build_system("sluice-tls", compare.DEFAULT_COMMANDS["sluice"], 7, gguf="g", hf_dir="h",
+                                extra_args="--ssl-certfile s.pem", ca_certs="/pki/ca.pem")
+    assert spec.command[-2:] == ("--ssl-certfile", "s.pem") and spec.base_url == "https://127.0.0.1:7/v1"
+    spec = compare.SystemSpec(name=spec.name, command=_idle_spec("x").command, port=7, ready_path=spec.ready_path,
+                              ca_certs=spec.ca_certs)
+    compare.run_system(spec, [], tmp_path, 5.0, [("32", 64)])
+    assert polled == [("https://127.0.0.1:7/ready", "/pki/ca.pem")]
+    assert [(a.base_url, a.ca_certs) for a in seen] == [("https://127.0.0.1:7/v1", "/pki/ca.pem")]
+    assert compare.main(["--systems", "sluice-tls", "--ca-certs", "sluice-tls=ca.pem", "--client", "vllm-bench",
+                         "--vllm-bin", str(tmp_path / "missing"), "--out-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "--ca-certs works with --client bench only\n"

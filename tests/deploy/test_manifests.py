@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import engine.entrypoints.cli
 import gateway.__main__
 import services.tokenizer.__main__
+from common import health_probe
 from gateway.auth import PUBLIC_PATHS
 from gateway.routes import build_routes
 from proto.sluice.v1 import engine_pb2, generation_pb2
@@ -341,7 +342,8 @@ def container_port(pod: dict[str, Any], port: int | str) -> int:
 def test_kustomization_lists_every_manifest_in_the_folder() -> None:
     listed = set(KUSTOMIZATION["resources"])
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
-    assert {d["kind"] for d in K8S_DOCS} == {"ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler"}
+    assert {d["kind"] for d in K8S_DOCS} == {"ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler",
+                                             "NetworkPolicy"}
 
 
 def test_k8s_arguments_refer_only_to_defined_variables() -> None:
@@ -381,16 +383,90 @@ def test_k8s_probes_hit_the_processes_ports_and_health_names() -> None:
             if probe is None:
                 continue
             (how, spec), = [(k, v) for k, v in probe.items() if k in ("grpc", "httpGet", "tcpSocket", "exec")]
-            assert container_port(pod, spec["port"]) == ns.port, f"{c['name']} {kind}"
+            if how == "exec":  # the gRPC health check over the server's own TLS, from inside the container
+                probe_cmd = command_of(spec["command"], f"{c['name']} {kind}")
+                assert probe_cmd.module == "common.health_probe"
+                probe_ns = health_probe.build_parser().parse_args(probe_cmd.args)
+                assert host_port(probe_ns.address) == ("127.0.0.1", ns.port), f"{c['name']} {kind}"
+                assert probe_ns.service == HEALTH_NAME[cmd.module]
+                assert grpc_tls_flags_of(probe_ns) == grpc_tls_flags_of(ns) != [None, None, None]
+            else:
+                assert container_port(pod, spec["port"]) == ns.port, f"{c['name']} {kind}"
             if how == "grpc":
                 assert spec["service"] == HEALTH_NAME[cmd.module]
             if how == "httpGet":
                 assert spec["path"] in PUBLIC_PATHS and spec["path"] in {r.path for r in build_routes()}
+                assert spec["scheme"] == ("HTTPS" if ns.ssl_certfile else "HTTP")
             seen.add((cmd.module, kind, how if how != "httpGet" else spec["path"]))
-    assert seen == {("engine", "startupProbe", "grpc"), ("engine", "readinessProbe", "grpc"),
-                    ("engine", "livenessProbe", "grpc"), ("services.tokenizer", "readinessProbe", "grpc"),
+    assert seen == {("engine", "startupProbe", "exec"), ("engine", "readinessProbe", "exec"),
+                    ("engine", "livenessProbe", "exec"), ("services.tokenizer", "readinessProbe", "exec"),
                     ("services.tokenizer", "livenessProbe", "tcpSocket"),
                     ("gateway", "readinessProbe", "/ready"), ("gateway", "livenessProbe", "/health")}
+
+
+def grpc_tls_flags_of(ns: argparse.Namespace) -> list[str | None]:
+    return [ns.grpc_tls_cert, ns.grpc_tls_key, ns.grpc_tls_ca]
+
+
+def mounted_secret(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at ``path`` in ``container``: it must lie in a read-only Secret mount."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for mount in container["volumeMounts"]:
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(prefix):
+            assert mount.get("readOnly") is True, f"{mount['name']} is writable"
+            return volumes[mount["name"]]["secret"]["secretName"], path.removeprefix(prefix)
+    raise AssertionError(f"{container['name']}: {path} is in no mounted volume")
+
+
+def test_k8s_every_grpc_hop_is_mutual_tls_and_the_gateway_https_from_secrets() -> None:
+    """Every process serves and dials gRPC with a certificate, key and CA from the one sluice-grpc-tls Secret
+    (cert-manager's key names), and the gateway's REST port is HTTPS from sluice-https."""
+    seen = set()
+    for name, c, cmd in k8s_containers():
+        pod = DEPLOYMENTS[name]["spec"]["template"]["spec"]
+        ns = parse(cmd)
+        assert [mounted_secret(pod, c, f) for f in grpc_tls_flags_of(ns)] == [
+            ("sluice-grpc-tls", "tls.crt"), ("sluice-grpc-tls", "tls.key"), ("sluice-grpc-tls", "ca.crt")], c["name"]
+        if cmd.module == "gateway":
+            assert [mounted_secret(pod, c, f) for f in (ns.ssl_certfile, ns.ssl_keyfile)] == [
+                ("sluice-https", "tls.crt"), ("sluice-https", "tls.key")]
+            notes = DEPLOYMENTS[name]["spec"]["template"]["metadata"]["annotations"]
+            assert notes["prometheus.io/scheme"] == "https"
+        seen.add(cmd.module)
+    assert seen == {"engine", "services.tokenizer", "gateway"}
+
+
+def test_k8s_network_policy_admits_each_port_from_its_clients_only() -> None:
+    """The model pods take the tokenizer's gRPC port from the gateway pods, the engine's token-level port from
+    the model pods (its tokenizer services), the engine's metrics from Prometheus, and nothing else."""
+    (policy,) = [d for d in K8S_DOCS if d["kind"] == "NetworkPolicy"]
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    templates = {name: d["spec"]["template"] for name, d in DEPLOYMENTS.items()}
+
+    def selected(selector: dict[str, Any]) -> set[str]:
+        return {name for name, t in templates.items()
+                if selector["matchLabels"].items() <= t["metadata"]["labels"].items()}
+
+    assert selected(spec["podSelector"]) == {"sluice-model"}
+    model_pod = templates["sluice-model"]["spec"]
+    by_module = {command_of(k8s_argv(c), c["name"]).module: parse(command_of(k8s_argv(c), c["name"]))
+                 for c in model_pod["containers"]}
+    admitted: dict[int, list[dict[str, Any]]] = {}
+    for rule in spec["ingress"]:
+        assert rule["from"] and rule["ports"], "a rule without peers or ports admits everyone or everything"
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP"
+            admitted.setdefault(container_port(model_pod, port["port"]), []).extend(rule["from"])
+    tokenizer_port, engine_port = by_module["services.tokenizer"].port, by_module["engine"].port
+    assert set(admitted) == {tokenizer_port, engine_port, by_module["engine"].metrics_port}
+    (gateways,) = admitted[tokenizer_port]
+    assert set(gateways) == {"podSelector"} and selected(gateways["podSelector"]) == {"sluice-gateway"}
+    (tokenizers,) = admitted[engine_port]
+    assert set(tokenizers) == {"podSelector"} and selected(tokenizers["podSelector"]) == {"sluice-model"}
+    (prometheus,) = admitted[by_module["engine"].metrics_port]
+    assert selected(prometheus["podSelector"]) == set() and "namespaceSelector" in prometheus
 
 
 def test_k8s_prometheus_scrapes_every_process_once() -> None:

@@ -8,6 +8,7 @@ import argparse
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,10 +77,9 @@ REFUSED = [
     "--speculative-model m", "--num-speculative-tokens 3", "--generation-config auto",
     "--override-generation-config {}", "--hf-overrides {}", "--rope-scaling {}", "--rope-theta 1e6",
     "--task embed", "--limit-mm-per-prompt image=2", "--kv-transfer-config {}", "--enable-sleep-mode",
-    "--skip-tokenizer-init", "--ssl-keyfile k.pem", "--ssl-certfile c.pem", "--ssl-ca-certs ca.pem",
-    "--root-path /api", "--middleware m.M", "--response-role bot", "--return-tokens-as-token-ids",
-    "--api-server-count 2", "--enable-reasoning", "--reasoning-parser deepseek_r1", "--headless",
-    "--tensor-parallel-size 2",
+    "--skip-tokenizer-init", "--root-path /api", "--middleware m.M", "--response-role bot",
+    "--return-tokens-as-token-ids", "--api-server-count 2", "--enable-reasoning", "--reasoning-parser deepseek_r1",
+    "--headless", "--tensor-parallel-size 2",
 ]
 NO_EFFECT = [
     "--trust-remote-code", "--download-dir /d", "--hf-token t", "--load-format auto", "--load-format gguf",
@@ -233,3 +233,28 @@ def test_a_refusal_is_one_line_and_exit_2_from_the_real_command(command: list[st
     done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(line) and "Traceback" not in done.stderr
+
+
+def test_tls_flags_reach_every_child(tmp_path: Path) -> None:
+    """vLLM's --ssl-* go to every gateway as given, --grpc-tls-* to every process; the URL printed is https."""
+    from common.tls import grpc_tls_from_args, rest_tls_from_args
+    from tests.tls_factory import make_ca, make_cert
+
+    ca = make_ca(tmp_path)
+    cert = make_cert(tmp_path, ca, "server")
+    ns, _ = resolve(f"--gateways 2 --tokenizers 2 --ssl-certfile {cert.cert} --ssl-keyfile {cert.key} "
+                    f"--ssl-ca-certs {ca.cert} --ssl-cert-reqs 1 --grpc-tls-cert {cert.cert} "
+                    f"--grpc-tls-key {cert.key} --grpc-tls-ca {ca.cert}")
+    stack = supervisor.Supervisor(ns, supervisor.config_from_args(ns), grpc_tls=grpc_tls_from_args(ns),
+                                  rest_tls=rest_tls_from_args(ns))
+    grpc_flags = f"--grpc-tls-cert {cert.cert} --grpc-tls-key {cert.key} --grpc-tls-ca {ca.cert}"
+    for child in stack.children:
+        assert grpc_flags in " ".join(child.argv), child.name
+    for gateway in stack.gateways:
+        assert (f"--ssl-certfile {cert.cert} --ssl-cert-reqs 1 --ssl-keyfile {cert.key} --ssl-ca-certs {ca.cert}"
+                in " ".join(gateway.argv))
+    assert stack.scheme == "https"
+    plain, _ = resolve("--gateways 2")
+    stack = supervisor.Supervisor(plain, supervisor.config_from_args(plain))
+    assert stack.scheme == "http" and not any("tls" in " ".join(c.argv) or "--ssl" in " ".join(c.argv)
+                                              for c in stack.children)
