@@ -64,7 +64,8 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
             return
         from gateway.client import GrpcBackend
 
-        grpc_backend = GrpcBackend.connect(settings.tokenizer_addresses, mux=settings.tokenizer_mux, tracing=tracing)
+        grpc_backend = GrpcBackend.connect(settings.tokenizer_addresses, mux=settings.tokenizer_mux, tracing=tracing,
+                                           api_key=settings.api_keys[0] if settings.api_keys else None)
         app.state.gateway = _state(settings, grpc_backend, metrics)
         try:
             yield

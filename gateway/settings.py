@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.auth import is_valid_key
+
 
 @dataclass(frozen=True)
 class GatewaySettings:
@@ -15,7 +17,8 @@ class GatewaySettings:
     tokenizer_mux: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
-    # Bearer keys accepted; empty: no authentication.
+    # Bearer keys accepted; empty: no authentication. The first is also the key this gateway sends to the
+    # tokenizer services: one secret per deployment, which already grants what their gRPC API does.
     api_keys: tuple[str, ...] = ()
     # CORS origins; empty: no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
@@ -80,8 +83,8 @@ class GatewaySettings:
             raise ValueError("shutdown_timeout must be >= 0")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
-        if any(not k for k in self.api_keys):
-            raise ValueError("api_keys must not be empty strings")
+        if not all(is_valid_key(k) for k in self.api_keys):
+            raise ValueError("api_keys must be printable ASCII without spaces (not empty)")
 
     @property
     def first_event_wait(self) -> float:

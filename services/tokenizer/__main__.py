@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from common.auth import add_api_key_args, api_keys
 from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
 from engine.text.chat import load_chat_template
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="threads that tokenize and render prompts off the event loop")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
+    add_api_key_args(parser)
     add_observability_args(parser)
     ns = parser.parse_args(argv)
     try:
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
                              template_timeout_s=ns.request_chat_template_timeout,
                              tokenize_threads=ns.tokenize_threads)
         observability = observability_settings(ns)
+        keys = api_keys(ns)
     except (ValueError, OSError) as e:
         parser.error(str(e))
     tracing = set_up(observability, log_level=ns.log_level, process="tokenizer")
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(serve(engine_addr=ns.engine, host=ns.host, port=ns.port, model=ns.model, tokenizer=ns.tokenizer,
                           served_model_name=ns.served_model_name, shm_tokens=ns.shm_tokens,
                           shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools,
-                          limits=limits, tracing=tracing, log_requests=observability.log_requests))
+                          limits=limits, tracing=tracing, log_requests=observability.log_requests,
+                          api_keys=keys))
     finally:
         if tracing is not None:
             tracing.shutdown()

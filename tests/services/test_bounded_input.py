@@ -50,7 +50,7 @@ def served(tokenizer: Tokenizer, body: Callable[[GenerationServicer], Awaitable[
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        servicer = GenerationServicer(tokenizer, channel, served_model_name="m", model_path="", limits=limits)
+        servicer = GenerationServicer(tokenizer, channel, served_model_name="m", limits=limits)
         try:
             return await body(servicer)
         finally:
