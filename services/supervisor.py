@@ -321,11 +321,7 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        if self.key_file is not None:
-            # O_EXCL: never through a file or link someone else put there first.
-            fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write("".join(f"{key}\n" for key in self.api_keys))
+        self.write_key_file()
         for child in self.children:
             child.start()
             if not child.wait_ready(lambda: self.stopping):
@@ -345,6 +341,14 @@ class Supervisor:
                     self._restart(child)
             time.sleep(0.2)
         return self.shutdown()
+
+    def write_key_file(self) -> None:
+        """The keys, for the children to read; removed by ``shutdown``."""
+        if self.key_file is not None:
+            # O_EXCL: never through a file or link someone else put there first.
+            fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(f"{key}\n" for key in self.api_keys))
 
     def _restart(self, child: Child) -> None:
         now = time.monotonic()
