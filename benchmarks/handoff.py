@@ -213,9 +213,9 @@ async def run_client(address: str, settings: HandoffSettings, prompts: dict[int,
                                                   ("grpc.max_send_message_length", _MSG_LIMIT)])
     # Two tokenizer-service servicers on one channel: one with a ring (shm), one without (inline ids).
     # The tokenizer itself is never used by engine_request.
-    ring = GenerationServicer(None, channel, served_model_name="bench", model_path="",  # type: ignore[arg-type]
+    ring = GenerationServicer(None, channel, served_model_name="bench",  # type: ignore[arg-type]
                               shm_tokens=settings.shm_tokens)
-    plain = GenerationServicer(None, channel, served_model_name="bench", model_path="",  # type: ignore[arg-type]
+    plain = GenerationServicer(None, channel, served_model_name="bench",  # type: ignore[arg-type]
                                shm_tokens=0)
     services = {mode: ring if mode.startswith("shm") else plain for mode in settings.modes}
     if not await ring.ensure_shm():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -13,10 +14,14 @@ from grpc_reflection.v1alpha import reflection
 from common.grpc_errors import ErrorMappingInterceptor
 from common.tls import GrpcTls, bind_port
 
-# Prompts of 128k token ids travel inline when shared memory is not available.
+# What a client receives (our own answers: prompt logprobs of 128k tokens) and sends (prompts of 128k ids
+# inline when shared memory is not available). A server's receive limit is sized from its model instead.
 MAX_MESSAGE_BYTES = 64 * 2**20
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+# Room in a server's receive limit for a request's fields besides its prompt: sampling, stop strings, a guided
+# decoding schema, a logit bias or allowed ids over a whole vocabulary (150k ids × 5 bytes is 0.75 MiB).
+MESSAGE_HEADROOM_BYTES = 4 * 2**20
 
 
 class Health:
@@ -34,11 +39,14 @@ class Health:
             await self._servicer.set(name, status)
 
 
-def new_server(service_name: str) -> tuple[grpc.aio.Server, Health]:
-    """A grpc.aio server with the error interceptor, reflection, and health starting NOT_SERVING."""
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
+def new_server(service_name: str, *, max_receive_bytes: int,
+               interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> tuple[grpc.aio.Server, Health]:
+    """A grpc.aio server with the error interceptor (after ``interceptors``), reflection, and health starting
+    NOT_SERVING. A request over ``max_receive_bytes`` is refused by gRPC (RESOURCE_EXHAUSTED) unread."""
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorMappingInterceptor()],
                              # Two servers must never share a port silently.
-                             options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+                             options=[("grpc.max_receive_message_length", max_receive_bytes),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)])
     health_service = Health(server, service_name)
     reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     return server, health_service

@@ -1,7 +1,8 @@
 """``python -m gateway``: the OpenAI-compatible REST gateway (Starlette on uvicorn).
 
-The API key comes from ``--api-key`` (repeatable) or the ``SLUICE_API_KEY``
-environment variable. ``/health``, ``/ready`` and ``/metrics`` need no key.
+API keys come from ``--api-key`` (repeatable) and ``--api-key-file``, else the ``SLUICE_API_KEY``
+environment variable. ``/health``, ``/ready`` and ``/metrics`` need no key. The first key is also sent to
+the tokenizer services, whose public gRPC API asks for one when it has keys.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import json
 import os
 import sys
 
+from common.auth import add_api_key_args, api_keys
 from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
-from common.settings import api_key
 from common.tls import add_grpc_tls_args, add_rest_tls_args, grpc_tls_from_args, rest_tls_from_args
 from gateway.metrics import add_metrics_args, federate_targets
 from gateway.settings import GatewaySettings
@@ -55,8 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "`sluice serve` turns it on)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="append", default=None,
-                   help="accepted bearer key (repeatable; default: $SLUICE_API_KEY; none: no auth)")
+    add_api_key_args(p)
     p.add_argument("--allowed-origins", type=_csv, default=(), metavar="ORIGIN[,ORIGIN...]",
                    help="CORS origins ('*' for any); default: CORS off")
     p.add_argument("--allow-credentials", action="store_true",
@@ -97,14 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> GatewaySettings:
-    env_key = api_key(environ)
-    keys = ns.api_key if ns.api_key else ([env_key] if env_key else [])
     return GatewaySettings(
         tokenizer_addresses=tuple(ns.tokenizer),
         tokenizer_mux=ns.tokenizer_mux,
         host=ns.host,
         port=ns.port,
-        api_keys=tuple(keys),
+        api_keys=api_keys(ns, environ),
         allowed_origins=tuple(ns.allowed_origins),
         allow_credentials=ns.allow_credentials,
         **({"allowed_methods": ns.allowed_methods} if ns.allowed_methods is not None else {}),

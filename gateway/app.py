@@ -65,7 +65,8 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
         from gateway.client import GrpcBackend
 
         grpc_backend = GrpcBackend.connect(settings.tokenizer_addresses, mux=settings.tokenizer_mux, tracing=tracing,
-                                          tls=settings.grpc_tls)
+                                          tls=settings.grpc_tls,
+                                          api_key=settings.api_keys[0] if settings.api_keys else None)
         app.state.gateway = _state(settings, grpc_backend, metrics)
         try:
             yield

@@ -7,10 +7,9 @@ never a URL rebuilt from the Host header, which a client controls (a
 
 from __future__ import annotations
 
-import hmac
-
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common.auth import key_matches
 from gateway.errors import ApiError
 
 # Probes, Prometheus scrapers and the API's description carry no key (as in vLLM); nothing here is private.
@@ -25,16 +24,6 @@ def bearer_token(scope: Scope) -> str | None:
     return None
 
 
-def key_matches(token: str, keys: tuple[bytes, ...]) -> bool:
-    # Header values are decoded as latin-1: encoding back gives the bytes the client
-    # sent, so a UTF-8 key sent as UTF-8 matches.
-    presented = token.encode("latin-1", "replace")
-    matched = False
-    for key in keys:  # compare with every key: time does not tell which one matched
-        matched |= hmac.compare_digest(presented, key)
-    return matched
-
-
 class AuthMiddleware:
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
         self.app = app
@@ -45,7 +34,8 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope)
-        if token is None or not key_matches(token, self.keys):
+        # Header values are decoded as latin-1: encoding back gives the bytes the client sent.
+        if token is None or not key_matches(token.encode("latin-1", "replace"), self.keys):
             message = "Missing API key: send `Authorization: Bearer <key>`." if token is None else "Invalid API key."
             err = ApiError(401, message, type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})

@@ -17,6 +17,7 @@ span, ``gateway/tracing.py``) in ``GenerateRequest.trace_headers``, on either pa
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -24,6 +25,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.auth import bearer_metadata
 from common.stream_mux import MuxClient, MuxRequest
 from common.tls import GrpcTls, aio_channel
 from common.tracing import Tracing
@@ -43,6 +45,9 @@ from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 __all__ = ["GrpcBackend", "delta_from_pb", "generate_request_to_pb", "grpc_target", "to_backend_error"]
 
 log = logging.getLogger("gateway")
+
+# gRPC call metadata, as grpc.aio takes it.
+Metadata = tuple[tuple[str, str], ...]
 
 HEALTH_SERVICE = "sluice.v1.Generation"
 
@@ -68,10 +73,6 @@ def to_backend_error(err: grpc.aio.AioRpcError) -> BackendError:
         if key == "retry-after" and isinstance(value, str) and value.isdigit():
             retry_after = int(value)
     return BackendError(kind, err.details() or "", retry_after)
-
-
-def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return (("x-request-id", request_id),)
 
 
 class GrpcGenerateCall:
@@ -149,10 +150,10 @@ class GenerateStream:
     opened on the first request and again after it ends (a failed call fails the requests it carried,
     as their own ``Generate`` calls would have failed)."""
 
-    def __init__(self, stub: generation_pb2_grpc.GenerationStub) -> None:
+    def __init__(self, stub: generation_pb2_grpc.GenerationStub, metadata: Metadata = ()) -> None:
         self._mux: MuxClient[int, generation_pb2.GenerateStreamRequest, generation_pb2.GenerateStreamResponse,
-                             generation_pb2.GenerateResponse] = MuxClient(stub.GenerateStream,
-                                                                          _GenerateStreamProtocol())
+                             generation_pb2.GenerateResponse] = MuxClient(
+            functools.partial(stub.GenerateStream, metadata=metadata), _GenerateStreamProtocol())
         self._next_id = 0
 
     @property
@@ -172,31 +173,37 @@ class GenerateStream:
 
 class GrpcBackend:
     """:class:`gateway.backend.Backend` over one ``grpc.aio`` channel (and, with ``mux``, one
-    ``GenerateStream`` per tokenizer address on channels of their own)."""
+    ``GenerateStream`` per tokenizer address on channels of their own). With ``api_key``, every call carries
+    it (``authorization: Bearer`` metadata): the tokenizer services' public API asks for it when keyed."""
 
     def __init__(self, channel: grpc.aio.Channel, mux_channels: Sequence[grpc.aio.Channel] = (),
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None, api_key: str | None = None) -> None:
         self._channel = channel
         self._tracing = tracing
+        self._auth: Metadata = (bearer_metadata(api_key),) if api_key is not None else ()
         self._stub = generation_pb2_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
         self._health = health_pb2_grpc.HealthStub(channel)
         self._mux_channels = list(mux_channels)
-        self._streams = [GenerateStream(generation_pb2_grpc.GenerationStub(c))  # type: ignore[no-untyped-call]
+        self._streams = [GenerateStream(generation_pb2_grpc.GenerationStub(c),  # type: ignore[no-untyped-call]
+                                        self._auth)
                          for c in self._mux_channels]
         self._turn = -1
 
     @classmethod
     def connect(cls, addresses: Sequence[str], *, mux: bool = False, tracing: Tracing | None = None,
-                tls: GrpcTls | None = None) -> GrpcBackend:
+                tls: GrpcTls | None = None, api_key: str | None = None) -> GrpcBackend:
         """Channels to ``addresses``, over TLS when ``tls`` is given (every channel alike)."""
         authority = tls_authority(addresses) if tls is not None else None
         channel = aio_channel(grpc_target(addresses), tls, options=channel_options(authority))
         if not mux:
-            return cls(channel, tracing=tracing)
+            return cls(channel, tracing=tracing, api_key=api_key)
         # One channel per address, so each stream goes to its own tokenizer service.
         addrs = [a.strip() for a in addresses if a.strip()]
         return cls(channel, [aio_channel(grpc_target([a]), tls, options=channel_options()) for a in addrs],
-                   tracing=tracing)
+                   tracing=tracing, api_key=api_key)
+
+    def _metadata(self, request_id: str) -> Metadata:
+        return (("x-request-id", request_id), *self._auth)
 
     def generate(self, prompt: Prompt, params: GenerationParams, *, request_id: str,
                  timeout: float | None, adapter: str = "") -> GrpcGenerateCall | MuxGenerateCall:
@@ -207,7 +214,7 @@ class GrpcBackend:
             self._turn = (self._turn + 1) % len(self._streams)
             turn = self._streams[self._turn:] + self._streams[:self._turn]
             return min(turn, key=lambda s: s.open_requests).start(req, timeout)
-        return GrpcGenerateCall(self._stub.Generate(req, timeout=timeout, metadata=_metadata(request_id)))
+        return GrpcGenerateCall(self._stub.Generate(req, timeout=timeout, metadata=self._metadata(request_id)))
 
     async def tokenize(self, prompt: Prompt, *, add_special_tokens: bool | None, return_token_strs: bool,
                        request_id: str, timeout: float | None, adapter: str = "") -> TokenizeResult:
@@ -219,7 +226,7 @@ class GrpcBackend:
         else:
             req.text = prompt.text or ""
         try:
-            resp = await self._stub.Tokenize(req, timeout=timeout, metadata=_metadata(request_id))
+            resp = await self._stub.Tokenize(req, timeout=timeout, metadata=self._metadata(request_id))
         except grpc.aio.AioRpcError as err:
             raise to_backend_error(err) from None
         strs = tuple(resp.token_strs) if return_token_strs else None
@@ -229,14 +236,15 @@ class GrpcBackend:
                          adapter: str = "") -> str:
         req = generation_pb2.DetokenizeRequest(token_ids=token_ids, model=adapter)
         try:
-            resp = await self._stub.Detokenize(req, timeout=timeout, metadata=_metadata(request_id))
+            resp = await self._stub.Detokenize(req, timeout=timeout, metadata=self._metadata(request_id))
         except grpc.aio.AioRpcError as err:
             raise to_backend_error(err) from None
         return str(resp.text)
 
     async def model_info(self, *, timeout: float | None) -> ModelInfo:
         try:
-            resp = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
+            resp = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout,
+                                                 metadata=self._auth)
         except grpc.aio.AioRpcError as err:
             raise to_backend_error(err) from None
         return model_info_from_pb(resp)
@@ -245,14 +253,15 @@ class GrpcBackend:
                                 timeout: float | None) -> LoRAAdapter:
         req = common_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path, base_model_name=base_model_name)
         try:
-            resp = await self._stub.LoadLoRAAdapter(req, timeout=timeout)
+            resp = await self._stub.LoadLoRAAdapter(req, timeout=timeout, metadata=self._auth)
         except grpc.aio.AioRpcError as err:
             raise to_backend_error(err) from None
         return adapter_from_pb(resp.adapter)
 
     async def unload_lora_adapter(self, name: str, *, timeout: float | None) -> None:
         try:
-            await self._stub.UnloadLoRAAdapter(common_pb2.UnloadLoRAAdapterRequest(lora_name=name), timeout=timeout)
+            await self._stub.UnloadLoRAAdapter(common_pb2.UnloadLoRAAdapterRequest(lora_name=name), timeout=timeout,
+                                               metadata=self._auth)
         except grpc.aio.AioRpcError as err:
             raise to_backend_error(err) from None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.auth import is_valid_key
 from common.tls import GrpcTls, RestTls
 from gateway.targets import tls_authority
 
@@ -18,7 +19,8 @@ class GatewaySettings:
     tokenizer_mux: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
-    # Bearer keys accepted; empty: no authentication.
+    # Bearer keys accepted; empty: no authentication. The first is also the key this gateway sends to the
+    # tokenizer services: one secret per deployment, which already grants what their gRPC API does.
     api_keys: tuple[str, ...] = ()
     # CORS origins; empty: no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
@@ -87,8 +89,8 @@ class GatewaySettings:
             raise ValueError("shutdown_timeout must be >= 0")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
-        if any(not k for k in self.api_keys):
-            raise ValueError("api_keys must not be empty strings")
+        if not all(is_valid_key(k) for k in self.api_keys):
+            raise ValueError("api_keys must be printable ASCII without spaces (not empty)")
         if self.grpc_tls is not None:
             tls_authority(self.tokenizer_addresses)  # raises for listed addresses no one certificate names
 

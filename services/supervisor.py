@@ -13,15 +13,18 @@ import argparse
 import json
 import logging
 import os
+import secrets
 import signal
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from common.auth import add_api_key_args, api_keys
 from common.errors import InvalidRequestError
 from common.logs import configure_logging
 from common.observability import (
@@ -31,7 +34,6 @@ from common.observability import (
     observability_settings,
 )
 from common.procs import ENV_PARENT_PID, free_port, grpc_serving, port_number
-from common.settings import ENV_API_KEY, api_key
 from common.tls import (
     GrpcTls,
     RestTls,
@@ -173,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizers", type=int, default=1)
     p.add_argument("--engine-port", type=int, default=50051)
     p.add_argument("--tokenizer-port", type=int, default=50061, help="first tokenizer service port")
-    p.add_argument("--api-key", default=api_key())
+    add_api_key_args(p)
     p.add_argument("--allowed-origins", default=None)
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (gateway flag)")
     p.add_argument("--allowed-methods", default=None, help="CORS: methods preflights may ask for (gateway flag)")
@@ -262,12 +264,19 @@ def _explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str
 
 
 class Supervisor:
+    """``api_keys``: asked for by the gateways (REST) and the tokenizer services (gRPC), which read them from a
+    file of this process's (mode 0600, removed at exit): a key on a child's command line would show in ``ps``."""
+
     def __init__(self, ns: argparse.Namespace, config: EngineConfig,
-                 observability: ObservabilitySettings | None = None, *, grpc_tls: GrpcTls | None = None,
-                 rest_tls: RestTls | None = None) -> None:
+                 observability: ObservabilitySettings | None = None, api_keys: tuple[str, ...] = (), *,
+                 grpc_tls: GrpcTls | None = None, rest_tls: RestTls | None = None) -> None:
         """``grpc_tls``: TLS on every gRPC hop, the same files forwarded to every child (and used by the
         readiness probes); ``rest_tls``: HTTPS on every gateway."""
         self.ns = ns
+        self.api_keys = api_keys
+        self.key_file = (os.path.join(tempfile.gettempdir(), f"sluice-api-keys-{os.getpid()}-{secrets.token_hex(8)}")
+                         if api_keys else None)
+        key_flags = ["--api-key-file", self.key_file] if self.key_file else []
         self.config = config
         self.observability = observability if observability is not None else observability_settings(ns)
         # Every child traces and logs alike; request lines come from the gateways and the engine (as vLLM's API
@@ -292,7 +301,7 @@ class Supervisor:
                                      "--port", str(ns.tokenizer_port + i), "--served-model-name",
                                      config.model_name, "--log-level", ns.log_level,
                                      "--shutdown-timeout", str(ns.shutdown_timeout), *model_flags,
-                                     *tokenizer_obs_flags],
+                                     *key_flags, *tokenizer_obs_flags],
                   ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation", grpc_tls)))
             for i, addr in enumerate(tok_addrs)]
         self.scheme = scheme = "http" if rest_tls is None else "https"
@@ -304,7 +313,7 @@ class Supervisor:
                     *[f for name in served_names(ns, config) for f in ("--served-model-name", name)],
                     "--shutdown-timeout", str(ns.shutdown_timeout),
                     "--keepalive-interval", str(ns.keepalive_interval),
-                    "--log-level", ns.uvicorn_log_level or ns.log_level, *child_flags]
+                    "--log-level", ns.uvicorn_log_level or ns.log_level, *key_flags, *child_flags]
             if ns.request_timeout is not None:
                 argv += ["--request-timeout", str(ns.request_timeout)]
             if ns.tokenizer_mux:
@@ -324,7 +333,6 @@ class Supervisor:
             argv += rest_tls_flags(rest_tls)
             self.gateways.append(Child(f"gateway-{i}", argv,
                                        ready=(lambda p=port: http_ok(f"{scheme}://127.0.0.1:{p}/health", probe))))
-        self.env_api_key = ns.api_key
 
     @property
     def children(self) -> list[Child]:
@@ -333,8 +341,7 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        if self.env_api_key:
-            os.environ[ENV_API_KEY] = self.env_api_key  # children read it from the environment, not argv
+        self.write_key_file()
         for child in self.children:
             child.start()
             if not child.wait_ready(lambda: self.stopping):
@@ -354,6 +361,14 @@ class Supervisor:
                     self._restart(child)
             time.sleep(0.2)
         return self.shutdown()
+
+    def write_key_file(self) -> None:
+        """The keys, for the children to read; removed by ``shutdown``."""
+        if self.key_file is not None:
+            # O_EXCL: never through a file or link someone else put there first.
+            fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(f"{key}\n" for key in self.api_keys))
 
     def _restart(self, child: Child) -> None:
         now = time.monotonic()
@@ -390,6 +405,8 @@ class Supervisor:
                 logger.warning("%s did not stop in time; killing it", child.name)
                 child.proc.kill()
                 child.proc.wait()
+        if self.key_file is not None and os.path.exists(self.key_file):
+            os.remove(self.key_file)
         logger.info("stopped")
         return 0
 
@@ -402,12 +419,13 @@ def main(argv: list[str] | None = None) -> None:
         config = config_from_args(ns)
         observability = observability_settings(ns)
         grpc_tls, rest_tls = grpc_tls_from_args(ns), rest_tls_from_args(ns)
+        keys = api_keys(ns)
     except ValueError as e:
         raise SystemExit(f"sluice serve: {e}") from e
     configure_logging(ns.log_level, observability.log_format, "serve")
     for note in notes:
         logger.info("%s", note)
-    raise SystemExit(Supervisor(ns, config, observability, grpc_tls=grpc_tls, rest_tls=rest_tls).run())
+    raise SystemExit(Supervisor(ns, config, observability, keys, grpc_tls=grpc_tls, rest_tls=rest_tls).run())
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
@@ -32,6 +33,7 @@ from engine.entrypoints.grpc_lora import adapters_to_pb, load_adapter, unload_ad
 from engine.entrypoints.grpc_wire import abort_targets_from_pb, output_to_pb, sampling_params_from_pb, wire_error
 from engine.entrypoints.lora_registry import LoRARegistry
 from engine.entrypoints.metrics import serve_metrics
+from engine.entrypoints.model_limits import engine_max_request_bytes, model_context_length
 from engine.entrypoints.request_observer import RequestObserver
 from engine.entrypoints.stats_logger import DEFAULT_INTERVAL_S
 from engine.text import Tokenizer
@@ -69,6 +71,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.observer = observer
         self.counters = {"shm_handoffs": 0, "inline_handoffs": 0, "finished_requests": 0, "stream_calls": 0}
         self._shm: Any = None  # ShmReader, created on first registration
+        # Tells callers a restarted engine from this one (GetInfoResponse.instance_id).
+        self.instance_id = uuid.uuid4().hex
 
     @property
     def engine(self) -> AsyncEngine:
@@ -172,7 +176,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 finished_requests=self.counters["finished_requests"], stream_calls=self.counters["stream_calls"],
                 prefix_cache_query_tokens=stats["prefix_cache_queries"],
                 prefix_cache_hit_tokens=stats["prefix_cache_hits"], preemptions=stats["num_preemptions"]),
-            lora_enabled=self.registry.enabled, lora_adapters=adapters_to_pb(self.registry))
+            lora_enabled=self.registry.enabled, lora_adapters=adapters_to_pb(self.registry),
+            instance_id=self.instance_id)
 
     async def LoadLoRAAdapter(self, request: common_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
                               ) -> common_pb2.LoadLoRAAdapterResponse:
@@ -301,7 +306,9 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
     (engine.entrypoints.metrics), once the model is loaded.
     ``tracing``: a span per request (None: off); ``log_requests``: a line per request added and finished."""
     metrics_registry, metrics_server = serve_metrics(metrics_host, metrics_port) if metrics_port else (None, None)
-    server, health_service = new_server(SERVICE_NAME)
+    # Sized before the model loads (the server answers health meanwhile): --max-model-len, else the model's own.
+    max_model_len = config.max_model_len or model_context_length(config.model_path)
+    server, health_service = new_server(SERVICE_NAME, max_receive_bytes=engine_max_request_bytes(max_model_len))
     await health_service.set_serving(False)
     registry = LoRARegistry(config)
     observer = (RequestObserver(config.model_name, tracing=tracing, log_requests=log_requests)

@@ -9,6 +9,7 @@ tokenizer llama.cpp would run: byte-level BPE (``gpt2``) with the split regexes 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -64,8 +65,10 @@ class GGUFTokenizer:
     chat_template: str | None
 
 
-def read_gguf_metadata(path: str) -> dict[str, object]:
-    """The key/value metadata of a GGUF file (the tensor data is never read)."""
+def read_gguf_metadata(path: str, *, until: Callable[[dict[str, object]], bool] | None = None
+                       ) -> dict[str, object]:
+    """The key/value metadata of a GGUF file (the tensor data is never read); with ``until``, only as far as
+    the first key after which ``until(metadata so far)`` holds (a model's settings come before its vocabulary)."""
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
@@ -77,6 +80,8 @@ def read_gguf_metadata(path: str) -> dict[str, object]:
             key = _read_string(f)
             (value_type,) = struct.unpack("<I", f.read(4))
             meta[key] = _read_value(f, value_type)
+            if until is not None and until(meta):
+                break
         return meta
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from common.auth import add_api_key_args, api_keys
 from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
 from common.tls import add_grpc_tls_args, grpc_tls_from_args
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="threads that tokenize and render prompts off the event loop")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
+    add_api_key_args(parser)
     add_observability_args(parser)
     add_grpc_tls_args(parser)
     ns = parser.parse_args(argv)
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
                              tokenize_threads=ns.tokenize_threads)
         observability = observability_settings(ns)
         tls = grpc_tls_from_args(ns)
+        keys = api_keys(ns)
     except (ValueError, OSError) as e:
         parser.error(str(e))
     tracing = set_up(observability, log_level=ns.log_level, process="tokenizer")
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                           served_model_name=ns.served_model_name, shm_tokens=ns.shm_tokens,
                           shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools,
                           limits=limits, tracing=tracing, log_requests=observability.log_requests,
-                          tls=tls))
+                          tls=tls, api_keys=keys))
     finally:
         if tracing is not None:
             tracing.shutdown()

@@ -6,6 +6,9 @@ SmolLM2: a newline and 80 spaces) and a character is at least one byte, so a tex
 ``max_model_len × max_token_bytes`` characters has more than ``max_model_len`` tokens. The bound is doubled
 when the tokenizer has a normalizer (NFC/NFKC composition may shorten text before tokens are matched). Texts
 under the bound are tokenized (off the event loop) and the engine checks their exact length.
+
+The same bound, in bytes (each token stands for at most ``max_token_bytes`` bytes of UTF-8), sizes the public
+gRPC API's receive limit, so that a message too big to hold a prompt that fits is refused by gRPC unread.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
+from common.grpc_server import MESSAGE_HEADROOM_BYTES
 from proto.sluice.v1 import generation_pb2
 
 # Room for a normalizer that shortens text before tokens are matched (see the module's doc).
@@ -38,6 +42,13 @@ class InputLimits:
 def max_prompt_chars(max_model_len: int, max_token_bytes: int, *, normalized: bool) -> int:
     """The most characters a prompt (or a chat's text, or a rendered template) may have."""
     return max_model_len * max_token_bytes * (NORMALIZER_SLACK if normalized else 1)
+
+
+def max_message_bytes(max_model_len: int, max_token_bytes: int, *, normalized: bool) -> int:
+    """The public API's receive limit: the longest prompt that can fit, as text (``max_prompt_chars``, which
+    bounds its UTF-8 bytes too) or as ids (at most 5 bytes each on the wire), and room for the other fields."""
+    return max(max_prompt_chars(max_model_len, max_token_bytes, normalized=normalized),
+               max_model_len * 5) + MESSAGE_HEADROOM_BYTES
 
 
 def check_text(field: str, text: str, max_chars: int) -> None:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import grpc
 
+from common.auth import ApiKeyInterceptor
 from common.grpc_server import CHANNEL_OPTIONS, Health, bind, new_server, stop_event
 from common.tls import GrpcTls, aio_channel
 from common.tracing import Tracing
 from engine.config import DEFAULT_SERVED_NAME, default_model_path
+from engine.entrypoints.model_limits import model_context_length
 from engine.text import Tokenizer
 from proto.sluice.v1 import generation_pb2_grpc
-from services.tokenizer.limits import InputLimits
+from services.tokenizer.limits import InputLimits, max_message_bytes
 from services.tokenizer.service import GenerationServicer
 from services.tokenizer.tools import ToolSettings
 
@@ -26,22 +29,23 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
                 served_model_name: str | None, shm_tokens: int, shutdown_grace: float = 10.0,
                 chat_template: str | None = None, tools: ToolSettings | None = None,
                 limits: InputLimits | None = None, tracing: Tracing | None = None, log_requests: bool = False,
-                tls: GrpcTls | None = None) -> None:
+                tls: GrpcTls | None = None, api_keys: Sequence[str] = ()) -> None:
     """``tls``: TLS on this service's port and on its channel to the engine (None: plaintext);
     ``chat_template``: the template text (``--chat-template``, already read), used instead of the model's;
-    ``tracing``: a span per generation (None: off); ``log_requests``: a line per request received and finished."""
+    ``tracing``: a span per generation (None: off); ``log_requests``: a line per request received and finished;
+    ``api_keys``: the keys every call but health and reflection must carry (none: no key asked for)."""
     model_path = model or default_model_path()
     tok = Tokenizer.from_pretrained(tokenizer or model_path)
     if chat_template is not None:
         tok.chat_template = chat_template
     channel = aio_channel(engine_addr, tls, options=CHANNEL_OPTIONS)
-    server, health_service = new_server(SERVICE_NAME)
+    server, health_service = public_server(tok, model_context_length(model_path), api_keys)
     name = served_model_name or (DEFAULT_SERVED_NAME if model is None else None)
     if name is None:
         from engine.config import EngineConfig
 
         name = EngineConfig(model=model).model_name
-    servicer = GenerationServicer(tok, channel, served_model_name=name, model_path=model_path,
+    servicer = GenerationServicer(tok, channel, served_model_name=name,
                                   shm_tokens=shm_tokens, tools=tools, limits=limits, tracing=tracing,
                                   log_requests=log_requests)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -60,12 +64,23 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
     await channel.close()
 
 
+def public_server(tokenizer: Tokenizer, context_length: int, api_keys: Sequence[str]
+                  ) -> tuple[grpc.aio.Server, Health]:
+    """The public API's server: it asks for ``api_keys`` when there are any, and receives no message larger
+    than the longest prompt the model can take (``context_length`` tokens, the model's: its engine may take
+    fewer) with room for the other fields."""
+    limit = max_message_bytes(context_length, tokenizer.max_token_bytes,
+                              normalized=tokenizer.backend.normalizer is not None)
+    return new_server(SERVICE_NAME, max_receive_bytes=limit,
+                      interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else [])
+
+
 async def track_engine(servicer: GenerationServicer, channel: grpc.aio.Channel,
                         health_service: Health, stop: asyncio.Event) -> None:
     """SERVING while connected to an engine that answered GetInfo on this connection; NOT_SERVING from the
-    moment the connection is lost. A new connection is a new engine as far as we can tell (a process that
-    dies closes its sockets; the restarted one is reached over a new connection): its first answer hands our
-    shared memory and info over again.
+    moment the connection is lost. Which engine answered is told by its instance id, not by the connection:
+    the servicer hands our shared memory over again when the id changes (``engine_info``), and a reconnect to
+    the same engine (a dropped connection, a proxy restarted) keeps everything.
 
     Liveness follows the connection, never a call's latency: a stalled or overloaded engine (SIGSTOP, a step
     of minutes) keeps its connection, so GetInfo is sent with no deadline and waited for as long as it takes,
@@ -73,8 +88,6 @@ async def track_engine(servicer: GenerationServicer, channel: grpc.aio.Channel,
     gRPC ends every call on it with UNAVAILABLE (within milliseconds of a SIGKILL).
     """
     serving: bool | None = None
-    answered = False  # the engine answered on the current connection
-    ever_answered = False
 
     async def set_serving(ok: bool) -> None:
         nonlocal serving
@@ -85,29 +98,23 @@ async def track_engine(servicer: GenerationServicer, channel: grpc.aio.Channel,
     while not stop.is_set():
         state = channel.get_state(try_to_connect=True)
         if state is not grpc.ChannelConnectivity.READY:
-            answered = False
             await set_serving(False)
             await _state_change(channel, state, 0.25)
             continue
-        if not answered and ever_answered:
-            servicer.engine_restarted()
         try:
             await servicer.engine_info(refresh=True, timeout=None)
         except grpc.aio.AioRpcError as error:
             # The connection went (it ended the call), or the engine answered with an error: not ready
-            # until it answers, and that answer is handled as a new engine's.
-            answered = False
+            # until it answers.
             if error.code() is not grpc.StatusCode.UNAVAILABLE:
                 logger.warning("engine GetInfo failed: %s %s", error.code().name, error.details())
             await set_serving(False)
             await _state_change(channel, grpc.ChannelConnectivity.READY, 0.25)
             continue
-        answered = ever_answered = True
         await set_serving(True)
         # At once when the connection changes (a dying engine drops it): readiness follows within
-        # milliseconds; else the info is refreshed every second (the LoRA adapters loaded, the load).
-        if await _state_change(channel, grpc.ChannelConnectivity.READY, 1.0):
-            answered = False  # lost, even if it is READY again by the time we look
+        # milliseconds; else the info is refreshed every second (the LoRA adapters loaded, the load, the id).
+        await _state_change(channel, grpc.ChannelConnectivity.READY, 1.0)
 
 
 async def _state_change(channel: grpc.aio.Channel, state: grpc.ChannelConnectivity, timeout: float) -> bool:

@@ -76,7 +76,7 @@ class _Handoff:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, engine_channel: grpc.aio.Channel, *, served_model_name: str,
-                 model_path: str, shm_tokens: int = 0, tools: ToolSettings | None = None,
+                 shm_tokens: int = 0, tools: ToolSettings | None = None,
                  limits: InputLimits | None = None, tracing: Tracing | None = None,
                  log_requests: bool = False) -> None:
         self.tokenizer = tokenizer
@@ -90,8 +90,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.engine = engine_pb2_grpc.EngineStub(engine_channel)
         self.engine_stream = EngineStream(self.engine)
         self.served_model_name = served_model_name
-        self.model_path = model_path
         self._info: EngineInfo | None = None
+        self._engine_instance: str | None = None  # the instance id of the engine that answered last
         self._ring = ShmRing(shm_tokens) if shm_tokens > 0 else None
         self._shm_registered = False
         self.draining = False
@@ -100,9 +100,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     # -- engine handshake ---------------------------------------------------------------------------------
     async def engine_info(self, refresh: bool = False, *, timeout: float | None = 10) -> EngineInfo:
         """The engine's model and LoRA adapters, asked again when ``refresh`` or unknown. ``timeout`` bounds
-        a caller's wait, not the engine's life: a slow answer says nothing about whether it is gone."""
+        a caller's wait, not the engine's life: a slow answer says nothing about whether it is gone.
+
+        Every answer names the engine process (``instance_id``): one that differs from the last is a restarted
+        engine, whoever asked, and whether or not the connection dropped in between (a proxy may keep it)."""
         if self._info is None or refresh:
             r = await self.engine.GetInfo(engine_pb2.GetInfoRequest(), timeout=timeout)
+            if self._engine_instance is not None and r.instance_id != self._engine_instance:
+                self.engine_restarted()
+            self._engine_instance = r.instance_id
             self._info = EngineInfo(r.model_name, r.max_model_len, r.vocab_size, list(r.eos_token_ids),
                                     r.bos_token_id if r.HasField("bos_token_id") else None,
                                     r.lora_enabled, adapters_from_pb(list(r.lora_adapters)))
@@ -128,6 +134,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def engine_restarted(self) -> None:
         """A new engine process knows neither our ring nor its info: hand both over again.
+        Its requests went with it; those still open here end by the call they were on.
 
         The engine stream is left alone: the call of an engine that is gone ended with its connection (its
         requests got UNAVAILABLE then), and the next request opens a new one. Resetting it here would kill a
@@ -371,7 +378,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         resp = generation_pb2.GetModelInfoResponse(
             model_name=self.served_model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids, has_chat_template=self.tokenizer.chat_template is not None,
-            model_path=self.model_path, lora_enabled=info.lora_enabled,
+            lora_enabled=info.lora_enabled,
             lora_adapters=adapters_to_pb(info.lora_adapters))
         if info.bos_token_id is not None:
             resp.bos_token_id = info.bos_token_id

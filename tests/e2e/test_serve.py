@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from engine.config import default_model_path
-from proto.sluice.v1 import engine_pb2, engine_pb2_grpc
+from proto.sluice.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.procs import ServeStack, http_status, wait_until
 
 pytestmark = pytest.mark.slow
@@ -174,9 +174,16 @@ def test_64_streams_with_random_disconnects_free_everything(stack: ServeStack) -
     assert info.free_kv_blocks == info.total_kv_blocks and info.num_running == 0 and info.num_waiting == 0
 
 
+# The small stack asks for a key, given in a file (sluice serve hands its children a file of its own).
+KEY = "sk-e2e-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 @pytest.fixture(scope="module")
 def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
-    s = ServeStack(tmp_path_factory.mktemp("serve-small"), "--dtype", "float32", "--max-num-seqs", "2",
+    tmp = tmp_path_factory.mktemp("serve-small")
+    (tmp / "keys").write_text(f"{KEY}\n")
+    s = ServeStack(tmp, "--dtype", "float32", "--max-num-seqs", "2", "--api-key-file", str(tmp / "keys"),
                    "--max-queued-requests", "2", "--kv-cache-memory", "256MiB", "--shutdown-timeout", "3")
     s.start()
     yield s
@@ -188,7 +195,7 @@ def test_overload_gets_fast_429_with_retry_after(small_stack: ServeStack) -> Non
 
     async def one(i: int, http: httpx.AsyncClient) -> tuple[int, float, httpx.Response]:
         t0 = time.monotonic()
-        r = await http.post(url, json={"prompt": f"Burst {i}", "max_tokens": 24, "ignore_eos": True})
+        r = await http.post(url, json={"prompt": f"Burst {i}", "max_tokens": 24, "ignore_eos": True}, headers=AUTH)
         return r.status_code, time.monotonic() - t0, r
 
     async def run() -> list[tuple[int, float, httpx.Response]]:
@@ -209,14 +216,42 @@ def test_overload_gets_fast_429_with_retry_after(small_stack: ServeStack) -> Non
             assert r.json()["usage"]["completion_tokens"] == 24
 
 
+def test_the_key_guards_rest_and_the_tokenizers_grpc_and_no_path_or_key_shows(small_stack: ServeStack) -> None:
+    """One key for the stack: REST and the tokenizer service's public gRPC API ask for it, the gateway passes
+    it on (the completion goes through), no child has it on its command line, and neither API tells the
+    model's filesystem path."""
+    url = f"{small_stack.base_url}/v1/completions"
+    body = {"prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(url, json=body, timeout=60).status_code == 401
+    assert httpx.post(url, json=body, timeout=60, headers=AUTH).status_code == 200
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{small_stack.tokenizer_port}"))
+    request = generation_pb2.GenerateRequest(text="Hi", stopping=generation_pb2.StoppingCriteria(max_tokens=2))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request, timeout=60))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "missing API key" in (err.value.details() or "")
+    assert sum(len(r.token_ids) for r in stub.Generate(request, timeout=60, metadata=(("authorization",
+                                                                                       f"Bearer {KEY}"),))) == 2
+    for pid in [small_stack.proc.pid, *small_stack.child_pids()]:  # type: ignore[union-attr]
+        assert KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    model_dir = str(Path(default_model_path()).parent)
+    info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10, metadata=(("authorization",
+                                                                                         f"Bearer {KEY}"),))
+    assert info.model_name == "SmolLM2-135M-Instruct"
+    assert model_dir.encode() not in info.SerializeToString()
+    models = httpx.get(f"{small_stack.base_url}/v1/models", headers=AUTH, timeout=10)
+    assert models.status_code == 200 and model_dir not in models.text
+    assert [m["id"] for m in models.json()["data"]] == ["SmolLM2-135M-Instruct"]
+
+
 def test_engine_killed_mid_stream_then_restarted(small_stack: ServeStack) -> None:
     url = f"{small_stack.base_url}/v1/completions"
     events: list[str] = []
     ended_at: list[float] = []
 
     def stream() -> None:
-        with httpx.stream("POST", url, timeout=60, json={"prompt": "Long story:", "max_tokens": 400,
-                                                         "ignore_eos": True, "stream": True}) as r:
+        with httpx.stream("POST", url, timeout=60, headers=AUTH, json={"prompt": "Long story:", "max_tokens": 400,
+                                                                       "ignore_eos": True, "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line)
@@ -233,7 +268,7 @@ def test_engine_killed_mid_stream_then_restarted(small_stack: ServeStack) -> Non
     assert errors, events[-3:]
     wait_until(lambda: http_status(f"{small_stack.base_url}/ready") == 503, 2, what="/ready fails while down")
     wait_until(lambda: http_status(f"{small_stack.base_url}/ready") == 200, 300, what="engine restarted")
-    r = httpx.post(url, json={"prompt": "Back again", "max_tokens": 4}, timeout=60)
+    r = httpx.post(url, json={"prompt": "Back again", "max_tokens": 4}, timeout=60, headers=AUTH)
     assert r.status_code == 200 and r.json()["choices"][0]["text"]
 
 
@@ -241,11 +276,20 @@ def test_sigterm_drains_and_exits_zero(small_stack: ServeStack) -> None:
     assert small_stack.proc is not None
     children = small_stack.child_pids()
     assert len(children) == 3
+    key_files = set()
+    for pid in children:  # the gateway and the tokenizer read the supervisor's copy of the keys
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        if "--api-key-file" in argv:
+            key_files.add(argv[argv.index("--api-key-file") + 1])
+    assert len(key_files) == 1
+    key_file = Path(key_files.pop())
+    assert key_file.stat().st_mode & 0o777 == 0o600 and key_file.read_text() == f"{KEY}\n"
     t0 = time.monotonic()
     small_stack.proc.send_signal(signal.SIGTERM)
     code = small_stack.proc.wait(3 + 2 + 3)
     assert code == 0
     assert time.monotonic() - t0 <= 3 + 2
+    assert not key_file.exists()
     for pid in children:
         assert not Path(f"/proc/{pid}").exists() or b"zombie" in Path(f"/proc/{pid}/status").read_bytes().lower()
 

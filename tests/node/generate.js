@@ -1,12 +1,14 @@
 // A Node.js client of Sluice's public text-level API (sluice.v1.Generation), written
 // against the .proto files only: it streams one Generate call and prints a JSON summary.
-//   node generate.js ADDR '{"chat": {"messages": [...]}, "sampling": {...}, "stopping": {...}}'
+//   node generate.js ADDR '{"chat": {"messages": [...]}, "sampling": {...}, "stopping": {...}}' [API_KEY]
 "use strict";
 const { grpc, sluice } = require("./sluice");
 
-const [addr, body] = process.argv.slice(2);
+const [addr, body, apiKey] = process.argv.slice(2);
 const client = new sluice.Generation(addr, grpc.credentials.createInsecure());
-const call = client.Generate(JSON.parse(body), new grpc.Metadata(), { deadline: Date.now() + 120000 });
+const metadata = new grpc.Metadata();
+if (apiKey) metadata.set("authorization", `Bearer ${apiKey}`);
+const call = client.Generate(JSON.parse(body), metadata, { deadline: Date.now() + 120000 });
 const texts = {};
 let finish = null;
 let usage = null;

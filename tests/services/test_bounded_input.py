@@ -15,10 +15,12 @@ import grpc
 import pytest
 
 from common.errors import InvalidRequestError
+from common.grpc_server import CHANNEL_OPTIONS, MESSAGE_HEADROOM_BYTES
 from engine.config import default_model_path
 from engine.text import Tokenizer
-from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2
-from services.tokenizer.limits import InputLimits
+from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.tokenizer.limits import InputLimits, max_message_bytes
+from services.tokenizer.server import public_server
 from services.tokenizer.service import GenerationServicer
 
 MAX_MODEL_LEN = 8192
@@ -50,7 +52,7 @@ def served(tokenizer: Tokenizer, body: Callable[[GenerationServicer], Awaitable[
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        servicer = GenerationServicer(tokenizer, channel, served_model_name="m", model_path="", limits=limits)
+        servicer = GenerationServicer(tokenizer, channel, served_model_name="m", limits=limits)
         try:
             return await body(servicer)
         finally:
@@ -204,3 +206,51 @@ def test_trusted_request_templates_render_and_are_stopped_by_their_bounds(tokeni
     assert silent[:2] == ("chat_template", "the chat template did not render within 1 s")
     assert 1.0 <= silent[2] < 1.5
 
+
+
+def test_the_public_servers_receive_limit_refuses_a_message_too_big_to_fit_and_takes_one_that_may(
+        tokenizer: Tokenizer) -> None:
+    """Sized from the model as ``serve`` sizes it: a prompt one character past the bound still reaches the
+    service (refused by its length check, naming the field); a message one byte past the limit is refused by
+    gRPC itself, unread (RESOURCE_EXHAUSTED), as a 60 MB prompt is."""
+    tok = tokenizer
+    limit = max_message_bytes(MAX_MODEL_LEN, tok.max_token_bytes, normalized=False)
+    assert limit == MAX_CHARS + MESSAGE_HEADROOM_BYTES
+
+    async def main() -> list[tuple[grpc.StatusCode, str]]:
+        engine = grpc.aio.server()
+        engine_pb2_grpc.add_EngineServicer_to_server(InfoEngine(), engine)
+        engine_port = engine.add_insecure_port("127.0.0.1:0")
+        await engine.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{engine_port}")
+        server, _ = public_server(tok, MAX_MODEL_LEN, ())
+        servicer = GenerationServicer(tok, channel, served_model_name="m")
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        out = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as client:
+                stub = generation_pb2_grpc.GenerationStub(client)
+                over_by_one = generation_pb2.TokenizeRequest(text="x" * (limit - 4))
+                assert over_by_one.ByteSize() == limit + 1
+                for text in ("x" * (MAX_CHARS + 1), "x" * (limit - 4), "x" * 60 * 2**20):
+                    try:
+                        await stub.Tokenize(generation_pb2.TokenizeRequest(text=text), timeout=30)
+                        out.append((grpc.StatusCode.OK, ""))
+                    except grpc.aio.AioRpcError as e:
+                        out.append((e.code(), e.details() or ""))
+        finally:
+            await server.stop(None)
+            await servicer.prompts.aclose()
+            servicer.close()
+            await channel.close()
+            await engine.stop(None)
+        return out
+
+    fits, over, huge = asyncio.run(main())
+    assert fits == (grpc.StatusCode.INVALID_ARGUMENT, f"prompt: is {MAX_CHARS + 1} characters; at most {MAX_CHARS} "
+                                                      "can fit in the model's context (max_model_len × the longest "
+                                                      "token's bytes)")
+    assert over[0] is grpc.StatusCode.RESOURCE_EXHAUSTED and str(limit) in over[1]
+    assert huge[0] is grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -13,21 +13,26 @@ import grpc
 import pytest
 
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
-from tests.procs import ROOT, engine_process, tokenizer_process
+from tests.procs import ROOT, engine_process, grpc_serving, tokenizer_process
 
 pytestmark = pytest.mark.slow
 
 PARIS_CHAT = [generation_pb2.ChatMessage(role="user", content="What is the capital of France?")]
 
 
+KEY = "sk-grpc-stack-0123"
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("grpc-stack")
+    (tmp / "keys").write_text(f"other-key\n{KEY}\n")
     # fp32 so outputs are comparable across batch shapes; 4 running sequences at most so requests queue.
     with engine_process(tmp, "--dtype", "float32", "--max-num-seqs", "4", "--kv-cache-memory", "256MiB") as eng, \
             tokenizer_process(tmp, eng) as tok_shm, \
-            tokenizer_process(tmp, eng, "--shm-tokens", "0") as tok_inline:
-        yield {"engine": eng, "shm": tok_shm, "inline": tok_inline}
+            tokenizer_process(tmp, eng, "--shm-tokens", "0") as tok_inline, \
+            tokenizer_process(tmp, eng, "--api-key-file", str(tmp / "keys")) as tok_keyed:
+        yield {"engine": eng, "shm": tok_shm, "inline": tok_inline, "keyed": tok_keyed}
 
 
 def _gen_stub(addr: str) -> generation_pb2_grpc.GenerationStub:
@@ -212,6 +217,7 @@ def test_shm_handoff_when_colocated_inline_otherwise(stack: dict[str, str]) -> N
     ({"text": ""}, "prompt"),
     ({"text": "hi", "sampling": common_pb2.SamplingParameters(top_p=1.5)}, "top_p"),
     ({"text": "hi", "stopping": generation_pb2.StoppingCriteria(max_tokens=0)}, "max_tokens"),
+    ({"text": "hi", "n": 1000}, "n"),  # REST caps n at 16; so does the public gRPC API (issue 26)
 ])
 def test_invalid_requests_are_invalid_argument(stack: dict[str, str], request_kwargs: dict, field: str) -> None:
     with pytest.raises(grpc.RpcError) as err:
@@ -228,3 +234,47 @@ def test_request_id_is_echoed(stack: dict[str, str]) -> None:
     msgs = list(call)
     assert dict(call.initial_metadata())["x-request-id"] == "req-abc-123"
     assert all(m.request_id == "req-abc-123" for m in msgs)
+
+
+def _node_generate(addr: str, body: dict[str, object], *key: str) -> dict[str, object]:
+    out = subprocess.run([shutil.which("node") or "node", str(ROOT / "tests/node/generate.js"), addr,
+                          json.dumps(body), *key], capture_output=True, text=True, timeout=120, check=True)
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+def test_a_keyed_tokenizer_refuses_calls_without_its_key_and_serves_those_with_one(stack: dict[str, str]) -> None:
+    """--api-key-file: Python and Node clients get UNAUTHENTICATED without a key or with a wrong one, and the
+    same answer as from a keyless service with a key from the file; health needs no key (probes carry none)."""
+    expected, _ = _collect(_gen_stub(stack["shm"]).Generate(generation_pb2.GenerateRequest(
+        text="Name a colour.", **_greedy(6, ignore_eos=True))))
+    stub = _gen_stub(stack["keyed"])
+    request = generation_pb2.GenerateRequest(text="Name a colour.", **_greedy(6, ignore_eos=True))
+    for metadata, details in [((), "missing API key: send `authorization: Bearer <key>` metadata"),
+                              ((("authorization", "Bearer wrong"),), "invalid API key")]:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, metadata=metadata))
+        assert (err.value.code(), err.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, details)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), metadata=metadata)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    keyed = (("authorization", f"Bearer {KEY}"),)
+    assert _collect(stub.Generate(request, metadata=keyed))[0] == expected
+    stream = [generation_pb2.GenerateStreamRequest(id=1, generate=request)]
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.GenerateStream(iter(stream), timeout=60))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    items = [i for m in stub.GenerateStream(iter(stream), timeout=60, metadata=keyed) for i in m.items]
+    assert "".join(i.response.text for i in items) == expected
+    assert grpc_serving(stack["keyed"], "sluice.v1.Generation")
+
+    body = {"text": "Name a colour.", "sampling": {"temperature": 0.0},
+            "stopping": {"max_tokens": 6, "ignore_eos": True}}
+    grpc_unauthenticated = 16
+    assert _node_generate(stack["keyed"], body) == {"error": {"code": grpc_unauthenticated, "details":
+                                                              "missing API key: send `authorization: Bearer <key>` "
+                                                              "metadata"}}
+    assert _node_generate(stack["keyed"], body, "wrong") == {"error": {"code": grpc_unauthenticated,
+                                                                       "details": "invalid API key"}}
+    served = _node_generate(stack["keyed"], body, KEY)
+    assert served.get("error") is None and served["text"] == expected

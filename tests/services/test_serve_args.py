@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from common.auth import api_keys
 from engine.entrypoints import vllm_compat
 from engine.entrypoints.args import add_engine_args, config_from_args
 from services import serve_args, supervisor
@@ -210,9 +211,9 @@ def test_keepalive_is_off_unless_asked_and_forwarded_when_asked() -> None:
 def test_vllm_api_key_variable_as_vllm_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLUICE_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "vk")
-    assert resolve("")[0].api_key == "vk"
+    assert api_keys(resolve("")[0]) == ("vk",)
     monkeypatch.setenv("SLUICE_API_KEY", "sk")
-    assert resolve("")[0].api_key == "sk"
+    assert api_keys(resolve("")[0]) == ("sk",)
 
 
 def test_the_engine_cli_takes_the_same_engine_flags() -> None:

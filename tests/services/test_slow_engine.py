@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,11 +19,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.grpc_server import bind, new_server
+from common.grpc_server import bind
 from engine.config import default_model_path
 from engine.text import Tokenizer
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
-from services.tokenizer.server import SERVICE_NAME, track_engine
+from services.tokenizer.server import SERVICE_NAME, public_server, track_engine
 from services.tokenizer.service import GenerationServicer
 from tests.procs import free_port, grpc_serving, spawn, stop, tokenizer_process, wait_until
 
@@ -42,11 +43,13 @@ class StallingEngine(engine_pb2_grpc.EngineServicer):
         self.stream_calls = 0
         self.registrations = 0
         self.first_tokens: set[str] = set()  # requests that got their first token
+        self.instance_id = uuid.uuid4().hex  # a new one: a restarted engine
 
     async def GetInfo(self, request: Any, context: grpc.aio.ServicerContext) -> engine_pb2.GetInfoResponse:
         await self.running.wait()
         return engine_pb2.GetInfoResponse(model_name="fake", max_model_len=4096, vocab_size=49152,
-                                          eos_token_ids=[2], bos_token_id=1, block_size=16)
+                                          eos_token_ids=[2], bos_token_id=1, block_size=16,
+                                          instance_id=self.instance_id)
 
     async def RegisterSharedMemory(self, request: Any, context: grpc.aio.ServicerContext
                                    ) -> engine_pb2.RegisterSharedMemoryResponse:
@@ -105,8 +108,8 @@ async def tokenizer_service(engine_port: int) -> AsyncIterator[tuple[generation_
                                                                      health_pb2_grpc.HealthStub, GenerationServicer]]:
     """The tokenizer service as ``serve`` wires it (shared memory on, the tracker running), and stubs to it."""
     engine_channel = grpc.aio.insecure_channel(f"127.0.0.1:{engine_port}")
-    server, health_service = new_server(SERVICE_NAME)
-    servicer = GenerationServicer(_tokenizer(), engine_channel, served_model_name="fake", model_path="fake",
+    server, health_service = public_server(_tokenizer(), 4096, ())
+    servicer = GenerationServicer(_tokenizer(), engine_channel, served_model_name="fake",
                                   shm_tokens=1024)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await health_service.set_serving(False)
@@ -219,6 +222,42 @@ def test_a_restart_seen_late_never_ends_the_call_already_open_on_the_new_engine(
             servicer.engine_restarted()
             assert _completed(await asyncio.wait_for(stream, 10))
             assert engine.stream_calls == 1
+
+    asyncio.run(main())
+
+
+def test_the_same_engine_reached_again_keeps_our_ring() -> None:
+    """A dropped connection to the same engine process (its instance id unchanged) is not a restart: before
+    instance ids, any new connection was taken for a new engine and the ring handed over again."""
+
+    async def main() -> None:
+        engine, port = StallingEngine(), free_port()
+        async with tokenizer_service(port) as (stub, health, _):
+            async with fake_engine(engine, port):
+                await _until(lambda: _is(health, SERVING), 10, "SERVING")
+                assert _completed(await asyncio.wait_for(_generate(stub, "r0"), 10))
+            await _until(lambda: _is(health, NOT_SERVING), 5, "NOT_SERVING")
+            async with fake_engine(engine, port):
+                await _until(lambda: _is(health, SERVING), 10, "SERVING again")
+                assert _completed(await asyncio.wait_for(_generate(stub, "r1"), 10))
+            assert engine.registrations == 1
+
+    asyncio.run(main())
+
+
+def test_a_changed_instance_id_on_a_connection_that_stayed_up_is_a_restart() -> None:
+    """Behind a proxy the connection outlives the engine: the id in GetInfo is what tells."""
+
+    async def main() -> None:
+        engine, port = StallingEngine(), free_port()
+        async with fake_engine(engine, port), tokenizer_service(port) as (stub, health, _):
+            await _until(lambda: _is(health, SERVING), 10, "SERVING")
+            assert _completed(await asyncio.wait_for(_generate(stub, "r0"), 10))
+            assert engine.registrations == 1
+            engine.instance_id = uuid.uuid4().hex
+            await asyncio.sleep(2.5)  # the tracker asks every second; nothing is sent meanwhile
+            assert _completed(await asyncio.wait_for(_generate(stub, "r1"), 10))
+            assert engine.registrations == 2
 
     asyncio.run(main())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from services import supervisor
@@ -78,3 +80,31 @@ def test_cors_and_access_log_flags_reach_every_gateway() -> None:
         tail = " ".join(g.argv)
         assert "--allow-credentials" in g.argv and "--disable-uvicorn-access-log" in g.argv
         assert "--allowed-methods GET,POST" in tail and "--allowed-headers *" in tail
+
+
+def test_keys_reach_the_gateways_and_tokenizers_in_a_private_file_never_on_a_command_line() -> None:
+    ns = supervisor.resolve_settings(["--api-key", "sk-one", "--api-key", "sk-two", "--gateways", "2"])
+    stack = supervisor.Supervisor(ns, supervisor.config_from_args(ns), api_keys=("sk-one", "sk-two"))
+    assert stack.key_file is not None
+    for child in stack.children:
+        assert not {"sk-one", "sk-two"} & set(child.argv)
+        keyed = child in stack.gateways or child in stack.tokenizers
+        assert (child.argv[child.argv.index("--api-key-file") + 1] == stack.key_file) if keyed \
+            else "--api-key-file" not in child.argv
+    stack.write_key_file()
+    try:
+        assert os.stat(stack.key_file).st_mode & 0o777 == 0o600
+        with open(stack.key_file) as f:
+            assert f.read() == "sk-one\nsk-two\n"
+    finally:
+        assert stack.shutdown() == 0  # no child started: it only removes the file
+    assert not os.path.exists(stack.key_file)
+
+
+def test_the_engine_and_tokenizer_services_listen_on_loopback_only() -> None:
+    ns = supervisor.resolve_settings(["--host", "0.0.0.0", "--tokenizers", "2"])
+    stack = supervisor.Supervisor(ns, supervisor.config_from_args(ns))
+    for child in [stack.engine, *stack.tokenizers]:
+        assert child.argv[child.argv.index("--host") + 1] == "127.0.0.1"
+    assert all(g.argv[g.argv.index("--host") + 1] == "0.0.0.0" for g in stack.gateways)
+    assert stack.key_file is None and all("--api-key-file" not in c.argv for c in stack.children)

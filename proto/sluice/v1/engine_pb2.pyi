@@ -195,7 +195,7 @@ class EngineCounters(_message.Message):
     def __init__(self, shm_handoffs: _Optional[int] = ..., inline_handoffs: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., stream_calls: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "counters", "device", "dtype", "lora_enabled", "lora_adapters")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "counters", "device", "dtype", "lora_enabled", "lora_adapters", "instance_id")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class GetInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -226,7 +227,8 @@ class GetInfoResponse(_message.Message):
     dtype: str
     lora_enabled: bool
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoRAAdapter]
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoRAAdapter, _Mapping]]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoRAAdapter, _Mapping]]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class RegisterSharedMemoryRequest(_message.Message):
     __slots__ = ("segment", "size_bytes", "owner")

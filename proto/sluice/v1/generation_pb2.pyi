@@ -311,14 +311,13 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "has_chat_template", "model_path", "lora_enabled", "lora_adapters")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "has_chat_template", "lora_enabled", "lora_adapters")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
-    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
@@ -327,7 +326,6 @@ class GetModelInfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bos_token_id: int
     has_chat_template: bool
-    model_path: str
     lora_enabled: bool
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoRAAdapter]
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., model_path: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoRAAdapter, _Mapping]]] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., lora_enabled: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoRAAdapter, _Mapping]]] = ...) -> None: ...

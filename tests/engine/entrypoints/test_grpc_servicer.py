@@ -10,11 +10,12 @@ from typing import Any
 import grpc
 import pytest
 
-from common.grpc_server import new_server
+from common.grpc_server import MAX_MESSAGE_BYTES, new_server
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.grpc_servicer import SERVICE_NAME, EngineServicer
+from engine.entrypoints.model_limits import engine_max_request_bytes
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.procs import free_port
 
@@ -34,7 +35,7 @@ def serve(engine: AsyncEngine, scenario: Scenario) -> Any:
     """Run ``scenario(stub, engine)`` against an engine server on 127.0.0.1 in this process."""
 
     async def main() -> Any:
-        server, _ = new_server(SERVICE_NAME)
+        server, _ = new_server(SERVICE_NAME, max_receive_bytes=engine_max_request_bytes(engine.core.max_model_len))
         engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
         port = free_port()
         server.add_insecure_port(f"127.0.0.1:{port}")
@@ -300,7 +301,7 @@ def test_a_stream_to_an_engine_not_running_ends_unavailable() -> None:
     # The servicer before the engine is attached (loading, warm-up): the call ends with UNAVAILABLE, mapped
     # by the interceptor as for Generate, instead of an unmapped UNKNOWN.
     async def main() -> grpc.StatusCode:
-        server, _ = new_server(SERVICE_NAME)
+        server, _ = new_server(SERVICE_NAME, max_receive_bytes=MAX_MESSAGE_BYTES)
         engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(), server)
         port = free_port()
         server.add_insecure_port(f"127.0.0.1:{port}")
@@ -316,3 +317,28 @@ def test_a_stream_to_an_engine_not_running_ends_unavailable() -> None:
             await server.stop(0)
 
     assert asyncio.run(main()) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_request_past_the_receive_limit_is_refused_unread_and_the_longest_prompt_is_read(
+        engine: AsyncEngine) -> None:
+    """The limit serve() sets: max_model_len ids inline (4 bytes each at most) and room for the other fields."""
+    max_model_len = engine.core.max_model_len
+    limit = engine_max_request_bytes(max_model_len)
+    top_id = engine.core.model_config.vocab_size - 1
+    # Longer than any prompt that fits, in the widest ids: read, then refused by the engine's own check.
+    too_long = _request("long", [top_id] * (max_model_len + 1), 1)
+    assert too_long.ByteSize() < limit
+    huge = _request("huge", [5], 1, guided=common_pb2.GuidedDecoding(regex="a" * limit))
+
+    async def scenario(stub: engine_pb2_grpc.EngineStub, eng: AsyncEngine) -> list[tuple[grpc.StatusCode, str]]:
+        out = []
+        for req in (too_long, huge):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(req):
+                    pass
+            out.append((err.value.code(), err.value.details() or ""))
+        return out
+
+    (long_code, long_details), (huge_code, huge_details) = serve(engine, scenario)
+    assert long_code is grpc.StatusCode.INVALID_ARGUMENT and f"more than max_model_len {max_model_len}" in long_details
+    assert huge_code is grpc.StatusCode.RESOURCE_EXHAUSTED and str(limit) in huge_details

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from common.errors import InvalidRequestError
-from common.grpc_server import new_server
+from common.grpc_server import MAX_MESSAGE_BYTES, new_server
 from engine.config import EngineConfig, LoRAConfig, LoRAModule
 from engine.core import engine_core
 from engine.core.engine_core import EngineCore
@@ -90,7 +90,7 @@ def serve(served: Served, scenario: Callable[[engine_pb2_grpc.EngineStub], Await
     engine, registry, _ = served
 
     async def main() -> Any:
-        server, _ = new_server(SERVICE_NAME)
+        server, _ = new_server(SERVICE_NAME, max_receive_bytes=MAX_MESSAGE_BYTES)
         engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine, registry), server)
         port = free_port()
         server.add_insecure_port(f"127.0.0.1:{port}")
