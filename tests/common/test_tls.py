@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import health_probe
-from common.grpc_server import bind, new_server
+from common.grpc_server import MAX_MESSAGE_BYTES, bind, new_server
 from common.procs import grpc_serving
 from common.tls import (
     TlsFileError,
@@ -157,7 +157,7 @@ def test_mutual_tls_port_refuses_clients_without_a_trusted_certificate(pki: dict
     stranger_tls = grpc_tls_from_args(_tls(pki["stranger"], pki["ca"]))
 
     async def main() -> None:
-        server, health = new_server("sluice.v1.Test")
+        server, health = new_server("sluice.v1.Test", max_receive_bytes=MAX_MESSAGE_BYTES)
         port = bind(server, "127.0.0.1", 0, server_tls)
         await server.start()
         await health.set_serving(True)
@@ -189,7 +189,7 @@ def test_client_verifies_the_server_against_the_ca(pki: dict[str, CertFiles]) ->
     client_tls = grpc_tls_from_args(_tls(pki["client"], pki["ca"]))
 
     async def main() -> None:
-        server, health = new_server("sluice.v1.Test")
+        server, health = new_server("sluice.v1.Test", max_receive_bytes=MAX_MESSAGE_BYTES)
         port = bind(server, "127.0.0.1", 0, grpc_tls_from_args(_tls(pki["stranger"], None)))
         await server.start()
         await health.set_serving(True)
@@ -212,7 +212,7 @@ def test_gateway_channels_reach_several_tokenizers_over_mutual_tls(pki: dict[str
     async def main() -> None:
         servers = []
         for _ in range(2):
-            server, health = new_server("sluice.v1.Generation")
+            server, health = new_server("sluice.v1.Generation", max_receive_bytes=MAX_MESSAGE_BYTES)
             servers.append((server, bind(server, "127.0.0.1", 0, server_tls)))
             await server.start()
             await health.set_serving(True)
