@@ -130,10 +130,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             raise
         params = sampling_params_from_pb(request)
         lora = self.lora_request(request.lora_adapter)   # an unknown name: NOT_FOUND (common.grpc_errors)
-        REQUEST_ID.set(request.request_id)  # this call's task serves this request only
+        label = request.client_request_id or request.request_id
+        REQUEST_ID.set(label)  # this call's task serves this request only
         observer = self.observer
         if observer is not None:
-            observer.added(request.request_id, len(prompt), params)
+            observer.added(request.request_id, label, len(prompt), params)
         first = True
         try:
             async for out in engine.generate(request.request_id, prompt, params, priority=request.priority,
@@ -144,7 +145,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 first = False
                 self.counters["finished_requests"] += out.request_finished
                 if observer is not None and out.request_finished:
-                    observer.finished(out, request.trace_headers, len(prompt), params)
+                    observer.finished(out, label, request.trace_headers, len(prompt), params)
                 yield msg
         except InvalidRequestError as e:  # refused by the core (e.g. a constraint that does not compile)
             raise wire_error(e) from e
@@ -211,8 +212,9 @@ class _StreamCall:
         self._servicer = servicer
         self._engine = engine
         self._observer = servicer.observer
-        # With an observer: what it needs at each live request's end (its parent's context, prompt length, params).
-        self._observed: dict[str, tuple[dict[str, str], int, SamplingParams]] = {}
+        # With an observer: what it needs at each live request's end (the caller's id, its parent's context, prompt
+        # length, params).
+        self._observed: dict[str, tuple[str, dict[str, str], int, SamplingParams]] = {}
         # Live requests: id -> shm slot to acknowledge with the first output (None: none, or done).
         self.mux: SinkMux[str, int | None, engine_pb2.EngineStreamRequest, engine_pb2.EngineStreamResponse] = \
             SinkMux(self)
@@ -244,8 +246,9 @@ class _StreamCall:
             return
         self.mux.open(rid, released_slot)
         if (observer := self._observer) is not None:
-            observer.added(rid, len(prompt), params)
-            self._observed[rid] = (dict(request.trace_headers), len(prompt), params)
+            label = request.client_request_id or rid
+            observer.added(rid, label, len(prompt), params)
+            self._observed[rid] = (label, dict(request.trace_headers), len(prompt), params)
         done.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._added, rid, f))
 
     def _added(self, rid: str, done: Future[None]) -> None:

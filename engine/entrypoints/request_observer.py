@@ -30,27 +30,32 @@ class RequestObserver:
         self._tracing = tracing
         self._log_requests = log_requests
 
-    def added(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def added(self, key: str, label: str, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """``key``: the engine's id of the request; ``label``: the caller's (``client_request_id``, else the key),
+        which its lines and span carry."""
         if self._log_requests:
-            logger.info("Added request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%g, top_p=%g",
-                        request_id, num_prompt_tokens, params.n, params.max_tokens, params.temperature,
-                        params.top_p, extra={"request_id": request_id})
+            logger.info("Added request %s%s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%g, top_p=%g",
+                        label, _key_note(key, label), num_prompt_tokens, params.n, params.max_tokens,
+                        params.temperature, params.top_p, extra={"request_id": label})
 
-    def finished(self, out: EngineCoreOutput, trace_headers: Mapping[str, str], num_prompt_tokens: int,
+    def finished(self, out: EngineCoreOutput, label: str, trace_headers: Mapping[str, str], num_prompt_tokens: int,
                  params: SamplingParams) -> None:
-        """``out``: the request's last output (``request_finished``); ``trace_headers``: its parent's context."""
+        """``out``: the request's last output (``request_finished``); ``label``: the caller's id of it;
+        ``trace_headers``: its parent's context."""
         if self._log_requests:
-            logger.info("Finished request %s: %s, %d prompt tokens, %d generated tokens", out.request_id,
-                        out.finish_reason.value if out.finish_reason else "none", num_prompt_tokens,
-                        out.times.num_generation_tokens if out.times else 0, extra={"request_id": out.request_id})
+            logger.info("Finished request %s%s: %s, %d prompt tokens, %d generated tokens", label,
+                        _key_note(out.request_id, label), out.finish_reason.value if out.finish_reason else "none",
+                        num_prompt_tokens, out.times.num_generation_tokens if out.times else 0,
+                        extra={"request_id": label})
         if self._tracing is not None:
-            self._span(self._tracing, out, trace_headers, num_prompt_tokens, params)
+            self._span(self._tracing, out, label, trace_headers, num_prompt_tokens, params)
 
-    def _span(self, tracing: Tracing, out: EngineCoreOutput, trace_headers: Mapping[str, str],
+    def _span(self, tracing: Tracing, out: EngineCoreOutput, label: str, trace_headers: Mapping[str, str],
               num_prompt_tokens: int, params: SamplingParams) -> None:
         attributes: dict[str, str | int | float] = {
             "gen_ai.response.model": self._model_name,
-            "gen_ai.request.id": out.request_id,
+            "gen_ai.request.id": label,
+            "sluice.engine.request_key": out.request_id,
             "gen_ai.request.n": params.n,
             "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p,
@@ -94,3 +99,7 @@ class RequestObserver:
         if out.finish_reason is FinishReason.ERROR:
             span.set_status(tracing.error_status)
         span.end(end_time=at(times.finished))
+
+
+def _key_note(key: str, label: str) -> str:
+    return "" if key == label else f" (engine key {key})"

@@ -230,6 +230,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         key = self._engine_key()
         engine_req, handoff = await self.engine_request(engine_options(request, key, n, plan.guided, adapter),
                                                         prompt_ids, source=source)
+        engine_req.client_request_id = request_id
         if span is not None and self.tracing is not None:
             span.add_event("prompt_ready", {"gen_ai.usage.prompt_tokens": len(prompt_ids)})
             self.tracing.inject(span, engine_req.trace_headers)

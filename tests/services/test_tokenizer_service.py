@@ -205,7 +205,9 @@ def test_a_stop_string_ends_only_its_own_sequence_of_n(fake: tuple[ScriptedEngin
     finals = [(m.index, m.finish_reason) for m in msgs if m.finish_reason]
     assert finals == [(0, common_pb2.FINISH_REASON_STOP_STRING), (1, common_pb2.FINISH_REASON_LENGTH)]
     # Sequence 0 alone was aborted in the engine; sequence 1 ran on to its end, and so did the call.
-    assert engine.aborted == [("two", 0)] and not engine.cancelled.is_set()
+    (sent,) = engine.requests   # under Sluice's own key, with the caller's id beside it for logs and spans
+    assert sent.client_request_id == "two" and sent.request_id != "two"
+    assert engine.aborted == [(sent.request_id, 0)] and not engine.cancelled.is_set()
 
 
 def test_stream_interval_goes_to_the_engine_and_a_stop_string_inside_a_group_ends_the_tokens_there(

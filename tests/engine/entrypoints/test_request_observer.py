@@ -21,12 +21,13 @@ from engine.entrypoints.request_observer import RequestObserver
 PARENT = {"traceparent": f"00-{'1' * 32}-{'2' * 16}-01"}
 
 
-def _observe(out: EngineCoreOutput, params: SamplingParams | None = None) -> ReadableSpan:
+def _observe(out: EngineCoreOutput, params: SamplingParams | None = None, label: str | None = None) -> ReadableSpan:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     observer = RequestObserver("smol", tracing=Tracing(provider, provider.get_tracer("t")), log_requests=False)
-    observer.finished(out, PARENT, 7, params or SamplingParams(n=2, temperature=0.5, top_p=0.9, max_tokens=9))
+    observer.finished(out, label or out.request_id, PARENT, 7,
+                      params or SamplingParams(n=2, temperature=0.5, top_p=0.9, max_tokens=9))
     (span,) = exporter.get_finished_spans()
     return span
 
@@ -49,7 +50,8 @@ def test_the_span_sits_at_the_recorded_times_with_vllms_attributes() -> None:
         ("finished", pytest.approx(2.0e9, abs=1e3))]
     attrs = dict(span.attributes or {})
     assert attrs == {
-        "gen_ai.response.model": "smol", "gen_ai.request.id": "r1", "gen_ai.request.n": 2,
+        "gen_ai.response.model": "smol", "gen_ai.request.id": "r1", "sluice.engine.request_key": "r1",
+        "gen_ai.request.n": 2,
         "gen_ai.request.temperature": 0.5, "gen_ai.request.top_p": 0.9, "gen_ai.request.max_tokens": 9,
         "gen_ai.usage.prompt_tokens": 7, "gen_ai.usage.completion_tokens": 12,
         "gen_ai.response.finish_reasons": "length", "sluice.num_preemptions": 1,
@@ -85,9 +87,19 @@ def test_request_lines_name_the_request(caplog: pytest.LogCaptureFixture) -> Non
     observer = RequestObserver("smol", tracing=None, log_requests=True)
     t = time.monotonic()
     with caplog.at_level(logging.INFO, logger="engine.entrypoints.request_observer"):
-        observer.added("r5", 7, SamplingParams(max_tokens=3))
+        observer.added("r5", "r5", 7, SamplingParams(max_tokens=3))
         observer.finished(EngineCoreOutput("r5", [1], finish_reason=FinishReason.EOS, request_finished=True,
-                                           times=RequestTimes(t, t, t, t, 0, 3)), {}, 7, SamplingParams())
-    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["Added request r5", "Finished request r5"]
-    assert [getattr(r, "request_id", None) for r in caplog.records] == ["r5", "r5"]
+                                           times=RequestTimes(t, t, t, t, 0, 3)), "r5", {}, 7, SamplingParams())
+        observer.added("tok-1", "client-7", 7, SamplingParams(max_tokens=3))   # the caller's id, and the key
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "Added request r5", "Finished request r5", "Added request client-7 (engine key tok-1)"]
+    assert [getattr(r, "request_id", None) for r in caplog.records] == ["r5", "r5", "client-7"]
     assert "eos, 7 prompt tokens, 3 generated tokens" in caplog.records[1].getMessage()
+
+
+def test_the_span_carries_the_callers_id_and_the_engines_key() -> None:
+    t = time.monotonic()
+    span = _observe(EngineCoreOutput("tok-9", [1], finish_reason=FinishReason.EOS, request_finished=True,
+                                     times=RequestTimes(t, t, t, t, 0, 1)), label="client-9")
+    attrs = dict(span.attributes or {})
+    assert (attrs["gen_ai.request.id"], attrs["sluice.engine.request_key"]) == ("client-9", "tok-9")
