@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from common.argtypes import at_least
 from common.auth import add_api_key_args, api_keys
 from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
@@ -33,15 +34,12 @@ def _csv(value: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
+_seconds = at_least(0, what="a number of seconds", note=" (0: off)")
+
+
 def _keepalive(value: str) -> float | None:
     """``--keepalive-interval``: seconds > 0, or 0 for none."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
-    if not seconds >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value!r}")
-    return seconds or None
+    return _seconds(value) or None
 
 
 def build_parser() -> argparse.ArgumentParser:

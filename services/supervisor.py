@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from common.argtypes import at_least
 from common.auth import add_api_key_args, api_keys
 from common.errors import InvalidRequestError
 from common.logs import configure_logging
@@ -154,15 +155,8 @@ def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _seconds(value: str) -> float:
-    """A number of seconds >= 0 (0: off)."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
-    if not seconds >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value!r}")
-    return seconds
+# A number of seconds >= 0 (0: off).
+_seconds = at_least(0, what="a number of seconds", note=" (0: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:

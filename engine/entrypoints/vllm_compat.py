@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.argtypes import at_least
 from common.errors import InvalidRequestError
 
 # The value given (never None: a flag not given is not checked) and the whole namespace -> a reason to
@@ -63,24 +64,8 @@ def refuse_unless(allowed: Callable[[Any], bool], reason: str) -> Refusal:
     return lambda value, ns: None if allowed(value) else reason
 
 
-def _non_negative(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not number >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value!r}")
-    return number
-
-
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-    return number
+_non_negative = at_least(0)
+_positive_int = at_least(1, integer=True)
 
 
 def _is_gguf(ns: argparse.Namespace) -> bool:
