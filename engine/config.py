@@ -179,6 +179,101 @@ class LoRAConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
+# --speculative-config methods Sluice runs; vLLM's others are refused by name (they need trained draft heads).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+FOREIGN_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp", "mtp", "suffix",
+                               "ngram_gpu", "custom_class")
+# vLLM's default n-gram window when neither bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` JSON); absent from EngineConfig when off.
+
+    ``ngram``: the proposal is the ``num_speculative_tokens`` tokens that followed the most recent earlier
+    occurrence of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in
+    its prompt and output. ``draft_model``: a smaller model with the target's vocabulary and tokenizer
+    (``model``) proposes them greedily, keeping its own paged KV cache under the target's block tables. Either
+    way the target verifies every proposed token in one forward pass, and what it emits is distributed exactly
+    as without speculation (greedy: the same tokens)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None   # the draft model: an HF directory or a .gguf file
+
+    def __post_init__(self) -> None:
+        flag = "speculative_config"
+
+        def check(ok: bool, key: str, msg: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"{flag}.{key}", msg)
+
+        if self.method in FOREIGN_SPECULATIVE_METHODS:
+            raise InvalidRequestError(f"{flag}.method", f"{self.method!r} is not supported: Sluice speculates with "
+                                                        f"{' or '.join(SPECULATIVE_METHODS)}")
+        check(self.method in SPECULATIVE_METHODS, "method",
+              f"unknown method {self.method!r} (supported: {', '.join(SPECULATIVE_METHODS)})")
+        k = self.num_speculative_tokens
+        check(isinstance(k, int) and not isinstance(k, bool) and k >= 1, "num_speculative_tokens",
+              f"must be an integer >= 1, got {k!r}")
+        for key in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, key)
+            check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1), key,
+                  f"must be an integer >= 1, got {value!r}")
+        if self.method == "ngram":
+            check(self.model is None, "model", "the ngram method takes no draft model (use method draft_model)")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = DEFAULT_PROMPT_LOOKUP
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            assert lo is not None and hi is not None
+            check(lo <= hi, "prompt_lookup_min", f"{lo} must be <= prompt_lookup_max {hi}")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        else:
+            check(isinstance(self.model, str) and bool(self.model), "model",
+                  "the draft_model method needs the draft model's path")
+            for key in ("prompt_lookup_max", "prompt_lookup_min"):
+                check(getattr(self, key) is None, key, "only the ngram method takes it")
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, object]) -> SpeculativeConfig:
+        """vLLM's JSON object: ``method`` defaults to ``draft_model`` when a ``model`` is named, else ``ngram``.
+        vLLM's keys Sluice cannot honour are refused by name unless they hold their default."""
+        flag = "speculative_config"
+        if not isinstance(value, Mapping):
+            raise InvalidRequestError(flag, "must be a JSON object")
+        values = dict(value)
+        # vLLM's keys whose only value Sluice runs is their default (one worker, the draft in the target's dtype).
+        defaults: dict[str, tuple[object, ...]] = {"draft_tensor_parallel_size": (None, 1),
+                                                    "tensor_parallel_size": (None, 1), "quantization": (None,),
+                                                    "revision": (None,), "code_revision": (None,),
+                                                    "enforce_eager": (None, True, False), "max_model_len": (None,),
+                                                    "kv_cache_dtype": (None, "auto")}
+        for key, allowed in defaults.items():
+            if key in values:
+                given = values.pop(key)
+                if given not in allowed:
+                    raise InvalidRequestError(f"{flag}.{key}", f"{given!r} is not supported (Sluice runs the draft "
+                                                               f"on the target's worker, in its dtype)")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InvalidRequestError(f"{flag}.{unknown[0]}", f"unknown or unsupported key(s) {', '.join(unknown)} "
+                                                              f"(supported: {', '.join(sorted(known))})")
+        if values.get("method") is None:
+            values["method"] = "draft_model" if values.get("model") is not None else "ngram"
+        if values["method"] == "ngram" and values.get("model") == "[ngram]":   # vLLM v0's spelling
+            values["model"] = None
+        if "num_speculative_tokens" not in values:
+            raise InvalidRequestError(f"{flag}.num_speculative_tokens", "is required")
+        return cls(**values)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine process is configured with; built once, validated, passed in."""
@@ -211,6 +306,7 @@ class EngineConfig:
     kernels: KernelSettings = field(default_factory=KernelSettings.from_env)  # CPU kernel switches
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora_config: LoRAConfig | None = None    # None: LoRA off (vLLM's --enable-lora turns it on)
+    speculative_config: SpeculativeConfig | None = None   # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None and not isinstance(self.kv_cache_memory, int):
@@ -245,6 +341,11 @@ class EngineConfig:
               "must be an integer >= 0")
         check(self.tensor_parallel_size == 1, "tensor_parallel_size",
               "only 1 is supported in this release")
+        spec = self.speculative_config
+        if spec is not None:
+            check(spec.num_speculative_tokens < self.max_num_batched_tokens, "speculative_config.num_speculative_tokens",
+                  f"must be below max_num_batched_tokens ({self.max_num_batched_tokens}): a step verifies them "
+                  f"with the token before them")
         if self.lora_config is not None:
             taken = {self.model_name}
             for module in self.lora_config.lora_modules:

@@ -20,6 +20,7 @@ from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, Request, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.spec_stats import SpecDecodingStats
 from engine.executor.uniproc import UniprocExecutor
 from engine.worker.structured_output import GrammarVocabulary
 
@@ -73,6 +74,8 @@ class EngineCore:
         self._lora_removals: set[int] = set()
         self.last_step: StepStats | None = None
         self.total_steps = 0
+        spec = config.speculative_config
+        self.spec_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
         logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%s), max_model_len %d",
                     config.model_name, self.executor.dtype_name, num_blocks, config.block_size,
                     self.executor.kv_cache_dtype_name,
@@ -266,6 +269,11 @@ class EngineCore:
             "prompt_tokens": sched.num_prompt_tokens,
             "generation_tokens": sched.num_generation_tokens,
             "steps": self.total_steps,
+            **({} if self.spec_stats is None else {
+                "spec_decode_num_drafts": self.spec_stats.num_drafts,
+                "spec_decode_num_draft_tokens": self.spec_stats.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.spec_stats.num_accepted_tokens,
+            }),
         }
 
     def info(self) -> dict[str, object]:

@@ -22,6 +22,10 @@ class ScheduledRequest:
     # Set (to the request's prompt_logprobs k) when the runner computes the logprobs of the prompt tokens this
     # chunk's positions predict; None for every other chunk (no full-vocabulary logits for them).
     num_prompt_logprobs: int | None = None
+    # Speculative decoding: a decode row may be followed by up to this many proposed tokens, whose slots the
+    # scheduler allocated and whose budget it counted (lookahead). The runner proposes them, verifies them with
+    # the row's token in one pass and samples one to ``num_spec_tokens + 1`` tokens for it (``sampled``).
+    num_spec_tokens: int = 0
 
     @classmethod
     def of(cls, request: Request, num_new: int) -> ScheduledRequest:
@@ -34,6 +38,11 @@ class ScheduledRequest:
         wants_prompt = request.needs_prompt_logprobs and request.num_computed_tokens < request.num_prompt_tokens - 1
         return cls(request, num_new, request.num_computed_tokens, sample, n, num_candidates,
                    request.sampling_params.prompt_logprobs if wants_prompt else None)
+
+    @property
+    def num_budget_tokens(self) -> int:
+        """What the row takes of the step's token budget: its known tokens and its lookahead slots."""
+        return self.num_new_tokens + self.num_spec_tokens
 
     @property
     def is_decode(self) -> bool:

@@ -48,6 +48,9 @@ class RunnerOutput:
     # matcher failed (a step over llguidance's limits).
     grammar_complete: set[SequenceId] = field(default_factory=set)
     grammar_failed: set[SequenceId] = field(default_factory=set)
+    # Speculative decoding: the proposed tokens verified for each row that had lookahead slots (0: nothing was
+    # proposed); ``sampled`` holds the accepted ones followed by the token the target sampled after them.
+    num_draft_tokens: dict[SequenceId, int] = field(default_factory=dict)
 
 
 class ModelRunner:
