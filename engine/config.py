@@ -343,7 +343,8 @@ class EngineConfig:
               "only 1 is supported in this release")
         spec = self.speculative_config
         if spec is not None:
-            check(spec.num_speculative_tokens < self.max_num_batched_tokens, "speculative_config.num_speculative_tokens",
+            check(spec.num_speculative_tokens < self.max_num_batched_tokens,
+                  "speculative_config.num_speculative_tokens",
                   f"must be below max_num_batched_tokens ({self.max_num_batched_tokens}): a step verifies them "
                   f"with the token before them")
         if self.lora_config is not None:

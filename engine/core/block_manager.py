@@ -244,6 +244,20 @@ class BlockManager:
         request.block_ids = []
         request.num_seen_blocks = 0
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks of ``request``'s table past its first ``num_tokens`` tokens: the lookahead slots
+        of proposed tokens that were rejected (speculative decoding). Those blocks hold no computed token, so
+        none is registered in the prefix cache."""
+        keep = -(-num_tokens // self.block_size)
+        while len(request.block_ids) > keep:
+            block_id = request.block_ids.pop()
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                if self._hash_of_block[block_id] is not None:
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's blocks (shared, refcount + 1); the first write to a shared block copies it."""
         if child.block_ids:

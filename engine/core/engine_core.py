@@ -245,6 +245,9 @@ class EngineCore:
             ended.update({seq_id: FinishReason.ERROR for seq_id in run.grammar_failed})
             step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs, run.beam_candidates,
                                                              run.prompt_logprobs, grammar_ended=ended)
+            if self.spec_stats is not None:
+                for seq_id, num_drafts in run.num_draft_tokens.items():
+                    self.spec_stats.observe(num_drafts, len(run.sampled[seq_id]) - 1)
         else:
             t2 = time.perf_counter()
             step_outputs = self.scheduler.update_from_output(sched, {}, {})

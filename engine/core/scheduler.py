@@ -69,6 +69,9 @@ class Scheduler:
         self._by_priority = config.scheduling_policy == "priority"
         # Distinct LoRA adapters the running sequences may use (each needs a slot of the runner's); None: LoRA off.
         self._max_loras = None if config.lora_config is None else config.lora_config.max_loras
+        # Tokens a decode may propose and verify in one step (speculative decoding; 0: off).
+        spec = config.speculative_config
+        self._spec_tokens = 0 if spec is None else spec.num_speculative_tokens
         self._arrival_seq: dict[SequenceId, int] = {}   # ties of arrival_time, and the fcfs order
         self._next_seq = 0
         self._finished_ids: list[SequenceId] = []
@@ -220,8 +223,16 @@ class Scheduler:
                 continue
             # Short of blocks: preempt from the tail, which this step has not scheduled yet, until it fits.
             preempted_self = False
+            lookahead: list[int] = []
+            room = budget - sum(num_new for _, num_new in plan) - num_pending_decodes
             for request, num_new in plan:
-                while not preempted_self and not self.block_manager.allocate(request, num_new):
+                spec = self._lookahead(request, num_new, room) if self._spec_tokens else 0
+                room -= spec
+                while not preempted_self and not self.block_manager.allocate(request, num_new + spec):
+                    if spec:   # speculation gives way before anyone is preempted for it
+                        room += spec
+                        spec = 0
+                        continue
                     victims = units.pop()
                     if victims is not unit:
                         num_pending_decodes -= sum(1 for r in victims if r.num_tokens - r.num_computed_tokens == 1)
@@ -230,10 +241,14 @@ class Scheduler:
                         self.running.remove(victim)
                         self._preempt(victim)
                         out.preempted.append(victim.seq_id)
+                lookahead.append(spec)
             if preempted_self:
                 break   # it was the last running unit
-            scheduled += [ScheduledRequest.of(request, num_new) for request, num_new in plan]
-            budget -= sum(num_new for _, num_new in plan)
+            for (request, num_new), spec in zip(plan, lookahead):
+                row = ScheduledRequest.of(request, num_new)
+                row.num_spec_tokens = spec
+                scheduled.append(row)
+                budget -= num_new + spec
 
         # Admitting while running requests are being evicted would only evict them again.
         admit = not out.preempted
@@ -283,7 +298,7 @@ class Scheduler:
             self.waiting[:0] = skipped
 
         out.scheduled = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
-        out.num_batched_tokens = sum(s.num_new_tokens for s in scheduled)
+        out.num_batched_tokens = sum(s.num_budget_tokens for s in scheduled)
         out.block_copies += self.block_manager.pop_block_copies()
         return out
 
@@ -310,6 +325,9 @@ class Scheduler:
             request = s.request
             if request.status is not RequestStatus.RUNNING:
                 continue   # aborted after it was scheduled
+            if s.num_spec_tokens:
+                outputs += self._update_speculated(s, sampled, logprobs)
+                continue
             request.num_computed_tokens = s.start + s.num_new_tokens
             self.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens) - s.start)
             self.block_manager.cache_blocks(request, request.num_computed_tokens)
@@ -348,6 +366,44 @@ class Scheduler:
         self.ended = self._finished_ids[num_finished:]
         return outputs
 
+    # ----- speculative decoding --------------------------------------------------------
+
+    def _lookahead(self, request: Request, num_new: int, room: int) -> int:
+        """Proposed tokens a running sequence may verify this step: none unless it decodes (one known token to
+        compute), samples alone (not a beam search) and unconstrained (a grammar's masks follow its tokens one
+        by one); never past ``max_tokens`` or ``max_model_len`` (the step can emit one token more than it
+        proposes), nor past what the step's budget has ``room`` for after the decodes queued behind it."""
+        if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or request.beam is not None:
+            return 0
+        params = request.sampling_params
+        if params.structured_outputs is not None or params.num_forked > 1:
+            return 0
+        k = min(self._spec_tokens, room, self.max_model_len - request.num_tokens - 1,
+                self.capacity_tokens - request.num_tokens - 1)
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - request.num_output_tokens - 1)
+        return max(0, k)
+
+    def _update_speculated(self, s: ScheduledRequest, sampled: dict[SequenceId, list[int]],
+                           logprobs: dict[SequenceId, list[Logprob]] | None) -> list[EngineCoreOutput]:
+        """A decode that verified proposed tokens: ``sampled`` holds those accepted and the target's token after
+        them. Its computed tokens advance past the accepted ones only (their KV was written with the tokens they
+        turned out to be); the lookahead slots past its tokens go back to the pool."""
+        request = s.request
+        tokens = sampled.get(request.seq_id)
+        if not tokens or len(tokens) > 1 + s.num_spec_tokens:
+            raise ValueError(f"{request.seq_id}: {0 if not tokens else len(tokens)} tokens for a row verifying at "
+                             f"most {s.num_spec_tokens} proposed ones")
+        self._append(request, tokens, logprobs.get(request.seq_id) if logprobs else None)
+        if request.status is RequestStatus.RUNNING:
+            request.num_computed_tokens = s.start + len(tokens)
+            self.block_manager.cache_blocks(request, request.num_computed_tokens)
+            self.block_manager.trim(request, request.num_tokens)
+        if request.holds_outputs:
+            return best_of_outputs(request) if request.ends_request else []
+        report = delta_output(request, self.config.stream_interval)
+        return [] if report is None else [report]
+
     # ----- helpers -------------------------------------------------------------------
 
     def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest], out: SchedulerOutput) -> int | None:
@@ -365,7 +421,7 @@ class Scheduler:
             self.running.remove(victim)
             for i, s in enumerate(scheduled):
                 if s.request is victim:
-                    freed += scheduled.pop(i).num_new_tokens
+                    freed += scheduled.pop(i).num_budget_tokens
                     break
         # Their copy-on-write copies of this step go with them: the destinations are about to be freed.
         own = {b for victim in victims for b in victim.block_ids}

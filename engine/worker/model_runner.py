@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionMetadata, StepLayout
+from engine.attention.backend import AttentionMetadata
 from engine.device import Device
 from engine.models import CausalLM
+from engine.worker.input_layout import lay_out
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.sampler import Sampler, SamplingRow, make_generator
 from engine.worker.sampling_ops import compute_logprobs
+from engine.worker.spec_decode import Proposer
 from engine.worker.structured_output import StructuredOutputs
 
 if TYPE_CHECKING:  # the core's step types, handed down by the executor: annotations only
@@ -66,8 +68,10 @@ class ModelRunner:
         dtype: torch.dtype,
         structured: StructuredOutputs | None = None,
         lora: LoRAManager | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
+        self.proposer = proposer  # None: no speculative decoding
         self.lora = lora  # None: LoRA off
         self.structured = structured  # None: the engine was given no vocabulary, requests with a grammar refused
         self.device = device
@@ -97,6 +101,8 @@ class ModelRunner:
         """Forget the per-sequence state (seeded generators, grammar matchers) of sequences that ended."""
         for seq_id in seq_ids:
             self.generators.pop(seq_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(seq_ids)
         if self.structured is not None:
             self.structured.release(seq_ids)
 
@@ -109,20 +115,30 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if out.block_copies:
             self._copy_blocks(out.block_copies)
+            if self.proposer is not None:
+                self.proposer.copy_blocks(out.block_copies)
+        if self.proposer is not None and out.preempted:
+            self.proposer.forget(out.preempted)
         scheduled = out.scheduled  # decodes first: the scheduler's order, which the attention metadata relies on
         if not scheduled:
             return RunnerOutput()
         dev = self.device
         t0 = time.perf_counter()
+        # Speculative decoding: each row with lookahead slots gets its proposal, verified in this forward pass.
+        drafts = (self.proposer.propose(scheduled) if self.proposer is not None
+                  and any(s.num_spec_tokens for s in scheduled) else None)
         with dev.use_stream(self.copy_stream):
-            input_ids, positions, meta, sample_idx = self._prepare(scheduled)
+            input_ids, positions, meta, sample_idx, row_tokens = self._prepare(scheduled, drafts)
             if self.lora is not None:
-                self.lora.prepare_step(scheduled)
+                self.lora.activate([(s.request.lora_request, n) for s, n in zip(scheduled, row_tokens)])
             self.last_prepare_s = time.perf_counter() - t0
             dev.record_event(self.inputs_ready, self.copy_stream)
         sampling = [s for s in scheduled if s.sample]
+        # Logits rows of each sampling row: its last token's, or each token's of a row verifying a proposal.
+        draft_of = ({id(s): d for s, d in zip(scheduled, drafts) if len(d)} if drafts is not None else {})
+        counts = [1 + len(draft_of.get(id(s), ())) for s in sampling]
         sampled = [s for s in sampling if not s.num_beam_candidates]   # beams get proposals instead
-        row_of, rows, owners = self._sampling_rows(sampled)
+        row_of, rows, owners = self._sampling_rows(sampled, draft_of)
         # The grammar masks of this step's constrained rows depend only on tokens already sampled: they are
         # filled on the mask thread while the model runs.
         pending = (self.structured.start_masks(owners, [row.params.structured_outputs for row in rows])
@@ -130,7 +146,7 @@ class ModelRunner:
         dev.wait_event(self.compute_stream, self.inputs_ready)
         with dev.use_stream(self.compute_stream):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
+            prompt_logprobs = self._prompt_logprobs(scheduled, row_tokens, hidden)
             if not sampling:
                 return RunnerOutput(prompt_logprobs=prompt_logprobs)
             idx = torch.tensor(sample_idx, dtype=torch.int64, device=hidden.device)
@@ -138,26 +154,66 @@ class ModelRunner:
             runner_out = RunnerOutput(prompt_logprobs=prompt_logprobs)
             beams = [i for i, s in enumerate(sampling) if s.num_beam_candidates]
             if beams:   # their proposals, not samples; the other rows' logits stay, in order
-                _, logits = self._propose(sampling, logits, beams, runner_out)
+                logits = self._propose(sampling, logits, beams, counts, runner_out)
                 if not sampled:
                     return runner_out
-            if len(row_of) != len(sampled):
+            if row_of != list(range(logits.shape[0])):
                 logits = logits.index_select(0, torch.tensor(row_of, device=logits.device))
             result = self.sampler(logits, rows, pending.result() if pending is not None else None)
         # The sampler hands back host lists; on accelerators that read is the copy back.
-        for seq_id, token, lp in zip(owners, result.token_ids, result.logprobs):
-            runner_out.sampled[seq_id] = [token]
-            if lp is not None:
-                runner_out.logprobs[seq_id] = [lp]
+        j = 0
+        for s in sampled:
+            draft = draft_of.get(id(s))
+            if draft is not None:   # the proposal's longest prefix that the target's own samples agree with
+                seq_id = s.request.seq_id
+                tokens, lps = self._accept(draft, result.token_ids[j:j + len(draft) + 1],
+                                           result.logprobs[j:j + len(draft) + 1])
+                runner_out.sampled[seq_id] = tokens
+                if lps is not None:
+                    runner_out.logprobs[seq_id] = lps
+                runner_out.num_draft_tokens[seq_id] = len(draft)
+                assert self.proposer is not None
+                self.proposer.accepted(seq_id, len(tokens) - 1)
+                j += len(draft) + 1
+                continue
+            if s.num_spec_tokens:
+                runner_out.num_draft_tokens[s.request.seq_id] = 0
+            for _ in s.sample_seq_ids:
+                runner_out.sampled[owners[j]] = [result.token_ids[j]]
+                lp = result.logprobs[j]
+                if lp is not None:
+                    runner_out.logprobs[owners[j]] = [lp]
+                j += 1
         if pending is not None and self.structured is not None:
-            runner_out.grammar_complete, runner_out.grammar_failed = self.structured.advance(owners,
-                                                                                              result.token_ids)
+            # Constrained rows never speculate: one token each, the first of its sequence's list.
+            firsts = list(runner_out.sampled)
+            runner_out.grammar_complete, runner_out.grammar_failed = self.structured.advance(
+                firsts, [runner_out.sampled[seq_id][0] for seq_id in firsts])
         return runner_out
 
-    def _propose(self, sampling: list[ScheduledRequest], logits: torch.Tensor, beams: list[int],
-                 runner_out: RunnerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
-        """Beam rows get their proposals instead of a sample; returns the other rows and their logits."""
-        index = torch.tensor(beams, device=logits.device)
+    @staticmethod
+    def _accept(draft: np.ndarray, samples: list[int], lps: list[Logprob | None]
+                ) -> tuple[list[int], list[Logprob] | None]:
+        """``samples[j]``: the target's token after the row's known tokens and the first ``j`` proposed ones, each
+        drawn as it would be without speculation. Proposed token j + 1 stands when the target drew it at j; the
+        first disagreement, or the token after a fully accepted proposal, ends the row's tokens. With one-token
+        draft distributions this is exactly Leviathan et al.'s rejection sampling (accept with probability
+        p(token); a rejection's token is drawn from p without it), so outputs keep the target's distribution;
+        greedy rows get the tokens non-speculative decoding gives."""
+        n = 1
+        while n <= len(draft) and samples[n - 1] == draft[n - 1]:
+            n += 1
+        kept = lps[:n]
+        return samples[:n], None if any(lp is None for lp in kept) else kept  # type: ignore[misc]
+
+    def _propose(self, sampling: list[ScheduledRequest], logits: torch.Tensor, beams: list[int], counts: list[int],
+                 runner_out: RunnerOutput) -> torch.Tensor:
+        """Beam rows get their proposals instead of a sample; returns the other rows' logits (``counts[i]``: the
+        logits rows of sampling row i)."""
+        firsts = [0]
+        for n in counts:
+            firsts.append(firsts[-1] + n)
+        index = torch.tensor([firsts[i] for i in beams], device=logits.device)
         rows = [SamplingRow(params=sampling[i].request.sampling_params,
                             prompt_token_ids=sampling[i].request.prompt_token_ids,
                             output_token_ids=sampling[i].request.output_token_ids, generator=None) for i in beams]
@@ -166,53 +222,37 @@ class ModelRunner:
         for i, (ids, logprobs) in zip(beams, proposals):
             k = sampling[i].num_beam_candidates
             runner_out.beam_candidates[sampling[i].request.seq_id] = (ids[:k], logprobs[:k])
-        others = [i for i in range(len(sampling)) if not sampling[i].num_beam_candidates]
+        others = [r for i in range(len(sampling)) if not sampling[i].num_beam_candidates
+                  for r in range(firsts[i], firsts[i + 1])]
         if others:
             logits = logits.index_select(0, torch.tensor(others, device=logits.device))
-        return [sampling[i] for i in others], logits
+        return logits
 
-    def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                    AttentionMetadata, list[int]]:
-        bs = self.block_size
-        query_lens = [s.num_new_tokens for s in scheduled]
-        seq_lens = [s.start + s.num_new_tokens for s in scheduled]
-        num_tokens = sum(query_lens)
-        ids_np = self._input_ids.numpy()
-        pos_np = self._positions.numpy()
-        slot_np = self._slots.numpy()
-        max_blocks = max((n + bs - 1) // bs for n in seq_lens)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int64)
+    def _prepare(self, scheduled: list[ScheduledRequest], drafts: list[np.ndarray] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+        """The step's flat inputs: each row's known tokens, then its proposed ones (``drafts``). A row verifying
+        a proposal is laid out for attention as one single-token row per token, each seeing the cache up to its
+        own position (the keys of all of them are written first), so it runs with the decodes. Returns (ids,
+        positions, metadata, logits rows to compute, tokens of each row)."""
+        rows = [(s.request, s.start, s.request.all_token_ids[s.start:s.start + s.num_new_tokens]
+                 if drafts is None or not len(drafts[i]) else
+                 np.concatenate([s.request.all_token_ids[s.start:s.start + s.num_new_tokens], drafts[i]]),
+                 drafts is not None and len(drafts[i]) > 0) for i, s in enumerate(scheduled)]
+        num_tokens, layout, ends = lay_out(rows, self.block_size, self._input_ids, self._positions, self._slots)
         sample_idx: list[int] = []
-        offset = 0
-        for row, s in enumerate(scheduled):
-            req = s.request
-            n = s.num_new_tokens
-            end = s.start + n
-            table = np.asarray(req.block_ids[: (end + bs - 1) // bs], dtype=np.int64)
-            block_tables[row, : len(table)] = table
-            if n == 1:
-                ids_np[offset] = req.all_token_ids[s.start]
-                pos_np[offset] = s.start
-                slot_np[offset] = table[s.start // bs] * bs + s.start % bs
-            else:
-                pos = np.arange(s.start, end, dtype=np.int64)
-                ids_np[offset:offset + n] = req.all_token_ids[s.start:end]
-                pos_np[offset:offset + n] = pos
-                slot_np[offset:offset + n] = table[pos // bs] * bs + pos % bs
-            offset += n
+        row_tokens: list[int] = []
+        for i, s in enumerate(scheduled):
+            n = len(rows[i][2])
+            row_tokens.append(n)
             if s.sample:  # the scheduler decided: this chunk ends the known tokens
-                sample_idx.append(offset - 1)
+                sample_idx += range(ends[i] - n, ends[i]) if rows[i][3] else [ends[i] - 1]
         torch_dev = self.device.torch_device
         input_ids = self._input_ids[:num_tokens].to(torch_dev, non_blocking=True)
         positions = self._positions[:num_tokens].to(torch_dev, non_blocking=True)
-        layout = StepLayout(slot_mapping=self._slots, block_tables=block_tables, query_lens=query_lens,
-                            seq_lens=seq_lens,
-                            num_decodes=next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
-                            block_size=bs)
         meta = self.backend.build_metadata(layout, torch_dev)
-        return input_ids, positions, meta, sample_idx
+        return input_ids, positions, meta, sample_idx, row_tokens
 
-    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], row_tokens: list[int], hidden: torch.Tensor
                          ) -> dict[SequenceId, PromptLogprobsChunk]:
         """Logprobs of the prompt tokens that the positions of each chunk asking for them predict (position p
         predicts token p + 1; the prompt's last position predicts the first output, not a prompt token).
@@ -221,7 +261,7 @@ class ModelRunner:
         raw model distribution, as vLLM); only the k + 1 numbers per position are kept."""
         result: dict[SequenceId, PromptLogprobsChunk] = {}
         offset = 0
-        for s in scheduled:
+        for s, num_row_tokens in zip(scheduled, row_tokens):
             k = s.num_prompt_logprobs
             req = s.request
             end = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
@@ -238,26 +278,44 @@ class ModelRunner:
                                       torch.cat([p[0] for p in parts]).cpu().numpy(),
                                       torch.cat([p[2] for p in parts]).cpu().numpy(),
                                       torch.cat([p[1] for p in parts]).cpu().numpy())
-            offset += s.num_new_tokens
+            offset += num_row_tokens
         return result
 
-    def _sampling_rows(self, sampling: list[ScheduledRequest]
+    def _sampling_rows(self, sampling: list[ScheduledRequest], draft_of: dict[int, np.ndarray]
                        ) -> tuple[list[int], list[SamplingRow], list[SequenceId]]:
         """One sampler row per sequence of ``ScheduledRequest.sample_seq_ids`` (n rows at the first sample of
-        a request with n > 1, all from its one row of logits): (logits row of each, the rows, their sequences)."""
+        a request with n > 1, all from its one row of logits), and one per token of a row verifying a proposal
+        (``draft_of``, by ``id`` of the row): the row after j proposed tokens sees them as its outputs, so
+        penalties and min_tokens treat it as they would the step that sampled after them. Returns (logits row
+        of each, the rows, their sequences)."""
         row_of: list[int] = []
         rows: list[SamplingRow] = []
         owners: list[SequenceId] = []
-        for i, s in enumerate(sampling):
+        logits_row = 0
+        for s in sampling:
             req = s.request
             params = req.sampling_params
+            draft = draft_of.get(id(s))
+            if draft is not None:
+                generator = self._generator(req.seq_id, params, 0)
+                outputs = req.output_token_ids
+                extra = draft.tolist()
+                for j in range(len(draft) + 1):
+                    row_of.append(logits_row + j)
+                    rows.append(SamplingRow(params=params, prompt_token_ids=req.prompt_token_ids,
+                                            output_token_ids=outputs + extra[:j] if j else outputs,
+                                            generator=generator, cumulative=req.holds_outputs))
+                    owners.append(req.seq_id)
+                logits_row += len(draft) + 1
+                continue
             for offset, seq_id in enumerate(s.sample_seq_ids):
-                row_of.append(i)
+                row_of.append(logits_row)
                 rows.append(SamplingRow(params=params, prompt_token_ids=req.prompt_token_ids,
                                         output_token_ids=req.output_token_ids,
                                         generator=self._generator(seq_id, params, offset),
                                         cumulative=req.holds_outputs))
                 owners.append(seq_id)
+            logits_row += 1
         return row_of, rows, owners
 
     def _generator(self, seq_id: SequenceId, params: SamplingParams, offset: int) -> torch.Generator | None:

@@ -14,6 +14,8 @@ from engine.models.layers.linear import linear_methods
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.worker.sampler import Sampler
+from engine.worker.spec_decode import Proposer
+from engine.worker.spec_decode.ngram import NgramProposer
 from engine.worker.structured_output import GrammarVocabulary, StructuredOutputs
 
 if TYPE_CHECKING:
@@ -96,8 +98,16 @@ class Worker:
         self.runner = ModelRunner(self.model, self.device, sampler, num_blocks=num_blocks,
                                   block_size=self.config.block_size,
                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                  dtype=self.kv_cache_dtype, structured=structured, lora=self.lora)
+                                  dtype=self.kv_cache_dtype, structured=structured, lora=self.lora,
+                                  proposer=self._proposer(num_blocks))
         return self.runner
+
+    def _proposer(self, num_blocks: int) -> Proposer | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Reads and validates an adapter into the host cache (InvalidRequestError naming the file and field)."""

@@ -1,0 +1,60 @@
+"""A step's tokens laid out flat for the model, and for attention row by row (the runner's and the draft's)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.attention.backend import StepLayout
+
+if TYPE_CHECKING:
+    from engine.core.request import Request
+
+# (sequence, position of its first token this step, the token ids, split): a split row's tokens are each their
+# own single-token attention row (a verified proposal: every token sees the cache up to its own position).
+LayoutRow = tuple["Request", int, np.ndarray, bool]
+
+
+def lay_out(rows: list[LayoutRow], block_size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+            slots: torch.Tensor) -> tuple[int, StepLayout, list[int]]:
+    """Write the rows' ids, positions and cache slots into the (host) buffers, one row after another. Rows with
+    one token or split must come first (the decodes of ``StepLayout``). Returns (number of tokens, the layout,
+    the flat offset where each row ends)."""
+    bs = block_size
+    ids_np, pos_np, slot_np = input_ids.numpy(), positions.numpy(), slots.numpy()
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    tables: list[np.ndarray] = []
+    ends: list[int] = []
+    offset = 0
+    for request, start, tokens, split in rows:
+        n = len(tokens)
+        end = start + n
+        table = np.asarray(request.block_ids[: (end + bs - 1) // bs], dtype=np.int64)
+        if n == 1:
+            ids_np[offset] = tokens[0]
+            pos_np[offset] = start
+            slot_np[offset] = table[start // bs] * bs + start % bs
+        else:
+            pos = np.arange(start, end, dtype=np.int64)
+            ids_np[offset:offset + n] = tokens
+            pos_np[offset:offset + n] = pos
+            slot_np[offset:offset + n] = table[pos // bs] * bs + pos % bs
+        if split:
+            query_lens += [1] * n
+            seq_lens += range(start + 1, end + 1)
+            tables += [table] * n
+        else:
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(table)
+        offset += n
+        ends.append(offset)
+    block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for i, table in enumerate(tables):
+        block_tables[i, :len(table)] = table
+    num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+    layout = StepLayout(slot_mapping=slots, block_tables=block_tables, query_lens=query_lens, seq_lens=seq_lens,
+                        num_decodes=num_decodes, block_size=bs)
+    return offset, layout, ends
