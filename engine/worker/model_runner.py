@@ -125,8 +125,8 @@ class ModelRunner:
         dev = self.device
         t0 = time.perf_counter()
         # Speculative decoding: each row with lookahead slots gets its proposal, verified in this forward pass.
-        drafts = (self.proposer.propose(scheduled) if self.proposer is not None
-                  and any(s.num_spec_tokens for s in scheduled) else None)
+        # (A draft model runs every step: its cache follows the target's.)
+        drafts = self.proposer.propose(scheduled) if self.proposer is not None else None
         with dev.use_stream(self.copy_stream):
             input_ids, positions, meta, sample_idx, row_tokens = self._prepare(scheduled, drafts)
             if self.lora is not None:

@@ -15,6 +15,7 @@ from engine.worker.lora_manager import LoRAManager
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.worker.sampler import Sampler
 from engine.worker.spec_decode import Proposer
+from engine.worker.spec_decode.draft_model import DraftModelProposer
 from engine.worker.spec_decode.ngram import NgramProposer
 from engine.worker.structured_output import GrammarVocabulary, StructuredOutputs
 
@@ -36,6 +37,24 @@ def prepare_model(model: CausalLM, device: Device, dtype: torch.dtype) -> None:
                 "cpu_ops" if choice.ops is not None else "PyTorch")
 
 
+def load_draft_model(path: str, target: ModelConfig, dtype: torch.dtype, device: Device) -> CausalLM:
+    """Speculative decoding's draft model, with its kernels chosen; refused (naming the sizes) unless its
+    vocabulary is the target's: its proposals are token ids the target must read the same way."""
+    try:
+        draft = load_model(path, dtype, device.torch_device)
+    except (OSError, ValueError, KeyError) as e:
+        raise InvalidRequestError("speculative_config.model", f"cannot load the draft model {path!r}: {e}") from e
+    if draft.config.vocab_size != target.vocab_size:
+        raise InvalidRequestError(
+            "speculative_config.model", f"the draft model {path!r} has a vocabulary of {draft.config.vocab_size} "
+                                        f"tokens and the target {target.vocab_size}: a draft model must share the "
+                                        "target's vocabulary and tokenizer")
+    prepare_model(draft, device, dtype)
+    logger.info("speculative decoding: draft model %s (%d layers, hidden size %d)", path, draft.config.num_layers,
+                draft.config.hidden_size)
+    return draft
+
+
 class Worker:
     """Loads the model on its device and runs the steps the executor hands it."""
 
@@ -54,6 +73,11 @@ class Worker:
         if lora is not None:
             lora_dtype = self.dtype if lora.lora_dtype == "auto" else resolve_dtype(lora.lora_dtype, config.device)
             self.lora = LoRAManager(self.model, lora, lora_dtype, self.device.torch_device)
+        self.draft: CausalLM | None = None   # speculative decoding's draft model
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            assert spec.model is not None
+            self.draft = load_draft_model(spec.model, self.model.config, self.dtype, self.device)
         self.runner: ModelRunner | None = None
 
     @property
@@ -68,7 +92,9 @@ class Worker:
             return cfg.num_kv_blocks
         mc = self.model.config
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * elem
+        # A draft model keeps its own keys and values under the same block ids.
+        per_block = sum(2 * m.num_layers * cfg.block_size * m.num_kv_heads * m.head_dim * elem
+                        for m in (mc, *([self.draft.config] if self.draft is not None else [])))
         if self.device.name == "cpu":
             budget = cfg.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
         else:
@@ -106,6 +132,11 @@ class Worker:
         spec = self.config.speculative_config
         if spec is None:
             return None
+        if self.draft is not None:
+            return DraftModelProposer(self.draft, self.device, num_blocks=num_blocks,
+                                      block_size=self.config.block_size,
+                                      max_num_tokens=self.config.max_num_batched_tokens, dtype=self.kv_cache_dtype,
+                                      vocab_size=self.model.config.vocab_size)
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
