@@ -29,6 +29,7 @@ from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
 from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.async_engine import AsyncEngine
+from engine.entrypoints.draft_check import check_draft_tokenizer
 from engine.entrypoints.grpc_lora import adapters_to_pb, load_adapter, unload_adapter
 from engine.entrypoints.grpc_wire import abort_targets_from_pb, output_to_pb, sampling_params_from_pb, wire_error
 from engine.entrypoints.lora_registry import LoRARegistry
@@ -327,6 +328,7 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
     def build() -> EngineCore:
         # The core never reads text: the vocabulary structured outputs mask with is loaded here, at the edge.
         tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model_path)
+        check_draft_tokenizer(config, tokenizer)
         core = EngineCore(config, grammar_vocabulary=GrammarVocabulary.from_tokenizer(tokenizer))
         registry.load_startup_modules(core)   # a bad --lora-modules adapter stops start-up with its message
         warm_up(core)

@@ -32,6 +32,7 @@ from engine.core.sampling_params import (  # noqa: E402
     SamplingParams,
     StructuredOutputsParams,
 )
+from engine.entrypoints.draft_check import check_draft_tokenizer  # noqa: E402
 from engine.text import IncrementalDetokenizer, Tokenizer  # noqa: E402
 from engine.worker.structured_output import GrammarVocabulary  # noqa: E402
 
@@ -115,6 +116,7 @@ class LLM:
             raise InvalidRequestError("lora_modules", "the offline LLM takes its adapters per request "
                                                       "(lora_request=LoRARequest(name, id, path)), not by name")
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
+        check_draft_tokenizer(self.config, self.tokenizer)
         # The core never reads text: the vocabulary structured outputs mask with is handed to it from here.
         self.engine = EngineCore(self.config, grammar_vocabulary=GrammarVocabulary.from_tokenizer(self.tokenizer))
         self._ids = itertools.count()

@@ -203,8 +203,8 @@ class ModelRunner:
         n = 1
         while n <= len(draft) and samples[n - 1] == draft[n - 1]:
             n += 1
-        kept = lps[:n]
-        return samples[:n], None if any(lp is None for lp in kept) else kept  # type: ignore[misc]
+        kept = [lp for lp in lps[:n] if lp is not None]
+        return samples[:n], kept if len(kept) == n else None
 
     def _propose(self, sampling: list[ScheduledRequest], logits: torch.Tensor, beams: list[int], counts: list[int],
                  runner_out: RunnerOutput) -> torch.Tensor:
