@@ -125,6 +125,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
             flags += ["--structured-outputs-config", json.dumps(asdict(value))]
         elif name == "lora_config":
             flags += lora_flags(value)
+        elif name == "speculative_config":   # its keys as vLLM's JSON, the normalized n-gram window included
+            flags += ["--speculative-config", json.dumps({k: v for k, v in asdict(value).items() if v is not None})]
         else:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
