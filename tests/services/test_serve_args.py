@@ -256,6 +256,15 @@ def test_speculative_config_reaches_the_engine_as_it_reads_it() -> None:
     assert "--speculative-config" not in supervisor.engine_flags(config_from_args(resolve("")[0]))
 
 
+def test_a_speculative_method_sluice_lacks_stops_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        supervisor.main(["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "sluice serve: error: --speculative-config.method: 'medusa' is not supported: Sluice speculates with ngram "
+        "or draft_model")
+
+
 def test_v0_speculative_flags_name_their_replacement(capsys: pytest.CaptureFixture[str]) -> None:
     assert refusal("--speculative-model /m/draft --num-speculative-tokens 3", capsys) == (
         "sluice serve: error: --speculative-model: is vLLM v0's flag; give --speculative-config "
