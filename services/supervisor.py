@@ -125,6 +125,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
             flags += ["--structured-outputs-config", json.dumps(asdict(value))]
         elif name == "lora_config":
             flags += lora_flags(value)
+        elif name == "speculative_config":   # its keys as vLLM's JSON, the normalized n-gram window included
+            flags += ["--speculative-config", json.dumps({k: v for k, v in asdict(value).items() if v is not None})]
         else:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
@@ -414,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
         observability = observability_settings(ns)
         grpc_tls, rest_tls = grpc_tls_from_args(ns), rest_tls_from_args(ns)
         keys = api_keys(ns)
+    except InvalidRequestError as e:   # a flag's value (--speculative-config's, say): argparse's one line, exit 2
+        build_parser().error(str(e))
     except ValueError as e:
         raise SystemExit(f"sluice serve: {e}") from e
     configure_logging(ns.log_level, observability.log_format, "serve")

@@ -15,6 +15,7 @@ from engine.config import (
     EngineConfig,
     LoRAConfig,
     LoRAModule,
+    SpeculativeConfig,
     StructuredOutputsConfig,
     check_structured_output_backend,
     default_max_queued_requests,
@@ -102,6 +103,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "llguidance (auto, guidance and llguidance all mean it)")
     g.add_argument("--guided-decoding-backend", default=None,
                    help="vLLM's older flag for the structured-output backend: auto, guidance or llguidance")
+    spec = parser.add_argument_group("speculative decoding (vLLM's flag names)")
+    spec.add_argument("--speculative-config", "-sc", default=None,
+                      help='JSON: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' or '
+                           '\'{"model": DRAFT_MODEL, "num_speculative_tokens": 3}\'; or its keys one by one, as '
+                           "vLLM takes them: --speculative-config.num_speculative_tokens 3 "
+                           "(docs/speculative-decoding.md)")
+    spec.add_argument("--spec-method", default=None, help="--speculative-config's method: ngram or draft_model")
+    spec.add_argument("--spec-model", default=None, help="--speculative-config's draft model (HF directory or "
+                                                         ".gguf file)")
+    spec.add_argument("--spec-tokens", type=int, default=None,
+                      help="--speculative-config's num_speculative_tokens: tokens proposed per step")
     lora = parser.add_argument_group("LoRA adapters (vLLM's flag names)")
     lora.add_argument("--enable-lora", action="store_true", default=False,
                       help="serve LoRA adapters next to the base model; requests pick one by its name as `model`")
@@ -134,6 +146,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values["structured_outputs_config"] = structured_outputs_config(
         getattr(ns, "structured_outputs_config", None), getattr(ns, "guided_decoding_backend", None))
     values["lora_config"] = lora_config(ns)
+    values["speculative_config"] = speculative_config(ns)
     values["num_kv_blocks"] = kv_blocks(ns)
     if isinstance(values.get("served_model_name"), list):
         values["served_model_name"] = values["served_model_name"][0]
@@ -201,6 +214,42 @@ def parse_lora_module(text: str) -> LoRAModule:
     if not name or not path:
         raise InvalidRequestError(flag, f"{text!r}: the name and the path must not be empty")
     return LoRAModule(name=name, path=path, base_model_name=base)
+
+
+# vLLM's shorthand flags for --speculative-config keys.
+_SPEC_SHORTHANDS = (("--spec-method", "spec_method", "method"), ("--spec-model", "spec_model", "model"),
+                    ("--spec-tokens", "spec_tokens", "num_speculative_tokens"))
+
+
+def speculative_config(ns: argparse.Namespace) -> SpeculativeConfig | None:
+    """``--speculative-config`` (JSON) with vLLM's shorthands ``--spec-method``, ``--spec-model``,
+    ``--spec-tokens``; None when none is given. Errors name the flag, and the key as vLLM's dotted flag
+    (``--speculative-config.method``)."""
+    flag = "--speculative-config"
+    given = getattr(ns, "speculative_config", None)
+    values: dict[str, object] | None = None
+    if given is not None:
+        try:
+            values = json.loads(given)
+        except ValueError as e:
+            raise InvalidRequestError(flag, f"is not valid JSON: {e}") from e
+        if not isinstance(values, dict):
+            raise InvalidRequestError(flag, f"must be a JSON object, got {given!r}")
+        values = {key.replace("-", "_"): value for key, value in values.items()}   # vLLM reads both spellings
+    for shorthand, dest, key in _SPEC_SHORTHANDS:
+        value = getattr(ns, dest, None)
+        if value is None:
+            continue
+        values = {} if values is None else values
+        if key in values:
+            raise InvalidRequestError(shorthand, f"sets {key!r}, which {flag} sets too: give it once")
+        values[key] = value
+    if values is None:
+        return None
+    try:
+        return SpeculativeConfig.from_dict(values)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(e.field.replace("speculative_config", flag, 1), e.message) from e
 
 
 def structured_outputs_config(config_json: str | None, guided_decoding_backend: str | None

@@ -35,12 +35,12 @@ def main(argv: list[str] | None = None) -> None:
         notes = check_vllm_compat(ns)
         observability = observability_settings(ns)
         tls = grpc_tls_from_args(ns)
+        config = config_from_args(ns)
     except (InvalidRequestError, ValueError) as e:
         parser.error(str(e))
     tracing = set_up(observability, log_level=ns.log_level, process="engine")
     for note in notes:
         logging.getLogger("engine").info("%s", note)
-    config = config_from_args(ns)
     from engine.entrypoints.grpc_servicer import serve
 
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ from engine.entrypoints.process import set_openmp_defaults
 set_openmp_defaults()
 
 from common.errors import InvalidRequestError  # noqa: E402
-from engine.config import EngineConfig, LoRAConfig  # noqa: E402
+from engine.config import EngineConfig, LoRAConfig, SpeculativeConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.core.lora_request import LoRARequest  # noqa: E402
 from engine.core.outputs import CompletionOutput, EngineCoreOutput, RequestOutput  # noqa: E402
@@ -100,10 +100,13 @@ class LLM:
     Engine arguments use vLLM's names: ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``block_size``, ``dtype``, ``enable_prefix_caching``, ``seed``, ``kv_cache_memory``… LoRA: ``enable_lora=True``
     with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, ``lora_dtype``; requests then name their adapter
-    with ``lora_request=LoRARequest(name, id, path)``.
+    with ``lora_request=LoRARequest(name, id, path)``. Speculative decoding: ``speculative_config={"method":
+    "ngram", "num_speculative_tokens": 3}`` or ``{"model": DRAFT_PATH, "num_speculative_tokens": 3}`` (vLLM's
+    keys, as ``--speculative-config``), or a SpeculativeConfig.
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, enable_lora: bool = False,
+                 speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
                  **engine_args: Any) -> None:
         lora_args = {name: engine_args.pop(name) for name in _LORA_KWARGS if name in engine_args}
         unknown = set(engine_args) - set(EngineConfig.field_names())
@@ -111,7 +114,8 @@ class LLM:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         if enable_lora or lora_args:
             engine_args["lora_config"] = _lora_config(enable_lora, lora_args, engine_args.get("lora_config"))
-        self.config = EngineConfig(model=model, tokenizer=tokenizer, **engine_args)
+        self.config = EngineConfig(model=model, tokenizer=tokenizer,
+                                   speculative_config=_speculative_config(speculative_config), **engine_args)
         if self.config.lora_config is not None and self.config.lora_config.lora_modules:
             raise InvalidRequestError("lora_modules", "the offline LLM takes its adapters per request "
                                                       "(lora_request=LoRARequest(name, id, path)), not by name")
@@ -313,6 +317,16 @@ def _lora_config(enable_lora: bool, lora_args: dict[str, Any], given: object) ->
     if given is not None:
         raise InvalidRequestError("lora_config", "give either lora_config or enable_lora with its arguments")
     return LoRAConfig(**lora_args)
+
+
+def _speculative_config(given: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+    """vLLM's ``speculative_config`` dict (its keys validated as ``--speculative-config``'s), or one built."""
+    if given is None or isinstance(given, SpeculativeConfig):
+        return given
+    if isinstance(given, Mapping):
+        return SpeculativeConfig.from_dict(given)
+    raise InvalidRequestError("speculative_config", f"expected a dict of vLLM's keys or a SpeculativeConfig, got "
+                                                    f"{type(given).__name__}")
 
 
 def _broadcast_loras(lora_request: LoRARequestArg, n: int) -> list[LoRARequest | None]:

@@ -102,6 +102,7 @@ class EngineMetrics(Collector):
         self._core = core
         self._labels = [core.config.model_name, str(engine_index)]
         self._base = core.scheduler_stats()
+        self._base_accepted_per_pos = [] if core.spec_stats is None else list(core.spec_stats.accepted_per_pos)
         self._request_success = dict.fromkeys(FINISHED_REASON.values(), 0)
         self._prompt_tokens = 0
         # (request id, sequence index) -> when its last tokens were handed back; dropped when the sequence ends.
@@ -220,6 +221,24 @@ class EngineMetrics(Collector):
         lora = core.config.lora_config
         if lora is not None:
             yield _lora_requests_info(core, lora.max_loras)
+        if core.spec_stats is not None:
+            yield from self._spec_decode(stats, list(core.spec_stats.accepted_per_pos), labels)
+
+    def _spec_decode(self, stats: dict[str, int], accepted_per_pos: list[int], labels: list[str]
+                     ) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters (``SpecDecodingProm``). Its docs: acceptance rate =
+        rate(accepted) / rate(draft tokens); mean acceptance length = 1 + rate(accepted) / rate(drafts); the
+        acceptance rate at each position = accepted_per_pos / drafts."""
+        base = self._base
+        for key, doc in (("spec_decode_num_drafts", "Number of spec decoding drafts."),
+                         ("spec_decode_num_draft_tokens", "Number of draft tokens."),
+                         ("spec_decode_num_accepted_tokens", "Number of accepted tokens.")):
+            yield _counter(f"vllm:{key}", doc, labels, stats[key] - base[key])
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=[*LABELS, "position"])
+        for position, (count, before) in enumerate(zip(accepted_per_pos, self._base_accepted_per_pos)):
+            per_pos.add_metric([*labels, str(position)], count - before)
+        yield per_pos
 
     @staticmethod
     def _cache_config_info(core: EngineCore, labels: list[str]) -> GaugeMetricFamily:

@@ -10,6 +10,7 @@ reason naming the flag, never at argparse's bare "unrecognized arguments". The f
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +91,8 @@ def _quantization(value: str, ns: argparse.Namespace) -> str | None:
 
 _HUB = "Sluice loads local files only and never downloads: give that revision's directory as the model"
 _TP = "is not implemented yet (issue 23): one worker per engine"
-_SPEC = "speculative decoding is not implemented yet"
+# vLLM v0's speculative decoding flags, replaced in vLLM (and here) by --speculative-config's keys.
+_SPEC_V0 = "is vLLM v0's flag; give --speculative-config '{json}' instead"
 _OVERRIDE = "overriding the model's own configuration is not supported"
 
 ENGINE_FLAGS: tuple[CompatFlag, ...] = (
@@ -149,9 +151,14 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
                refuse=lambda v, ns: None if v in ("uni", "mp") else f"the {v} executor {_TP}"),
     CompatFlag(("--num-scheduler-steps",), "1 step per schedule is how Sluice runs", type=_positive_int,
                refuse=refuse_unless(lambda v: v == 1, "multi-step scheduling is not implemented yet")),
-    CompatFlag(("--speculative-config",), None, refuse_always(_SPEC)),
-    CompatFlag(("--speculative-model",), None, refuse_always(_SPEC)),
-    CompatFlag(("--num-speculative-tokens",), None, refuse_always(_SPEC), type=int),
+    CompatFlag(("--speculative-model",), None, refuse_always(_SPEC_V0.format(
+        json='{"model": ..., "num_speculative_tokens": ...}'))),
+    CompatFlag(("--num-speculative-tokens",), None, refuse_always(_SPEC_V0.format(
+        json='{"method": ..., "num_speculative_tokens": ...}')), type=int),
+    CompatFlag(("--ngram-prompt-lookup-max",), None, refuse_always(_SPEC_V0.format(
+        json='{"method": "ngram", "prompt_lookup_max": ..., "num_speculative_tokens": ...}')), type=int),
+    CompatFlag(("--ngram-prompt-lookup-min",), None, refuse_always(_SPEC_V0.format(
+        json='{"method": "ngram", "prompt_lookup_min": ..., "num_speculative_tokens": ...}')), type=int),
     CompatFlag(("--generation-config",), "Sluice's default sampling parameters are vLLM's own",
                refuse_unless(lambda v: v == "vllm", "Sluice does not take default sampling parameters from the "
                                                     "model's generation_config.json (only 'vllm' is accepted)")),
@@ -211,12 +218,74 @@ def check_vllm_compat(ns: argparse.Namespace) -> list[str]:
 
 
 def normalize_flag_spelling(argv: Sequence[str]) -> list[str]:
-    """vLLM accepts ``--max_model_len`` for ``--max-model-len`` (its guides use both): underscores in a long
-    option's name become dashes; values are left alone."""
+    """vLLM's spellings of a flag, as its parser reads them: underscores in a long option's name become dashes
+    (``--max_model_len``; its guides use both), and a JSON flag's keys given one by one (``--speculative-config.
+    num_speculative_tokens 3``) are gathered into that flag's JSON object."""
     out = []
     for arg in argv:
         if arg.startswith("--") and "_" in arg:
             name, sep, value = arg.partition("=")
-            arg = name.replace("_", "-") + sep + value
+            flag, dot, keys = name.partition(".")   # keys after the dot are JSON's: left as given
+            arg = flag.replace("_", "-") + dot + keys + sep + value
         out.append(arg)
+    return gather_dotted_keys(out)
+
+
+def gather_dotted_keys(argv: Sequence[str]) -> list[str]:
+    """``--flag.key VALUE`` (``--flag.key=VALUE``; ``--flag.a.b VALUE`` for a nested key) into ``--flag JSON``, as
+    vLLM's FlexibleArgumentParser does: VALUE is read as JSON, else kept as a string; dashes in a key become
+    underscores. The keys are merged over the flag's whole JSON object when that is given too, else appended as
+    one ``--flag JSON``."""
+    out: list[str] = []
+    gathered: dict[str, dict[str, Any]] = {}
+    args = iter(argv)
+    for arg in args:
+        name, sep, value = arg.partition("=")
+        if not (name.startswith("--") and "." in name):
+            out.append(arg)
+            continue
+        if not sep:
+            value = next(args, "")
+        flag, *keys = name.split(".")
+        try:
+            parsed: Any = json.loads(value)
+        except ValueError:
+            parsed = value
+        node = gathered.setdefault(flag, {})
+        *parents, last = [key.replace("-", "_") for key in keys]
+        for key in parents:
+            if not isinstance(node.get(key), dict):   # a later --flag.a.b replaces an earlier --flag.a
+                node[key] = {}
+            node = node[key]
+        node[last] = parsed
+    for flag, values in gathered.items():
+        _merge_into_whole(out, flag, values)
     return out
+
+
+def _merge_into_whole(argv: list[str], flag: str, keys: dict[str, Any]) -> None:
+    """Merge ``keys`` into the last ``flag JSON`` of ``argv`` (in place), or append ``flag JSON``. A whole value
+    that is not a JSON object is left for the flag's own reader to refuse."""
+    for i in range(len(argv) - 1, -1, -1):
+        name, sep, text = argv[i].partition("=")
+        if name != flag or (not sep and i + 1 == len(argv)):
+            continue
+        at = i if sep else i + 1
+        text = text if sep else argv[at]
+        try:
+            whole = json.loads(text)
+        except ValueError:
+            return
+        if isinstance(whole, dict):
+            _deep_update(whole, keys)
+            argv[at] = f"{flag}={json.dumps(whole)}" if sep else json.dumps(whole)
+        return
+    argv += [flag, json.dumps(keys)]
+
+
+def _deep_update(into: dict[str, Any], keys: dict[str, Any]) -> None:
+    for key, value in keys.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_update(into[key], value)
+        else:
+            into[key] = value

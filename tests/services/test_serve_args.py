@@ -74,8 +74,9 @@ REFUSED = [
     "--revision main", "--code-revision v1", "--tokenizer-revision v1", "--load-format pt",
     "--quantization awq", "--tokenizer-mode slow", "--no-enable-chunked-prefill", "--preemption-mode swap",
     "--cpu-offload-gb 4", "--pipeline-parallel-size 2", "--data-parallel-size 2",
-    "--distributed-executor-backend ray", "--num-scheduler-steps 8", "--speculative-config {}",
-    "--speculative-model m", "--num-speculative-tokens 3", "--generation-config auto",
+    "--distributed-executor-backend ray", "--num-scheduler-steps 8", "--speculative-model m",
+    "--num-speculative-tokens 3", "--ngram-prompt-lookup-max 4", "--ngram-prompt-lookup-min 1",
+    "--generation-config auto",
     "--override-generation-config {}", "--hf-overrides {}", "--rope-scaling {}", "--rope-theta 1e6",
     "--task embed", "--limit-mm-per-prompt image=2", "--kv-transfer-config {}", "--enable-sleep-mode",
     "--skip-tokenizer-init", "--root-path /api", "--middleware m.M", "--response-role bot",
@@ -227,13 +228,47 @@ def test_the_engine_cli_takes_the_same_engine_flags() -> None:
 @pytest.mark.parametrize(("command", "line"), [
     (["services.cli", "serve", "/m/qwen", "-tp", "2"],
      "sluice serve: error: --tensor-parallel-size: tensor parallel is not implemented yet (issue 23)"),
-    (["engine", "--speculative-config", "{}"],
-     "sluice engine: error: --speculative-config: speculative decoding is not implemented yet"),
+    (["engine", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'],
+     "sluice engine: error: --speculative-config.method: 'eagle' is not supported: Sluice speculates with ngram or "
+     "draft_model"),
 ])
 def test_a_refusal_is_one_line_and_exit_2_from_the_real_command(command: list[str], line: str) -> None:
     done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(line) and "Traceback" not in done.stderr
+
+
+def test_speculative_config_reaches_the_engine_as_it_reads_it() -> None:
+    """vLLM's --speculative-config, whole or by its keys, is passed on as the JSON the engine CLI reads back to
+    the same settings."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for command in ('--speculative-config \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+                    '"prompt_lookup_min": 2}\'',
+                    "--speculative-config.method ngram --speculative_config.num_speculative_tokens=3",
+                    '/m/target --speculative-config \'{"model": "/m/draft", "num_speculative_tokens": 2}\''):
+        ns, notes = resolve(command)
+        config = config_from_args(ns)
+        assert config.speculative_config is not None and notes == []
+        flags = supervisor.engine_flags(config)
+        assert " ".join(flags) in " ".join(supervisor.Supervisor(ns, config).engine.argv)
+        assert config_from_args(parser.parse_args(flags)).speculative_config == config.speculative_config, command
+    assert "--speculative-config" not in supervisor.engine_flags(config_from_args(resolve("")[0]))
+
+
+def test_a_speculative_method_sluice_lacks_stops_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        supervisor.main(["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "sluice serve: error: --speculative-config.method: 'medusa' is not supported: Sluice speculates with ngram "
+        "or draft_model")
+
+
+def test_v0_speculative_flags_name_their_replacement(capsys: pytest.CaptureFixture[str]) -> None:
+    assert refusal("--speculative-model /m/draft --num-speculative-tokens 3", capsys) == (
+        "sluice serve: error: --speculative-model: is vLLM v0's flag; give --speculative-config "
+        "'{\"model\": ..., \"num_speculative_tokens\": ...}' instead")
 
 
 def test_tls_flags_reach_every_child(tmp_path: Path) -> None:

@@ -14,11 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from common.procs import free_port
-from engine.config import EngineConfig, LoRAConfig
+from engine.config import EngineConfig, LoRAConfig, SpeculativeConfig
 from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, RequestTimes
 from engine.core.sampling_params import SamplingParams
+from engine.core.spec_stats import SpecDecodingStats
 from engine.entrypoints.metrics import EngineMetrics, build_1_2_5_buckets, serve_metrics
 
 LABELS = {"model_name": "m", "engine": "0"}
@@ -27,9 +28,11 @@ LABELS = {"model_name": "m", "engine": "0"}
 class FakeCore:
     """What EngineMetrics reads of a core, set by hand."""
 
-    def __init__(self, *, lora: bool = False) -> None:
+    def __init__(self, *, lora: bool = False, num_spec_tokens: int = 0) -> None:
+        spec = SpeculativeConfig(num_speculative_tokens=num_spec_tokens) if num_spec_tokens else None
         self.config = EngineConfig(served_model_name="m", block_size=16,
-                                   lora_config=LoRAConfig(max_loras=2) if lora else None)
+                                   lora_config=LoRAConfig(max_loras=2) if lora else None, speculative_config=spec)
+        self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
         self.max_model_len = 100
         self.num_blocks = 40
         self.executor = SimpleNamespace(kv_cache_dtype_name="float32")
@@ -40,7 +43,11 @@ class FakeCore:
                                          block_manager=SimpleNamespace(usage=lambda: self.usage))
 
     def scheduler_stats(self) -> dict[str, int]:
-        return dict(self.stats)
+        spec = self.spec_stats
+        return dict(self.stats) if spec is None else {
+            **self.stats, "spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens}
 
 
 def scrape(metrics: EngineMetrics) -> dict[str, list[Sample]]:
@@ -163,6 +170,26 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters() -> None:
     (info,) = scrape(EngineMetrics(core))["vllm:lora_requests_info"]   # type: ignore[arg-type]
     assert info.labels == {"max_lora": "2", "running_lora_adapters": "a,b", "waiting_lora_adapters": "c"}
     assert info.value > 1e9   # the scrape's time, as vLLM sets it
+
+
+def test_spec_decode_counters_count_the_drafts_after_warm_up() -> None:
+    core = FakeCore(num_spec_tokens=3)
+    assert core.spec_stats is not None
+    core.spec_stats.observe(3, 3)   # the warm-up's, left out
+    metrics = EngineMetrics(core)   # type: ignore[arg-type]
+    for drafted, accepted in ((3, 2), (3, 0), (2, 2), (1, 1)):
+        core.spec_stats.observe(drafted, accepted)
+    got = scrape(metrics)
+    assert value(got["vllm:spec_decode_num_drafts"], "vllm:spec_decode_num_drafts_total") == 4
+    assert value(got["vllm:spec_decode_num_draft_tokens"], "vllm:spec_decode_num_draft_tokens_total") == 9
+    assert value(got["vllm:spec_decode_num_accepted_tokens"], "vllm:spec_decode_num_accepted_tokens_total") == 5
+    per_pos = got["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert [value(per_pos, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+            for p in range(3)] == [3, 2, 0]
+
+
+def test_no_spec_decode_series_when_speculation_is_off() -> None:
+    assert not any(name.startswith("vllm:spec_decode") for name in scrape(EngineMetrics(FakeCore())))  # type: ignore[arg-type]
 
 
 def test_build_1_2_5_buckets() -> None:

@@ -60,6 +60,23 @@ def test_line_reports_rates_usage_and_busy_share(caplog: pytest.LogCaptureFixtur
             and "Steps: 1 (mean 1000.0 ms" in line)
 
 
+def test_speculation_adds_the_intervals_acceptance_in_vllms_words() -> None:
+    core, clock = FakeCore(), Clock()
+    core.stats.update(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30, spec_decode_num_accepted_tokens=30)
+    stats = StatsLogger(core, interval_s=10.0, clock=clock)
+    stats.record_step(0.5)
+    # This interval: 13 drafts of 3 tokens (39), 17 of them accepted.
+    core.stats.update(spec_decode_num_drafts=23, spec_decode_num_draft_tokens=69, spec_decode_num_accepted_tokens=47)
+    clock.now += 10.0
+    line = stats.maybe_log()
+    assert line is not None and line.endswith(
+        "busy 5%), Mean acceptance length: 2.31, Avg Draft acceptance rate: 43.6%")
+    stats.record_step(0.5)   # speculation on, but no draft in the interval: nothing added
+    clock.now += 10.0
+    line = stats.maybe_log()
+    assert line is not None and line.endswith("busy 5%)")
+
+
 def test_disable_log_stats_flag() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
