@@ -169,6 +169,7 @@ class ModelRunner:
                 tokens, lps = self._accept(draft, result.token_ids[j:j + len(draft) + 1],
                                            result.logprobs[j:j + len(draft) + 1])
                 runner_out.sampled[seq_id] = tokens
+                self._rewind(rows[j], len(tokens))
                 if lps is not None:
                     runner_out.logprobs[seq_id] = lps
                 runner_out.num_draft_tokens[seq_id] = len(draft)
@@ -190,6 +191,15 @@ class ModelRunner:
             runner_out.grammar_complete, runner_out.grammar_failed = self.structured.advance(
                 firsts, [runner_out.sampled[seq_id][0] for seq_id in firsts])
         return runner_out
+
+    @staticmethod
+    def _rewind(row: SamplingRow, num_kept: int) -> None:
+        """Leave a seeded generator as if only the kept positions had drawn: the noise of a sequence's t-th
+        token is then the t-th draw of its seed's stream whatever was proposed, so a seeded request samples
+        exactly what it samples without speculation. The draws of discarded positions decided nothing that
+        was kept (acceptance at a position reads only that position's draw), so reusing them is sound."""
+        if row.generator is not None and row.states is not None and len(row.states) >= num_kept:
+            row.generator.set_state(row.states[num_kept - 1])
 
     @staticmethod
     def _accept(draft: np.ndarray, samples: list[int], lps: list[Logprob | None]
@@ -298,13 +308,16 @@ class ModelRunner:
             draft = draft_of.get(id(s))
             if draft is not None:
                 generator = self._generator(req.seq_id, params, 0)
+                # A seeded row's positions draw from its generator one after another; the step rewinds it to
+                # the state after the last position kept (``_rewind``).
+                states: list[torch.Tensor] | None = [] if generator is not None else None
                 outputs = req.output_token_ids
                 extra = draft.tolist()
                 for j in range(len(draft) + 1):
                     row_of.append(logits_row + j)
                     rows.append(SamplingRow(params=params, prompt_token_ids=req.prompt_token_ids,
                                             output_token_ids=outputs + extra[:j] if j else outputs,
-                                            generator=generator, cumulative=req.holds_outputs))
+                                            generator=generator, cumulative=req.holds_outputs, states=states))
                     owners.append(req.seq_id)
                 logits_row += len(draft) + 1
                 continue

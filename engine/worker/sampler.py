@@ -49,6 +49,9 @@ class SamplingRow:
     generator: torch.Generator | None  # the request's seeded generator; None = the sampler's shared one
     # The sampled token's logprob is wanted even without ``params.logprobs`` (best_of ranks by their sum).
     cumulative: bool = False
+    # When set, the generator's state after this row's draw is appended (a speculative row rewinds its seeded
+    # generator to the last position it keeps).
+    states: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -254,6 +257,8 @@ class Sampler:
             else:  # a generator made for another device: draw there, same numbers
                 draw = torch.empty(like.shape[1], dtype=like.dtype, device=generator.device)
                 noise[i].copy_(draw.uniform_(generator=generator))
+            if row.states is not None:
+                row.states.append(generator.get_state())
         return noise.log_().neg_()
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
