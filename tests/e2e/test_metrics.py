@@ -18,11 +18,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from tests.e2e.conftest import SHARED_SERVED
 from tests.procs import ROOT, ServeStack
 
 pytestmark = pytest.mark.slow
 
-SERVED = "metrics-model"
+SERVED = SHARED_SERVED
 DASHBOARD = ROOT / "deploy" / "grafana" / "sluice.json"
 
 # Issue 25's names, as vLLM exports them (counters with their _total).
@@ -40,10 +41,9 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
-    s = ServeStack(tmp_path_factory.mktemp("metrics"), "--served-model-name", SERVED, "--max-num-seqs", "2").start()
-    yield s
-    s.stop()
+def stack(shared_stack: ServeStack) -> ServeStack:
+    """``sluice serve --max-num-seqs 2`` (n-gram speculation on: tests/e2e/conftest.py)."""
+    return shared_stack
 
 
 @pytest.fixture(scope="module")
