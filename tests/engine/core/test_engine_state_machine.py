@@ -34,12 +34,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        config = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET, max_num_seqs=MAX_NUM_SEQS,
-                              scheduling_policy=self.policy, lora_config=LoRAConfig(max_loras=MAX_LORAS))
-        self.sched = Scheduler(config, NUM_BLOCKS, eos_token_ids={EOS}, max_model_len=MAX_MODEL_LEN)
+        self.sched = Scheduler(self.config(), NUM_BLOCKS, eos_token_ids={EOS}, max_model_len=MAX_MODEL_LEN)
         self.next_id = 0
         self.finished: set[SequenceId] = set()    # sequences reported ended
         self.done: set[str] = set()              # requests the scheduler said ended (request_finished)
+
+    def config(self) -> EngineConfig:
+        return EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET, max_num_seqs=MAX_NUM_SEQS,
+                            scheduling_policy=self.policy, lora_config=LoRAConfig(max_loras=MAX_LORAS))
 
     # ----- rules ---------------------------------------------------------------------
 
@@ -112,8 +114,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.done.add(request_id)
         assert not any(seq_id.request_id == request_id for seq_id in self.sched.requests)
 
+    def _samples(self, out: SchedulerOutput, rng: random.Random) -> dict[SequenceId, list[int]]:
+        """What the fake runner returns: one random token (EOS now and then) per sampled sequence."""
+        return {seq_id: [rng.randrange(0, 8)] for s in out.scheduled for seq_id in s.sample_seq_ids}
+
     def _apply(self, out: SchedulerOutput, rng: random.Random) -> None:
-        sampled = {seq_id: [rng.randrange(0, 8)] for s in out.scheduled for seq_id in s.sample_seq_ids}
+        sampled = self._samples(out, rng)
         for o in self.sched.update_from_output(out, sampled):
             assert o.seq_id not in self.finished, f"{o.seq_id} reported after it finished"
             assert o.request_id not in self.done, f"{o.request_id} reported after it was said done"
@@ -126,7 +132,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self._request_done(o.request_id)
 
     def _check_output(self, out: SchedulerOutput) -> None:
-        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled) <= BUDGET
+        assert out.num_batched_tokens == sum(s.num_budget_tokens for s in out.scheduled) <= BUDGET
         ids = [s.request.seq_id for s in out.scheduled]
         assert len(ids) == len(set(ids))
         decodes = [s.is_decode for s in out.scheduled]

@@ -7,9 +7,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def save_tiny_llama(path: Path, seed: int = 1) -> LlamaForCausalLM:
+def save_tiny_llama(path: Path, seed: int = 1, vocab_size: int = 128) -> LlamaForCausalLM:
     """Write the checkpoint to ``path`` and return the transformers model (eval mode) that matches it."""
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config)
