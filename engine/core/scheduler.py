@@ -394,6 +394,8 @@ class Scheduler:
         if not tokens or len(tokens) > 1 + s.num_spec_tokens:
             raise ValueError(f"{request.seq_id}: {0 if not tokens else len(tokens)} tokens for a row verifying at "
                              f"most {s.num_spec_tokens} proposed ones")
+        # A prompt's last token computed alone (its last chunk) is a prompt token, proposals or not.
+        self.num_prompt_tokens += max(0, min(s.start + 1, request.num_prompt_tokens) - s.start)
         self._append(request, tokens, logprobs.get(request.seq_id) if logprobs else None)
         if request.status is RequestStatus.RUNNING:
             request.num_computed_tokens = s.start + len(tokens)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 from hypothesis import settings
 from hypothesis.stateful import invariant
 
@@ -160,9 +159,6 @@ def test_speculation_gives_way_before_anyone_is_preempted() -> None:
     assert [s.num_spec_tokens for s in out.scheduled] == [0, 0] and out.preempted == []
 
 
-@pytest.mark.xfail(strict=True, reason="Scheduler._update_speculated skips the num_prompt_tokens count that "
-                                       "update_from_output makes for other rows: a one-token last prompt chunk "
-                                       "that speculates is not counted")
 def test_a_prompt_whose_last_token_is_verified_with_proposals_counts_as_prompt_tokens() -> None:
     # A 17-token prompt under a budget of 16: its last chunk is one token, scheduled like a decode, with lookahead.
     sched = _scheduler(budget=16)
