@@ -136,9 +136,10 @@ class Worker:
             return DraftModelProposer(self.draft, self.device, num_blocks=num_blocks,
                                       block_size=self.config.block_size,
                                       max_num_tokens=self.config.max_num_batched_tokens, dtype=self.kv_cache_dtype,
-                                      vocab_size=self.model.config.vocab_size)
+                                      vocab_size=self.model.config.vocab_size,
+                                      num_speculative_tokens=spec.num_speculative_tokens)
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Reads and validates an adapter into the host cache (InvalidRequestError naming the file and field)."""

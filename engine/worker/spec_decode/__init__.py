@@ -29,3 +29,33 @@ class Proposer(Protocol):
 
     def forget(self, seq_ids: list[SequenceId]) -> None:
         """Sequences that ended or were preempted: drop what was kept for them."""
+
+
+class DraftLengths:
+    """How many tokens to propose for each sequence, adapted to how many it had accepted (the heuristic of
+    transformers' assisted generation): two more after a proposal accepted whole, one fewer after a rejection,
+    between 1 and the configured number. Proposals rarely accepted then cost one verified token per step, not
+    ``num_speculative_tokens`` of the step's rows (and logits); exactness does not depend on it."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.most = num_speculative_tokens
+        self._length: dict[SequenceId, int] = {}
+        self._proposed: dict[SequenceId, int] = {}
+
+    def limit(self, seq_id: SequenceId, lookahead: int) -> int:
+        return min(lookahead, self._length.get(seq_id, self.most))
+
+    def proposed(self, seq_id: SequenceId, num: int) -> None:
+        self._proposed[seq_id] = num
+
+    def accepted(self, seq_id: SequenceId, num_accepted: int) -> None:
+        num = self._proposed.pop(seq_id, 0)
+        if num == 0:
+            return
+        length = self._length.get(seq_id, self.most)
+        self._length[seq_id] = min(self.most, length + 2) if num_accepted == num else max(1, length - 1)
+
+    def forget(self, seq_ids: list[SequenceId]) -> None:
+        for seq_id in seq_ids:
+            self._length.pop(seq_id, None)
+            self._proposed.pop(seq_id, None)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engine.worker.input_layout import LayoutRow, lay_out
+from engine.worker.spec_decode import DraftLengths
 
 if TYPE_CHECKING:
     from engine.core.request import SequenceId
@@ -30,7 +31,7 @@ _EMPTY = np.empty(0, dtype=np.int64)
 
 class DraftModelProposer:
     def __init__(self, model: CausalLM, device: Device, *, num_blocks: int, block_size: int, max_num_tokens: int,
-                 dtype: torch.dtype, vocab_size: int) -> None:
+                 dtype: torch.dtype, vocab_size: int, num_speculative_tokens: int) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -42,6 +43,7 @@ class DraftModelProposer:
         self._buffers(max_num_tokens)
         self.computed: dict[SequenceId, int] = {}
         self._proposed: dict[SequenceId, tuple[int, int]] = {}   # (position of the pending token, tokens proposed)
+        self.lengths = DraftLengths(num_speculative_tokens)
 
     def _buffers(self, size: int) -> None:
         pin = self.device.pin_memory
@@ -64,7 +66,10 @@ class DraftModelProposer:
         ranked = sorted(range(len(rows)), key=lambda r: not rows[r][3])
         rows, order = [rows[r] for r in ranked], [order[r] for r in ranked]
         drafts = [_EMPTY] * len(scheduled)
-        wanted = [(r, order[r]) for r in range(len(rows)) if scheduled[order[r]].num_spec_tokens]
+        # Tokens to propose for each row with lookahead.
+        want = {i: self.lengths.limit(s.request.seq_id, s.num_spec_tokens)
+                for i, s in enumerate(scheduled) if s.num_spec_tokens}
+        wanted = [(r, order[r]) for r in range(len(rows)) if order[r] in want]
         logits = self._forward(rows, [r for r, _ in wanted])
         if logits is None:
             return drafts
@@ -72,7 +77,7 @@ class DraftModelProposer:
         # Then one token at a time for the rows that want more.
         step = 1
         while True:
-            more = [i for i in proposals if scheduled[i].num_spec_tokens > step]
+            more = [i for i in proposals if want[i] > step]
             if not more:
                 break
             logits = self._forward([(scheduled[i].request, scheduled[i].start + step,
@@ -86,6 +91,7 @@ class DraftModelProposer:
             s = scheduled[i]
             drafts[i] = np.asarray(tokens, dtype=np.int64)
             self._proposed[s.request.seq_id] = (s.start, len(tokens))
+            self.lengths.proposed(s.request.seq_id, len(tokens))
         return drafts
 
     def _forward(self, rows: list[LayoutRow], sample_rows: list[int]) -> torch.Tensor | None:
@@ -107,6 +113,7 @@ class DraftModelProposer:
         return logits[:, :self.vocab_size].argmax(dim=-1).tolist()
 
     def accepted(self, seq_id: SequenceId, num_accepted: int) -> None:
+        self.lengths.accepted(seq_id, num_accepted)
         proposed = self._proposed.pop(seq_id, None)
         if proposed is not None:
             start, k = proposed
@@ -117,6 +124,7 @@ class DraftModelProposer:
         self.backend.copy_blocks(self.kv_caches, copies)
 
     def forget(self, seq_ids: list[SequenceId]) -> None:
+        self.lengths.forget(seq_ids)
         for seq_id in seq_ids:
             self.computed.pop(seq_id, None)
             self._proposed.pop(seq_id, None)

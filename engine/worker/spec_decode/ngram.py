@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.worker.spec_decode import DraftLengths
+
 if TYPE_CHECKING:
     from engine.core.request import SequenceId
     from engine.core.scheduler_output import ScheduledRequest
@@ -47,19 +49,29 @@ def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
 class NgramProposer:
     """Proposes from each speculating row's own ids (prompt and output so far)."""
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, num_speculative_tokens: int) -> None:
         self.min_n = min_n
         self.max_n = max_n
+        self.lengths = DraftLengths(num_speculative_tokens)
 
     def propose(self, scheduled: list[ScheduledRequest]) -> list[np.ndarray]:
-        return [ngram_propose(s.request.all_token_ids, self.min_n, self.max_n, s.num_spec_tokens)
-                if s.num_spec_tokens else _EMPTY for s in scheduled]
+        drafts = []
+        for s in scheduled:
+            if not s.num_spec_tokens:
+                drafts.append(_EMPTY)
+                continue
+            seq_id = s.request.seq_id
+            draft = ngram_propose(s.request.all_token_ids, self.min_n, self.max_n,
+                                  self.lengths.limit(seq_id, s.num_spec_tokens))
+            self.lengths.proposed(seq_id, len(draft))
+            drafts.append(draft)
+        return drafts
 
     def accepted(self, seq_id: SequenceId, num_accepted: int) -> None:
-        pass
+        self.lengths.accepted(seq_id, num_accepted)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         pass
 
     def forget(self, seq_ids: list[SequenceId]) -> None:
-        pass
+        self.lengths.forget(seq_ids)

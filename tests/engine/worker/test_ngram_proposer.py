@@ -8,9 +8,10 @@ import random
 import numpy as np
 import pytest
 
-from engine.core.request import Request
+from engine.core.request import Request, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest
+from engine.worker.spec_decode import DraftLengths
 from engine.worker.spec_decode.ngram import NgramProposer, ngram_propose
 
 
@@ -93,6 +94,31 @@ def test_proposer_proposes_for_rows_with_lookahead_from_their_own_ids() -> None:
     rows = [ScheduledRequest(a, 1, a.num_tokens - 1, True, num_spec_tokens=2),
             ScheduledRequest(b, 1, b.num_tokens - 1, True, num_spec_tokens=0),
             ScheduledRequest(b, 1, b.num_tokens - 1, True, num_spec_tokens=5)]
-    out = NgramProposer(1, 3).propose(rows)
+    out = NgramProposer(1, 3, 5).propose(rows)
     assert [o.tolist() for o in out] == [[6, 9], [], [2, 1]]
     assert all(o.dtype == np.int64 for o in out)
+
+
+def test_draft_lengths_follow_acceptance() -> None:
+    """Two more after a proposal accepted whole, one fewer after a rejection, within [1, num_speculative_tokens]."""
+    seq = SequenceId("a")
+    lengths = DraftLengths(4)
+    assert lengths.limit(seq, 3) == 3 and lengths.limit(seq, 9) == 4
+    for accepted, want in ((1, 3), (0, 2), (0, 1), (0, 1), (1, 3), (3, 4), (4, 4)):
+        lengths.proposed(seq, lengths.limit(seq, 4))
+        lengths.accepted(seq, accepted)
+        assert lengths.limit(seq, 4) == want
+    lengths.proposed(seq, 0)       # nothing proposed: nothing learnt
+    lengths.accepted(seq, 0)
+    assert lengths.limit(seq, 4) == 4
+    lengths.forget([seq])
+    assert lengths.limit(seq, 4) == 4
+
+
+def test_an_often_rejected_sequence_proposes_less() -> None:
+    r = Request("r", [1, 2, 3, 4] * 3 + [1, 2], SamplingParams())
+    proposer = NgramProposer(1, 3, 4)
+    row = ScheduledRequest(r, 1, r.num_tokens - 1, True, num_spec_tokens=4)
+    assert len(proposer.propose([row])[0]) == 4
+    proposer.accepted(r.seq_id, 0)
+    assert len(proposer.propose([row])[0]) == 3
