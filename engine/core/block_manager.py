@@ -235,12 +235,7 @@ class BlockManager:
         its head (a cached tail is useless without the head before it).
         """
         for block_id in reversed(request.block_ids):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                if self._hash_of_block[block_id] is not None:
-                    self._evictable[block_id] = None
-                else:
-                    self._free.append(block_id)
+            self._release(block_id)
         request.block_ids = []
         request.num_seen_blocks = 0
 
@@ -250,13 +245,16 @@ class BlockManager:
         none is registered in the prefix cache."""
         keep = -(-num_tokens // self.block_size)
         while len(request.block_ids) > keep:
-            block_id = request.block_ids.pop()
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                if self._hash_of_block[block_id] is not None:
-                    self._evictable[block_id] = None
-                else:
-                    self._free.append(block_id)
+            self._release(request.block_ids.pop())
+
+    def _release(self, block_id: int) -> None:
+        """Drop one hold on a block; unheld, it waits on the LRU list when registered, else it is plain free."""
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            if self._hash_of_block[block_id] is not None:
+                self._evictable[block_id] = None
+            else:
+                self._free.append(block_id)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's blocks (shared, refcount + 1); the first write to a shared block copies it."""

@@ -229,13 +229,8 @@ def speculative_config(ns: argparse.Namespace) -> SpeculativeConfig | None:
     given = getattr(ns, "speculative_config", None)
     values: dict[str, object] | None = None
     if given is not None:
-        try:
-            values = json.loads(given)
-        except ValueError as e:
-            raise InvalidRequestError(flag, f"is not valid JSON: {e}") from e
-        if not isinstance(values, dict):
-            raise InvalidRequestError(flag, f"must be a JSON object, got {given!r}")
-        values = {key.replace("-", "_"): value for key, value in values.items()}   # vLLM reads both spellings
+        values = {key.replace("-", "_"): value   # vLLM reads both spellings
+                  for key, value in json_object(given, flag).items()}
     for shorthand, dest, key in _SPEC_SHORTHANDS:
         value = getattr(ns, dest, None)
         if value is None:
@@ -252,18 +247,24 @@ def speculative_config(ns: argparse.Namespace) -> SpeculativeConfig | None:
         raise InvalidRequestError(e.field.replace("speculative_config", flag, 1), e.message) from e
 
 
+def json_object(text: str, flag: str) -> dict[str, object]:
+    """A flag's JSON object; InvalidRequestError naming the flag when it is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InvalidRequestError(flag, f"is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise InvalidRequestError(flag, f"must be a JSON object, got {text!r}")
+    return value
+
+
 def structured_outputs_config(config_json: str | None, guided_decoding_backend: str | None
                               ) -> StructuredOutputsConfig:
     """``--structured-outputs-config`` (JSON) and ``--guided-decoding-backend``; errors name the flag."""
     flag = "--structured-outputs-config"
     values: dict[str, object] = {}
     if config_json is not None:
-        try:
-            values = json.loads(config_json)
-        except ValueError as e:
-            raise InvalidRequestError(flag, f"is not valid JSON: {e}") from e
-        if not isinstance(values, dict):
-            raise InvalidRequestError(flag, "must be a JSON object")
+        values = json_object(config_json, flag)
         unknown = set(values) - {f.name for f in fields(StructuredOutputsConfig)}
         if unknown:
             raise InvalidRequestError(flag, f"unknown key(s) {', '.join(sorted(unknown))}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from typing import Any
 
 import jsonschema
 import openai
@@ -41,16 +42,21 @@ def spec_counters(stack: ServeStack) -> dict[str, float]:
     return found
 
 
-def test_greedy_text_is_the_offline_text_without_speculation(shared_stack: ServeStack,
-                                                             client: openai.OpenAI) -> None:
+@pytest.fixture(scope="module")
+def offline() -> Any:
+    """The default model in this process, without speculation."""
     from engine import LLM
 
+    return LLM(max_num_seqs=2)
+
+
+def test_greedy_text_is_the_offline_text_without_speculation(shared_stack: ServeStack, client: openai.OpenAI,
+                                                             offline: Any) -> None:
     before = spec_counters(shared_stack)
     served = [client.completions.create(model=SHARED_SERVED, prompt=p, max_tokens=40, temperature=0).choices[0].text
               for p in PROMPTS]
-    llm = LLM(max_num_seqs=2)   # the default model, no speculation
-    offline = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0))]
-    assert served == offline
+    texts = [o.outputs[0].text for o in offline.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0))]
+    assert served == texts
     after = spec_counters(shared_stack)
     k = SPEC_CONFIG["num_speculative_tokens"]
     grew = {name: after[name] - before.get(name, 0.0) for name in after}
@@ -85,3 +91,13 @@ def test_structured_outputs_stay_valid_with_speculation_on(client: openai.OpenAI
     r = client.chat.completions.create(model=SHARED_SERVED, messages=[{"role": "user", "content": PROMPTS[0]}],
                                        response_format=fmt, temperature=0, max_tokens=120)  # type: ignore[arg-type]
     jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+
+
+def test_a_stop_string_inside_accepted_tokens_ends_the_text_where_it_would(client: openai.OpenAI,
+                                                                        offline: Any) -> None:
+    """Several tokens accepted at once may run past a stop string: the text still ends just before it."""
+    served = client.completions.create(model=SHARED_SERVED, prompt=PROMPTS[0], max_tokens=48, temperature=0,
+                                       stop=["yellow, red"])
+    want = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=48, temperature=0, stop=["yellow, red"]))
+    assert served.choices[0].text == want[0].outputs[0].text
+    assert served.choices[0].finish_reason == want[0].outputs[0].finish_reason == "stop"

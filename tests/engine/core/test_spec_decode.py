@@ -90,7 +90,7 @@ def test_greedy_outputs_are_those_of_speculation_off(checkpoints: dict[str, Path
 
 
 def test_default_model_greedy_is_unchanged_by_ngram_speculation() -> None:
-    """The GGUF default model: 32 prompts batched under a small budget (chunked prefill), and 4 alone."""
+    """The GGUF default model: 32 prompts batched under a small budget (chunked prefill), then 2 alone."""
     from engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(EngineConfig().model_path)
@@ -99,14 +99,18 @@ def test_default_model_greedy_is_unchanged_by_ngram_speculation() -> None:
              "Quote the sentence 'the quick brown fox jumps over the lazy dog' twice:",
              "The capital of France is"]
     batch = [tok.encode(texts[i % 4] + " " * (i // 4)) for i in range(32)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
     base, _, _ = run(None, None, batch, params, max_num_batched_tokens=64)
     spec_out, core, _ = run(None, spec, batch, params, max_num_batched_tokens=64)
     assert spec_out == base
     assert core.spec_stats is not None and core.spec_stats.num_accepted_tokens > 0
-    alone, _, _ = run(None, spec, batch[:4], params, alone=True, max_num_batched_tokens=64)
-    assert alone == {k: base[k] for k in alone}
+    for i in (0, 1):   # alone, on the same engine (its prompt now a prefix-cache hit)
+        core.add_request(f"alone-{i}", batch[i], params)
+        alone: list[int] = []
+        while core.has_unfinished_requests():
+            alone += [t for out in core.step() for t in out.new_token_ids]
+        assert alone == base[str(i)]
 
 
 def test_preemption_and_prefix_hits_keep_outputs(checkpoints: dict[str, Path]) -> None:
@@ -186,3 +190,26 @@ def test_seeded_sampling_is_that_of_speculation_off(checkpoints: dict[str, Path]
     a, _, _ = run(checkpoints["llama"], None, batch, unseeded)
     b, _, _ = run(checkpoints["llama"], NGRAM, batch, unseeded)
     assert a != b
+
+
+def test_beam_search_runs_beside_speculating_requests(checkpoints: dict[str, Path]) -> None:
+    """Beams never speculate (they sample together); mixed into a batch of speculating requests they end as they
+    do without speculation, and so do the others."""
+    from engine.core.sampling_params import BeamSearch
+
+    batch = prompts(6, seed=17)
+    beams = SamplingParams(n=3, max_tokens=10, beam_search=BeamSearch(3))
+
+    def mixed(spec: SpeculativeConfig | None) -> dict[tuple[str, int], list[int]]:
+        core = EngineCore(EngineConfig(model=str(checkpoints["llama"]), speculative_config=spec, dtype="float32",
+                                       num_kv_blocks=256, disable_log_stats=True), show_progress=False)
+        for i, p in enumerate(batch):
+            core.add_request(str(i), p, beams if i % 2 else GREEDY)
+        got: dict[tuple[str, int], list[int]] = {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+        assert core.scheduler.block_manager.num_free_blocks == core.num_blocks
+        return got
+
+    assert mixed(NGRAM) == mixed(None)
