@@ -46,7 +46,7 @@ from common.tls import (
     rest_tls_from_args,
 )
 from engine.config import EngineConfig, LoRAConfig, default_max_queued_requests
-from engine.entrypoints.args import add_engine_args, config_from_args
+from engine.entrypoints.args import add_engine_args, check_local_paths, config_from_args
 from engine.entrypoints.vllm_compat import normalize_flag_spelling
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.mindie_config import ConfigFileError, load_mindie_config
@@ -413,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     ns = resolve_settings(args, notes)
     try:
         config = config_from_args(ns)
+        check_local_paths(config)
         observability = observability_settings(ns)
         grpc_tls, rest_tls = grpc_tls_from_args(ns), rest_tls_from_args(ns)
         keys = api_keys(ns)

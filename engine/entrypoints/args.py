@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 from dataclasses import fields
+from pathlib import Path
 
 from common.errors import InvalidRequestError
 from common.settings import runtime_lora_updating
@@ -245,6 +246,15 @@ def speculative_config(ns: argparse.Namespace) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(values)
     except InvalidRequestError as e:
         raise InvalidRequestError(e.field.replace("speculative_config", flag, 1), e.message) from e
+
+
+def check_local_paths(config: EngineConfig) -> None:
+    """Paths a command line names that must exist before any process starts (a draft model that is missing
+    would otherwise fail the engine at every restart)."""
+    spec = config.speculative_config
+    if spec is not None and spec.model is not None and not Path(spec.model).exists():
+        raise InvalidRequestError("--speculative-config.model", f"{spec.model!r} does not exist: the draft model "
+                                                                "is a local HF directory or .gguf file")
 
 
 def json_object(text: str, flag: str) -> dict[str, object]:

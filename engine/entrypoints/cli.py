@@ -11,7 +11,7 @@ from common.errors import InvalidRequestError
 from common.observability import add_observability_args, observability_settings, set_up
 from common.procs import die_with_parent
 from common.tls import add_grpc_tls_args, grpc_tls_from_args
-from engine.entrypoints.args import add_engine_args, config_from_args
+from engine.entrypoints.args import add_engine_args, check_local_paths, config_from_args
 from engine.entrypoints.metrics import add_metrics_args
 from engine.entrypoints.process import set_openmp_defaults, use_huge_pages
 from engine.entrypoints.vllm_compat import check_vllm_compat, normalize_flag_spelling
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         observability = observability_settings(ns)
         tls = grpc_tls_from_args(ns)
         config = config_from_args(ns)
+        check_local_paths(config)
     except (InvalidRequestError, ValueError) as e:
         parser.error(str(e))
     tracing = set_up(observability, log_level=ns.log_level, process="engine")

@@ -231,6 +231,10 @@ def test_the_engine_cli_takes_the_same_engine_flags() -> None:
     (["engine", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'],
      "sluice engine: error: --speculative-config.method: 'eagle' is not supported: Sluice speculates with ngram or "
      "draft_model"),
+    (["services.cli", "serve", "--speculative-config", '{"model": "/nonexistent/draft", "num_speculative_tokens": 2}'],
+     "sluice serve: error: --speculative-config.model: '/nonexistent/draft' does not exist"),
+    (["engine", "--speculative-config", '{"model": "/nonexistent/draft", "num_speculative_tokens": 2}'],
+     "sluice engine: error: --speculative-config.model: '/nonexistent/draft' does not exist"),
 ])
 def test_a_refusal_is_one_line_and_exit_2_from_the_real_command(command: list[str], line: str) -> None:
     done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=60)
