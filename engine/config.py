@@ -299,6 +299,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"          # fcfs | priority
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # uni | mp | ray; None: uni for one rank, mp for more (vLLM's default on one host)
+    distributed_executor_backend: str | None = None
+    device_ids: tuple[int, ...] | None = None  # accelerator ids of the ranks in rank order (MindIE npuDeviceIds)
     num_threads: int | None = None           # torch intra-op threads on CPU; None = torch's default
     disable_log_stats: bool = False          # no periodic status line (engine.entrypoints.stats_logger)
     stream_interval: int = 1                 # tokens per streamed group of a sequence (vLLM's --stream-interval)
@@ -339,8 +343,20 @@ class EngineConfig:
               "must be an integer >= 1")
         check(isinstance(self.max_logprobs, int) and self.max_logprobs >= 0, "max_logprobs",
               "must be an integer >= 0")
-        check(self.tensor_parallel_size == 1, "tensor_parallel_size",
-              "only 1 is supported in this release")
+        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              "tensor_parallel_size", "must be an integer >= 1")
+        check(isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size >= 1,
+              "pipeline_parallel_size", "must be an integer >= 1")
+        check(self.distributed_executor_backend in (None, "uni", "mp", "ray"), "distributed_executor_backend",
+              f"unknown executor {self.distributed_executor_backend!r}; expected uni, mp or ray")
+        check(self.world_size == 1 or self.distributed_executor_backend != "uni", "distributed_executor_backend",
+              f"the uni executor runs one rank; tensor_parallel_size x pipeline_parallel_size is {self.world_size}: "
+              "use mp or ray")
+        check(self.device_ids is None or len(self.device_ids) >= self.world_size, "device_ids",
+              f"{self.world_size} ranks need {self.world_size} device ids; got {list(self.device_ids or ())}")
+        check(self.world_size == 1 or self.lora_config is None, "enable_lora",
+              "LoRA adapters are not sharded across tensor or pipeline parallel ranks yet: run LoRA with "
+              "tensor_parallel_size and pipeline_parallel_size 1")
         spec = self.speculative_config
         if spec is not None:
             check(spec.num_speculative_tokens < self.max_num_batched_tokens,
@@ -352,6 +368,18 @@ class EngineConfig:
             for module in self.lora_config.lora_modules:
                 check(module.name not in taken, "lora_modules",
                       f"adapter name {module.name!r} is the served model's name")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The executor this config runs: the one named, else uni for one rank and mp for more."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
 
     @property
     def model_path(self) -> str:

@@ -80,6 +80,9 @@ class UniprocExecutor:
         runner = self.worker.runner
         return 0.0 if runner is None else runner.last_prepare_s
 
+    def shutdown(self) -> None:
+        """Nothing to stop: the one worker is this process."""
+
     def release(self, seq_ids: list[SequenceId]) -> None:
         """Forget the per-sequence state (seeded generators, grammar matchers) of sequences that ended."""
         if self.worker.runner is not None:
