@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from engine.config import EngineConfig
 from engine.worker.step_inputs import MicroBatch, StepInputs
 
 
@@ -77,3 +78,13 @@ def decode(data: bytes) -> StepInputs | None:
                       _arr(m.block_tables).reshape(m.num_seqs, m.max_blocks)) for m in msg.micro_batches]
     return StepInputs(_arr(msg.input_ids), _arr(msg.positions), _arr(msg.slot_mapping), msg.block_size, mbs,
                       [(s, d) for s, d in msg.block_copies], [_arr(r) for r in msg.logits_rows])
+
+
+def encode_config(config: EngineConfig) -> str:
+    """The engine's config as JSON, for the command line or the actor that starts another rank."""
+    return msgspec.json.encode(config).decode()
+
+
+def decode_config(text: str) -> EngineConfig:
+    """The config ``encode_config`` wrote, validated again."""
+    return msgspec.json.decode(text, type=EngineConfig)
