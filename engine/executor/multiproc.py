@@ -110,8 +110,10 @@ class DistributedExecutor(UniprocExecutor):
     # -- the driver ------------------------------------------------------------------------------------------
     def _join(self, init_method: str) -> ParallelContext:
         """Rank 0's ``init_parallel``, on a thread: a rank that dies before joining would leave it waiting for
-        the rank in the store, so the wait gives up when the monitor finds a rank dead (the thread stays blocked
-        until its timeout; the engine is failing anyway)."""
+        the rank in the store, so the wait gives up when the monitor finds a rank dead. The thread stays blocked
+        (until its timeout), and torch.distributed has already counted the default group it was making: the
+        count goes back to 0, as destroy_process_group leaves it, so that this process can start a replica
+        again (the ranks name the group by that count)."""
         joined: list[ParallelContext | BaseException] = []
 
         def join() -> None:
@@ -126,6 +128,7 @@ class DistributedExecutor(UniprocExecutor):
         while thread.is_alive():
             thread.join(_POLL_S)
             if thread.is_alive() and self._failure is not None:
+                torch.distributed.distributed_c10d._world.group_count = 0
                 raise WorkerFailedError(self._failure)
         if isinstance(joined[0], BaseException):
             raise joined[0]

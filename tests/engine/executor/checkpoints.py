@@ -5,15 +5,24 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config
-from transformers import Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 # Sizes that divide over 2 tensor ranks (4 heads, 2 KV heads, 128 ids) and 2 pipeline stages (4 layers).
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+_COMMON: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
 
 MODELS: dict[str, Callable[[], PreTrainedModel]] = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON, tie_word_embeddings=False)),       # GQA, untied

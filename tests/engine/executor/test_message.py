@@ -7,6 +7,7 @@ import base64
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import msgspec
@@ -33,7 +34,7 @@ def steps(tmp_path_factory: pytest.TempPathFactory) -> list[StepInputs]:
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
     core = EngineCore(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=32, block_size=4,
                                    max_num_batched_tokens=16))
-    runner = core.executor.worker.runner
+    runner = core.executor.worker.runner   # type: ignore[attr-defined]
     assert runner is not None
     published: list[StepInputs] = []
     runner.publish = lambda inputs: published.append(copy.deepcopy(inputs))   # its arrays view reused buffers
@@ -44,7 +45,7 @@ def steps(tmp_path_factory: pytest.TempPathFactory) -> list[StepInputs]:
     return published
 
 
-def _plain(data: bytes) -> dict[str, object]:
+def _plain(data: bytes) -> dict[str, Any]:
     """The message as a MessagePack reader that knows nothing of ours sees it."""
     plain = msgspec.msgpack.decode(data)
     assert isinstance(plain, dict)
@@ -77,11 +78,11 @@ def test_a_step_decodes_to_plain_maps_that_match_its_inputs(steps: list[StepInpu
     assert _i64(plain["slot_mapping"]) == first.slot_mapping.tolist()
     assert plain["block_size"] == 4 and plain["block_copies"] == []
     # The compute_logits calls in order: a's prompt positions that predict a prompt token, then the sampled rows.
-    assert [_i64(r) for r in plain["logits_rows"]] == [list(range(9)), [9, 12]]  # type: ignore[union-attr]
-    (mb,) = plain["micro_batches"]  # type: ignore[misc]
+    assert [_i64(r) for r in plain["logits_rows"]] == [list(range(9)), [9, 12]]
+    (mb,) = plain["micro_batches"]
     assert (mb["token_start"], mb["token_end"], mb["query_lens"], mb["seq_lens"], mb["num_decodes"]) == \
         (0, 13, [10, 3], [10, 3], 0)
-    tables = np.asarray(_i64(mb["block_tables"])).reshape(mb["num_seqs"], mb["max_blocks"])
+    tables = np.asarray(_i64(mb["block_tables"]), dtype=np.int64).reshape(mb["num_seqs"], mb["max_blocks"])
     np.testing.assert_array_equal(tables, first.micro_batches[0].block_tables)
     decoded = decode(encode_step(first))
     assert isinstance(decoded, StepInputs)

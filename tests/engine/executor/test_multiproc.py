@@ -42,7 +42,7 @@ def generate(path: Path, **parallel: Any) -> Run:
         again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)   # its prefix is cached by now
         outs = [o.outputs[0] for o in first + again]
         sched = llm.engine.scheduler
-        runner = llm.engine.executor.worker.runner
+        runner = llm.engine.executor.worker.runner   # type: ignore[attr-defined]
         assert runner is not None
         cache = runner.stage.kv_caches
         return Run([o.token_ids for o in outs], [o.logprobs or [] for o in outs], sched.num_preemptions,

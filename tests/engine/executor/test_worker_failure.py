@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,9 @@ import pytest
 
 from common.procs import free_port, grpc_serving
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.executor.errors import WorkerFailedError
+from engine.executor.multiproc import MultiprocExecutor
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.engine.executor.checkpoints import alive, child_pids, write_checkpoint
 from tests.procs import spawn, wait_until
@@ -26,6 +30,27 @@ LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+class _DiesBeforeJoining(MultiprocExecutor):
+    def _start_workers(self, config_json: str, init_method: str) -> None:
+        self._procs[1] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+
+
+def test_a_rank_that_dies_before_joining_fails_start_up_at_once_and_a_replica_can_start_after(
+        checkpoint: Path) -> None:
+    config = EngineConfig(model=str(checkpoint), dtype="float32", num_kv_blocks=16, num_threads=1,
+                          tensor_parallel_size=2)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailedError, match=r"rank 1 \(pid \d+\) exited with code 3"):
+        _DiesBeforeJoining(config)
+    assert time.monotonic() - t0 < 2.0
+    replica = MultiprocExecutor(config)   # the driver's half-made join does not get in the way
+    try:
+        assert replica.initialize_cache({2}) == 16
+    finally:
+        replica.shutdown()
+    assert not alive(replica.worker_pids[0])
 
 
 def test_a_killed_rank_fails_the_step_within_two_seconds_and_no_rank_is_left(checkpoint: Path) -> None:

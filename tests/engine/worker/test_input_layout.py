@@ -11,12 +11,12 @@ from engine.worker.input_layout import LayoutRow, lay_out, split_rows
 
 
 def _row(name: str, start: int, n: int, split: bool = False) -> LayoutRow:
-    request: Any = SimpleNamespace(name=name, block_ids=list(range(100)))
+    request: Any = SimpleNamespace(request_id=name, block_ids=list(range(100)))
     return (request, start, np.arange(start, start + n, dtype=np.int64), split)
 
 
 def _shape(batches: list[list[LayoutRow]]) -> list[list[tuple[str, int, int, bool]]]:
-    return [[(r.name, start, len(tokens), split) for r, start, tokens, split in b] for b in batches]
+    return [[(r.request_id, start, len(tokens), split) for r, start, tokens, split in b] for b in batches]
 
 
 def test_one_micro_batch_is_the_rows_as_they_are() -> None:
