@@ -230,7 +230,7 @@ class CausalLM(nn.Module):
             shards.setdefault(target[0], {})[target[1]] = weight
         count = 0
         for name, parts in shards.items():
-            if len(parts) != _num_shards(name):
+            if len(parts) != _num_parts(name):
                 continue
             fused = cat_rows([parts[i] for i in range(len(parts))])
             module: nn.Module | None
@@ -282,7 +282,7 @@ class CausalLM(nn.Module):
                                      f"{tuple(dest.shape)}")
                 dest.copy_(tensor)
             loaded.add((name, part))
-        missing = [n for n in params if not all((n, s) in loaded for s in range(_num_shards(n)))]
+        missing = [n for n in params if not all((n, s) in loaded for s in range(_num_parts(n)))]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
@@ -311,7 +311,7 @@ def _map_name(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
     return name, 0
 
 
-def _num_shards(param_name: str) -> int:
+def _num_parts(param_name: str) -> int:
     if ".qkv_proj." in param_name:
         return 3
     if ".gate_up_proj." in param_name:

@@ -71,7 +71,7 @@ class ShardPlan:
 
     @classmethod
     def of(cls, config: ModelConfig, parallel: ParallelContext) -> ShardPlan:
-        check_parallel_sizes(config, parallel.tp_size, parallel.pp_size)
+        """The plan of ``parallel``'s rank (sizes checked by ``check_parallel_sizes`` first)."""
         return cls(config, parallel.tp_size, parallel.tp_rank, parallel.pp_size, parallel.pp_rank)
 
     @property

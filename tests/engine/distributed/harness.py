@@ -4,8 +4,8 @@ rank's result.
 Every rank is a new process (one thread for torch) that joins a gloo group on 127.0.0.1 at a free port
 (``engine.distributed.init_parallel``) and calls ``fn(parallel, *args)``; ``fn`` must be importable by name (a
 module-level function of a module that does not import transformers, which would cost every rank seconds).
-Ranks fork from multiprocessing's fork server, a clean process (no torch thread pools yet) that imported torch
-and the first ``fn``'s module once, so a rank starts in milliseconds instead of importing them again.
+Ranks fork from multiprocessing's fork server, a clean process (no torch thread pools yet) that imported torch,
+the engine's model code and the first ``fn``'s module once, so a rank starts in milliseconds instead of seconds.
 Results come back through a queue in rank order. A rank that raises fails the run with its traceback, a rank
 that dies without a word fails it with its exit code, and a run past ``timeout_s`` is killed: never a hang on a
 collective whose peer is gone.
@@ -47,7 +47,8 @@ def _rank_main(rank: int, tp: int, pp: int, port: int, fn: Callable[..., Any], a
 def run_ranks(fn: Callable[..., Any], tp: int, pp: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """``fn(parallel, *args)`` on each of the ``tp * pp`` ranks; their results, by rank."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "engine.distributed", fn.__module__])  # read when the server starts
+    # Read when the server starts (the first run): what ranks import, so each forks with it already there.
+    ctx.set_forkserver_preload(["torch", "engine.distributed", "engine.models", "engine.device", fn.__module__])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(rank, tp, pp, port, fn, args, results), daemon=True)

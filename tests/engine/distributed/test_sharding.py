@@ -13,7 +13,6 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.config import default_model_path
 from engine.distributed import ParallelContext
 from engine.models import build_model, load_model
 from engine.models.config import ModelConfig, config_from_hf
@@ -31,6 +30,7 @@ def _config(**overrides: Any) -> ModelConfig:
 
 
 @pytest.mark.parametrize(("sizes", "tp", "pp", "message"), [
+    # the default model's (SmolLM2-135M) attention
     ({"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}, 2, 1,
      "the model's 9 attention heads do not divide over tensor_parallel_size 2"),
     ({"num_attention_heads": 12, "num_key_value_heads": 6, "hidden_size": 96}, 4, 1,
@@ -56,12 +56,6 @@ def test_sizes_that_divide_pass() -> None:
     check_parallel_sizes(_config(), 2, 2)
     check_parallel_sizes(_config(num_key_value_heads=1), 4, 1)  # 1 KV head replicated over 4 ranks
     check_parallel_sizes(_config(), 1, 2)
-
-
-def test_default_model_at_tensor_parallel_2_is_refused_before_any_weight_is_read() -> None:
-    # SmolLM2-135M: 9 attention heads.
-    with pytest.raises(ValueError, match="the model's 9 attention heads do not divide over tensor_parallel_size 2"):
-        load_model(default_model_path(), torch.float32, "cpu", ParallelContext(tp_size=2))
 
 
 @pytest.mark.parametrize(("heads", "kv", "tp", "starts"), [
@@ -178,3 +172,26 @@ def test_gguf_shards_are_read_alone(tmp_path: Path) -> None:
             rows = read_blocks(tensor, Shard(0, 2, 4))
             assert rows is not None and np.array_equal(rows.dequantize().numpy(), whole[2:6])
             assert read_blocks(tensor, Shard(1, 48, 48)) is None
+
+
+def test_pipeline_stages_chained_in_one_process_give_the_whole_model_s_logits_exactly(
+        checkpoint: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    # Without tensor parallelism a stage computes what the whole model computes for its layers, op for op.
+    path, _ = checkpoint
+    whole = load_model(str(path), torch.float32)
+    stages = [load_model(str(path), torch.float32, "cpu", ParallelContext(pp_size=2, rank=r)) for r in range(2)]
+    cfg = whole.config
+    kv_whole = PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    kv_stages = [PagedKV(1, cfg.num_kv_heads, cfg.head_dim) for _ in stages]
+    chunks = [("a", [5, 9, 30, 2, 7]), ("b", [11, 3, 4])]
+    for _ in range(4):
+        step = kv_whole.step(chunks)
+        expected = whole.compute_logits(whole(step.input_ids, step.positions, kv_whole.kv_caches, step.meta))
+        steps = [kv.step(chunks) for kv in kv_stages]
+        sent = stages[0](steps[0].input_ids, steps[0].positions, kv_stages[0].kv_caches, steps[0].meta)
+        assert isinstance(sent, tuple)
+        hidden = stages[1](steps[1].input_ids, steps[1].positions, kv_stages[1].kv_caches, steps[1].meta, sent)
+        assert isinstance(hidden, torch.Tensor)
+        assert torch.equal(stages[0].compute_logits(hidden), expected)
+        first_end = len(chunks[0][1]) - 1
+        chunks = [("a", [int(expected[first_end].argmax())]), ("b", [int(expected[-1].argmax())])]
