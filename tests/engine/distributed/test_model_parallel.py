@@ -132,53 +132,57 @@ def tp2_pp2(paths: dict[str, str]) -> dict[str, list[RankResult]]:
     return _group(paths, 2, 2, ["llama"], kernels=False)
 
 
-_REFERENCES: dict[tuple[str, bool], RankResult] = {}
+Whole = Callable[[str, bool], RankResult]
 
 
-def _reference(paths: dict[str, str], name: str, kernels: bool) -> RankResult:
-    key = (paths[name], kernels)
-    if (name, kernels) not in _REFERENCES:
-        _REFERENCES[(name, kernels)] = reference(key[0], PROMPTS, STEPS, kernels)
-    return _REFERENCES[(name, kernels)]
+@pytest.fixture(scope="module")
+def whole(paths: dict[str, str]) -> Whole:
+    """The whole model's run of a checkpoint (``kernels``: on the CPU device's kernels), made once."""
+    runs: dict[tuple[str, bool], RankResult] = {}
+
+    def run(name: str, kernels: bool) -> RankResult:
+        if (name, kernels) not in runs:
+            runs[(name, kernels)] = reference(paths[name], PROMPTS, STEPS, kernels)
+        return runs[(name, kernels)]
+
+    return run
 
 
-def _assert_matches(ranks: list[RankResult], whole: RankResult, tp: int) -> None:
+def _assert_matches(ranks: list[RankResult], expected: RankResult, tp: int) -> None:
     """The driver's logits within TOL of the whole model's, the same tokens on every rank, whole logits on every
     tensor rank of stage 0 and none on the other stages."""
     driver = ranks[0]
-    assert driver.logits is not None and whole.logits is not None
-    assert driver.logits.shape == whole.logits.shape == (sum(map(len, PROMPTS)) + STEPS * len(PROMPTS),
-                                                         whole.logits.shape[1])
-    np.testing.assert_allclose(driver.logits, whole.logits, atol=TOL, rtol=0)
-    assert driver.tokens == whole.tokens
-    assert all(len(t) == STEPS + 1 for t in whole.tokens)
+    assert driver.logits is not None and expected.logits is not None
+    rows = sum(map(len, PROMPTS)) + STEPS * len(PROMPTS)
+    assert driver.logits.shape == expected.logits.shape == (rows, expected.logits.shape[1])
+    np.testing.assert_allclose(driver.logits, expected.logits, atol=TOL, rtol=0)
+    assert driver.tokens == expected.tokens
+    assert all(len(t) == STEPS + 1 for t in expected.tokens)
     for rank, result in enumerate(ranks):
-        assert result.tokens == whole.tokens, rank
+        assert result.tokens == expected.tokens, rank
         if rank < tp:
             assert result.logits is not None and np.array_equal(result.logits, driver.logits), rank
         else:
             assert result.logits is None, rank
 
 
-def test_whole_model_is_transformers(paths: dict[str, str], hf_models: dict[str, PreTrainedModel]) -> None:
+def test_whole_model_is_transformers(whole: Whole, hf_models: dict[str, PreTrainedModel]) -> None:
     # The reference the sharded runs are held to: the whole model through the same code, against transformers.
     for name, hf in hf_models.items():
-        whole = _reference(paths, name, kernels=False)
-        assert whole.logits is not None
+        run = whole(name, False)
+        assert run.logits is not None
         offset = sum(map(len, PROMPTS))
-        for i, (prompt, tokens) in enumerate(zip(PROMPTS, whole.tokens, strict=True)):
+        for i, (prompt, tokens) in enumerate(zip(PROMPTS, run.tokens, strict=True)):
             with torch.no_grad():
                 expected = hf(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0].float().numpy()
             start = sum(map(len, PROMPTS[:i]))
-            got = np.concatenate([whole.logits[start:start + len(prompt)],
-                                  whole.logits[offset + i::len(PROMPTS)]])
+            got = np.concatenate([run.logits[start:start + len(prompt)], run.logits[offset + i::len(PROMPTS)]])
             np.testing.assert_allclose(got, expected, atol=TOL, rtol=0, err_msg=name)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gguf"])
-def test_tensor_parallel_2_matches_the_whole_model(tp2: dict[str, list[RankResult]], paths: dict[str, str],
-                                                   name: str) -> None:
-    _assert_matches(tp2[name], _reference(paths, name, kernels=True), tp=2)
+def test_tensor_parallel_2_matches_the_whole_model(tp2: dict[str, list[RankResult]], whole: Whole, name: str) -> None:
+    _assert_matches(tp2[name], whole(name, True), tp=2)
     for result in tp2[name]:
         assert result.layers == (0, 2)
         assert result.holds == {"embed_tokens": True, "lm_head": True, "norm": True}
@@ -212,10 +216,10 @@ def test_each_rank_packs_its_own_shard(tp2: dict[str, list[RankResult]]) -> None
 
 
 def test_gguf_blocks_are_sharded_by_rows_and_whole_column_blocks(tp2: dict[str, list[RankResult]],
-                                                                 paths: dict[str, str]) -> None:
+                                                                 whole: Whole) -> None:
     # Every rank keeps blocks for q|k|v, gate|up (rows), o_proj (32 of 64 columns: one whole block) and the tied
     # lm_head (49 rows, one of them padding); down_proj's 48 of 96 columns are not whole blocks: it runs dense.
-    assert _reference(paths, "gguf", kernels=True).quantized_linears == 2 * 4 + 1
+    assert whole("gguf", True).quantized_linears == 2 * 4 + 1
     for rank in tp2["gguf"]:
         assert rank.quantized_linears == 2 * 3 + 1
         assert rank.blocks_match_dense
@@ -225,10 +229,10 @@ def test_gguf_blocks_are_sharded_by_rows_and_whole_column_blocks(tp2: dict[str, 
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
-def test_pipeline_parallel_2_matches_the_whole_model(pp2: dict[str, list[RankResult]], paths: dict[str, str],
+def test_pipeline_parallel_2_matches_the_whole_model(pp2: dict[str, list[RankResult]], whole: Whole,
                                                      name: str) -> None:
     ranks = pp2[name]
-    _assert_matches(ranks, _reference(paths, name, kernels=False), tp=1)
+    _assert_matches(ranks, whole(name, False), tp=1)
     assert [r.layers for r in ranks] == [(0, 1), (1, 2)]
     assert ranks[0].holds == {"embed_tokens": True, "lm_head": True, "norm": False}
     assert ranks[1].holds == {"embed_tokens": False, "lm_head": False, "norm": True}
@@ -237,9 +241,9 @@ def test_pipeline_parallel_2_matches_the_whole_model(pp2: dict[str, list[RankRes
 
 
 def test_tensor_2_by_pipeline_2_matches_the_whole_model(tp2_pp2: dict[str, list[RankResult]],
-                                                        paths: dict[str, str]) -> None:
+                                                        whole: Whole) -> None:
     ranks = tp2_pp2["llama"]
-    _assert_matches(ranks, _reference(paths, "llama", kernels=False), tp=2)
+    _assert_matches(ranks, whole("llama", False), tp=2)
     assert [r.layers for r in ranks] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [r.holds["lm_head"] for r in ranks] == [True, True, False, False]
     assert [r.holds["norm"] for r in ranks] == [False, False, True, True]
