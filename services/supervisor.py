@@ -487,13 +487,9 @@ def check_model_splits(config: EngineConfig) -> None:
     naming the sizes): the engine would refuse it at load, at every restart."""
     if config.world_size == 1:
         return
-    import engine.models
+    from engine.models import check_parallel_sizes
 
-    # Issue 23 (H1): engine.models.check_parallel_sizes lands with the model sharding; until then the engine
-    # refuses such a model when it loads. Replace this probe with the direct call once it is on main.
-    check = getattr(engine.models, "check_parallel_sizes", None)
-    if check is not None:
-        check(model_config(config.model_path), config.tensor_parallel_size, config.pipeline_parallel_size)
+    check_parallel_sizes(model_config(config.model_path), config.tensor_parallel_size, config.pipeline_parallel_size)
 
 
 def model_config(path: str) -> ModelConfig:
