@@ -12,7 +12,6 @@ to finish).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import secrets
@@ -23,9 +22,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from common.argtypes import at_least
 from common.auth import add_api_key_args, api_keys
@@ -37,7 +35,7 @@ from common.observability import (
     observability_flags,
     observability_settings,
 )
-from common.procs import ENV_PARENT_PID, free_port, grpc_serving, port_number
+from common.procs import ENV_PARENT_PID, grpc_serving, port_number
 from common.tls import (
     GrpcTls,
     RestTls,
@@ -48,15 +46,14 @@ from common.tls import (
     rest_tls_flags,
     rest_tls_from_args,
 )
-from engine.config import EngineConfig, LoRAConfig, default_max_queued_requests
+from engine.config import EngineConfig
 from engine.entrypoints.args import add_engine_args, check_local_paths, config_from_args
 from engine.entrypoints.vllm_compat import normalize_flag_spelling
 from engine.text.tool_parsers import TOOL_PARSERS
+from services.child_flags import engine_flags, tokenizer_flags
 from services.mindie_config import ConfigFileError, load_mindie_config
+from services.replicas import check_model_splits, metrics_ports, replica_configs
 from services.serve_args import add_vllm_serve_args, check_vllm_serve_args
-
-if TYPE_CHECKING:
-    from engine.models import ModelConfig
 
 logger = logging.getLogger("sluice.serve")
 
@@ -109,60 +106,6 @@ def served_names(ns: argparse.Namespace, config: EngineConfig) -> list[str]:
     if isinstance(names, str):   # a MindIE config.json's modelName
         names = [names]
     return list(names) if names else [config.model_name]
-
-
-def engine_flags(config: EngineConfig) -> list[str]:
-    """The child engine's command line for ``config`` (only what differs from the defaults)."""
-    default = EngineConfig()
-    flags: list[str] = []
-    for name in EngineConfig.field_names():
-        value = getattr(config, name)
-        if name == "max_queued_requests":   # against the engine CLI's default, which is bounded (the config's is not)
-            if value != default_max_queued_requests(config.max_num_seqs):
-                flags += ["--max-queued-requests", "unbounded" if value is None else str(value)]
-            continue
-        if value == getattr(default, name) or name == "enforce_eager":
-            continue
-        if name == "enable_prefix_caching":
-            flags.append("--enable-prefix-caching" if value else "--no-enable-prefix-caching")
-        elif name == "disable_log_stats":
-            flags.append("--disable-log-stats")
-        elif name == "structured_outputs_config":   # a settings object: its flag takes JSON
-            flags += ["--structured-outputs-config", json.dumps(asdict(value))]
-        elif name == "lora_config":
-            flags += lora_flags(value)
-        elif name == "device_ids":
-            flags += ["--device-ids", ",".join(map(str, value))]
-        elif name == "speculative_config":   # its keys as vLLM's JSON, the normalized n-gram window included
-            flags += ["--speculative-config", json.dumps({k: v for k, v in asdict(value).items() if v is not None})]
-        else:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
-    return flags
-
-
-def lora_flags(lora: LoRAConfig) -> list[str]:
-    """The engine's LoRA flags (vLLM's) for ``lora``; each adapter in the JSON form of ``--lora-modules``."""
-    flags = ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank),
-             "--lora-dtype", lora.lora_dtype]
-    if lora.max_cpu_loras is not None:
-        flags += ["--max-cpu-loras", str(lora.max_cpu_loras)]
-    if lora.allow_runtime_lora_updating:
-        flags.append("--allow-runtime-lora-updating")
-    if lora.lora_modules:
-        flags += ["--lora-modules", *(json.dumps(asdict(m)) for m in lora.lora_modules)]
-    return flags
-
-
-def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
-    """The tokenizer services' own flags (chat template, tool calling), passed on as given."""
-    flags = ["--chat-template", ns.chat_template] if ns.chat_template is not None else []
-    if ns.enable_auto_tool_choice:
-        flags.append("--enable-auto-tool-choice")
-    if ns.tool_call_parser is not None:
-        flags += ["--tool-call-parser", ns.tool_call_parser]
-    if ns.trust_request_chat_template:
-        flags.append("--trust-request-chat-template")
-    return flags
 
 
 # A number of seconds >= 0 (0: off).
@@ -224,28 +167,6 @@ def add_metrics_args(parser: argparse.ArgumentParser) -> None:
                         "metrics)")
 
 
-def metrics_ports(ns: argparse.Namespace) -> list[int]:
-    """Each replica's engine --metrics-port: consecutive from the one given, else free ones (0: off)."""
-    if ns.engine_metrics_port is None:
-        return [free_port() for _ in range(ns.data_parallel_size)]
-    first = int(ns.engine_metrics_port)
-    return [first + r if first else 0 for r in range(ns.data_parallel_size)]
-
-
-def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:
-    """Each replica's engine settings: its own tensor_parallel_size x pipeline_parallel_size ranks on devices of its
-    own, the r-th slice of ``device_ids`` (of 0, 1, ... on an accelerator when none are named), as vLLM places its
-    data-parallel ranks. On the CPU every replica shares the host's cores."""
-    world = config.world_size
-    if replicas == 1 or (config.device_ids is None and config.device == "cpu"):
-        return [config] * replicas
-    ids = config.device_ids if config.device_ids is not None else tuple(range(replicas * world))
-    if len(ids) < replicas * world:
-        raise InvalidRequestError("--device-ids", f"{replicas} replicas of {world} ranks need {replicas * world} "
-                                                  f"device ids; got {len(ids)}: {list(ids)}")
-    return [config.with_changes(device_ids=ids[r * world:(r + 1) * world]) for r in range(replicas)]
-
-
 def resolve_settings(argv: list[str], notes: list[str] | None = None) -> argparse.Namespace:
     """Flags over the MindIE config over defaults. vLLM flags accepted without effect add a line to ``notes``
     saying why; those Sluice cannot honour end here with the reason (exit 2)."""
@@ -291,7 +212,6 @@ class Replica:
 
     engine: Child
     tokenizers: list[Child]
-    engine_addr: str
     metrics_url: str | None   # the engine's vllm:* page, None when off
 
 
@@ -358,7 +278,7 @@ class Supervisor:
                  *self._child_flags(log_requests=False)],
                 ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation", tls))))
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
-        return Replica(engine, tokenizers, engine_addr, metrics_url)
+        return Replica(engine, tokenizers, metrics_url)
 
     def _gateway(self, i: int, tok_addrs: list[str], rest_tls: RestTls | None) -> Child:
         ns, config = self.ns, self.config
@@ -480,29 +400,6 @@ class Supervisor:
             os.remove(self.key_file)
         logger.info("stopped")
         return 0
-
-
-def check_model_splits(config: EngineConfig) -> None:
-    """Refuses, before any process starts, a model that does not split over the ranks asked for (ValueError
-    naming the sizes): the engine would refuse it at load, at every restart."""
-    if config.world_size == 1:
-        return
-    from engine.models import check_parallel_sizes
-
-    check_parallel_sizes(model_config(config.model_path), config.tensor_parallel_size, config.pipeline_parallel_size)
-
-
-def model_config(path: str) -> ModelConfig:
-    """The model's sizes from its config.json or GGUF metadata, no weights read."""
-    from engine.models.config import config_from_hf
-
-    if path.endswith(".gguf"):
-        from gguf import GGUFReader
-
-        from engine.models.gguf_loader import config_from_gguf
-
-        return config_from_gguf(GGUFReader(path))
-    return config_from_hf(json.loads((Path(path) / "config.json").read_text()), None, has_lm_head=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ from common.auth import api_keys
 from engine.entrypoints import vllm_compat
 from engine.entrypoints.args import add_engine_args, config_from_args
 from services import serve_args, supervisor
+from services.child_flags import engine_flags
 
 # The `vllm serve` command lines of vLLM-Ascend's guides, as written there.
 GUIDE_COMMANDS: list[tuple[str, str, str | None]] = [
@@ -189,7 +190,7 @@ def test_underscore_spelling_as_vllm_accepts_it() -> None:
 
 def test_num_gpu_blocks_override_reaches_the_engine_as_num_kv_blocks(capsys: pytest.CaptureFixture[str]) -> None:
     ns, _ = resolve("--num-gpu-blocks-override 96")
-    flags = supervisor.engine_flags(config_from_args(ns))
+    flags = engine_flags(config_from_args(ns))
     assert flags[flags.index("--num-kv-blocks") + 1] == "96"
     with pytest.raises(ValueError, match="--num-gpu-blocks-override: 96 contradicts --num-kv-blocks 64"):
         config_from_args(resolve("--num-gpu-blocks-override 96 --num-kv-blocks 64")[0])
@@ -261,10 +262,10 @@ def test_speculative_config_reaches_the_engine_as_it_reads_it() -> None:
         ns, notes = resolve(command)
         config = config_from_args(ns)
         assert config.speculative_config is not None and notes == []
-        flags = supervisor.engine_flags(config)
+        flags = engine_flags(config)
         assert " ".join(flags) in " ".join(supervisor.Supervisor(ns, config).engine.argv)
         assert config_from_args(parser.parse_args(flags)).speculative_config == config.speculative_config, command
-    assert "--speculative-config" not in supervisor.engine_flags(config_from_args(resolve("")[0]))
+    assert "--speculative-config" not in engine_flags(config_from_args(resolve("")[0]))
 
 
 def test_a_speculative_method_sluice_lacks_stops_serve(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from services import supervisor
+from services.replicas import replica_configs
 
 
 def tokenizer_argvs(*flags: str) -> list[list[str]]:
@@ -43,7 +44,7 @@ def test_engine_flags_round_trip_through_the_engine_cli() -> None:
 
     from engine.config import EngineConfig, StructuredOutputsConfig
     from engine.entrypoints.args import add_engine_args, config_from_args
-    from services.supervisor import engine_flags
+    from services.child_flags import engine_flags
 
     config = EngineConfig(max_num_seqs=7, scheduling_policy="priority", max_logprobs=5,
                           structured_outputs_config=StructuredOutputsConfig(disable_any_whitespace=True))
@@ -154,7 +155,7 @@ def test_each_replica_gets_its_own_devices() -> None:
     assert engine_device_ids() == [None, None]
     ns = supervisor.resolve_settings(["-dp", "2", "--device", "npu", "-tp", "2", "--device-ids", "0,1,2"])
     with pytest.raises(ValueError, match=r"--device-ids: 2 replicas of 2 ranks need 4 device ids; got 3"):
-        supervisor.replica_configs(supervisor.config_from_args(ns), 2)
+        replica_configs(supervisor.config_from_args(ns), 2)
 
 
 def test_parallel_settings_reach_the_engine_as_it_reads_them() -> None:
@@ -162,7 +163,7 @@ def test_parallel_settings_reach_the_engine_as_it_reads_them() -> None:
 
     from engine.config import EngineConfig
     from engine.entrypoints.args import add_engine_args, config_from_args
-    from services.supervisor import engine_flags
+    from services.child_flags import engine_flags
 
     config = EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
                           device="npu", device_ids=(4, 5, 6, 7))
