@@ -114,13 +114,13 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
             ip("-n", name, "addr", "add", addr, "dev", dev)
             ip("-n", name, "link", "set", dev, "up")
         save_tiny_llama(tmp / "tiny", vocab_size=49152)   # the default model's vocabulary, for its tokenizer
-        model = ["--model", str(tmp / "tiny"), "--tokenizer", default_model_path()]
+        model = ["--model", str(tmp / "tiny"), "--tokenizer", default_model_path(), "--shutdown-timeout", "1"]
         h.start(b, "engine", ["-m", "engine", "--host", "10.23.0.2", "--port", "50051", *model, "--kv-cache-memory",
                               "64MiB", "--num-threads", "1"], own_shm=True)
         h.start(a, "tokenizer", ["-m", "services.tokenizer", "--engine", ENGINE_ADDR, "--host", "127.0.0.1",
                                  "--port", "50061", *model])
         h.start(a, "gateway", ["-m", "gateway", "--tokenizer", TOKENIZER_ADDR, "--host", "127.0.0.1", "--port",
-                               "8000", "--tokenizer-mux"])
+                               "8000", "--tokenizer-mux", "--shutdown-timeout", "1"])
         wait_until(lambda: h.alive() and h.in_a(_status, f"{GATEWAY_URL}/ready") == 200, 300,
                    what="gateway ready in A")
         yield h
