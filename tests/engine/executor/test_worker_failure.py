@@ -1,5 +1,6 @@
 """A rank that dies mid-generation: the step raises WorkerFailedError within 2 s (never a hang on a collective)
-and no rank is left behind; the engine server ends every stream with an error, stops serving and exits 1."""
+and no rank is left behind; `sluice engine --tensor-parallel-size 2` ends every stream with an error, stops serving
+and exits 1 for its supervisor to restart it."""
 from __future__ import annotations
 
 import os
@@ -79,25 +80,13 @@ def test_a_killed_rank_fails_the_step_within_two_seconds_and_no_rank_is_left(che
     assert not [pid for pid in ranks if alive(pid)]
 
 
-_SERVE = """
-import asyncio, sys
-from engine.config import EngineConfig
-from engine.entrypoints.grpc_servicer import serve
-from engine.executor.errors import WorkerFailedError
-config = EngineConfig(model=sys.argv[1], dtype="float32", num_kv_blocks=128, num_threads=1, tensor_parallel_size=2,
-                      disable_log_stats=True)
-try:
-    asyncio.run(serve(config, "127.0.0.1", int(sys.argv[2])))
-except WorkerFailedError:
-    sys.exit(1)
-"""
-
-
 def test_the_engine_server_ends_its_streams_with_an_error_stops_serving_and_exits(checkpoint: Path,
                                                                                     tmp_path: Path) -> None:
     port = free_port()
     addr = f"127.0.0.1:{port}"
-    proc = spawn(["-c", _SERVE, str(checkpoint), str(port)], tmp_path / "engine.log")
+    proc = spawn(["-m", "engine", "--model", str(checkpoint), "--port", str(port), "--tensor-parallel-size", "2",
+                  "--dtype", "float32", "--num-kv-blocks", "128", "--num-threads", "1", "--disable-log-stats"],
+                 tmp_path / "engine.log")
     try:
         wait_until(lambda: grpc_serving(addr, "sluice.v1.Engine"), 120, proc, "engine ready")
         (rank1,) = child_pids(proc.pid)
