@@ -134,6 +134,12 @@ class FakeExecutor:
     def release(self, seq_ids: list[SequenceId]) -> None:
         pass
 
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
 
 @pytest.fixture
 def core(monkeypatch: pytest.MonkeyPatch) -> EngineCore:
