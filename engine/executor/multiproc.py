@@ -235,6 +235,11 @@ class MultiprocExecutor(DistributedExecutor):
 
     def __init__(self, config: EngineConfig) -> None:
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        if config.device == "cpu" and config.num_threads is None:
+            # The ranks share this host's cores: each takes its share of them (as vLLM-CPU gives each rank its
+            # own OpenMP threads), instead of every rank running as many threads as there are cores.
+            cores = len(os.sched_getaffinity(0))
+            config = config.with_changes(num_threads=max(1, cores // config.world_size))
         super().__init__(config)
 
     @property
