@@ -46,6 +46,20 @@ def _free_subnet() -> str:
     raise RuntimeError("no free 10.231.N.0/24 subnet")
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def net_namespace(pid: int) -> int:
+    """The inode of the network namespace ``pid`` runs in (what tells one of these hosts from the other)."""
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
 class TwoNodeRayCluster:
     """Node ``a`` (head, this namespace) and node ``b`` (its own namespace), one CPU each."""
 
@@ -65,6 +79,10 @@ class TwoNodeRayCluster:
     def address(self) -> str:
         """The GCS address, as ``RAY_ADDRESS`` or ``ray.init(address=...)`` take it."""
         return f"{self.ip_a}:{self.port}"
+
+    def netns_b(self) -> int:
+        """The inode of node ``b``'s network namespace, as :func:`net_namespace` gives it."""
+        return os.stat(f"/run/netns/{self.netns}").st_ino
 
     def driver_env(self) -> dict[str, str]:
         """What a driver on node ``a`` needs: the cluster's address and gloo on ``a``'s end of the pair."""
