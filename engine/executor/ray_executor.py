@@ -10,6 +10,7 @@ Placement: one bundle per rank, ``{"CPU": 1}`` on CPU, ``{"GPU": 1}`` on CUDA, `
 Ray's Ascend support and vLLM-Ascend use); bundle 0 is pinned to the driver's node by its ``node:<ip>`` resource and
 the group is ``PACK``ed, as vLLM does: ranks fill the driver's node first and go to other nodes only when it has no
 room, so collectives stay inside a host when they can, and a cluster of one-device nodes gets one rank per node.
+Ranks follow the nodes (:func:`rank_order`), not the bundles' numbers.
 On an accelerator Ray gives each actor its bundle's device (the only one it sees, index 0), and the driver uses
 the device Ray reserved for bundle 0, so no two ranks of a node share one.
 """
@@ -61,6 +62,13 @@ def actor_options(device: str) -> dict[str, Any]:
     if device == "cuda":
         return {"num_cpus": 0, "num_gpus": 1}
     return {"num_cpus": 0, "resources": {RAY_RESOURCES[device]: 1}}
+
+
+def rank_order(driver_ip: str, actor_ips: list[str]) -> list[int]:
+    """The actors (by index) in the order they take ranks 1, 2, ...: those on the driver's node first, then node
+    by node, as vLLM orders its workers, so that a node's ranks are consecutive and a tensor-parallel group
+    (consecutive ranks) stays inside one node when the sizes allow, whichever bundles Ray put together."""
+    return sorted(range(len(actor_ips)), key=lambda i: (actor_ips[i] != driver_ip, actor_ips[i]))
 
 
 class RankActor:
@@ -163,7 +171,10 @@ class RayExecutor(DistributedExecutor):
                                            self._placement_group, placement_group_bundle_index=rank)).remote()
                         for rank in range(1, self.config.world_size)]
         where = ray.get([a.where.remote() for a in self._actors], timeout=PLACEMENT_TIMEOUT_S)
-        where.insert(0, (str(ray.get_runtime_context().get_node_id()), self._driver_host(), os.getpid()))
+        order = rank_order(self._driver_host(), [ip for _, ip, _ in where])
+        self._actors = [self._actors[i] for i in order]
+        where = [(str(ray.get_runtime_context().get_node_id()), self._driver_host(), os.getpid()),
+                 *(where[i] for i in order)]
         self.rank_nodes = [node for node, _, _ in where]
         self.rank_pids = [pid for _, _, pid in where[1:]]
         logger.info("ray executor: %d ranks in a %s placement group: %s", self.config.world_size, PLACEMENT_STRATEGY,

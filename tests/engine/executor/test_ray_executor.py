@@ -19,7 +19,14 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
 from engine.executor.base import WorkerFailedError
-from engine.executor.ray_executor import RAY_RESOURCES, RayExecutor, driver_device_index, import_ray, placement_bundles
+from engine.executor.ray_executor import (
+    RAY_RESOURCES,
+    RayExecutor,
+    driver_device_index,
+    import_ray,
+    placement_bundles,
+    rank_order,
+)
 from tests.lora_factory import save_tiny_model
 from tests.ray_cluster import TwoNodeRayCluster, net_namespace, netns_available, pid_alive
 
@@ -142,6 +149,11 @@ def test_bundles_use_rays_own_accelerator_resource_names() -> None:
     assert RAY_RESOURCES["npu"] == NPUAcceleratorManager.get_resource_name()
     assert placement_bundles("npu", 3, "10.0.0.7") == [{"NPU": 1.0, "node:10.0.0.7": 0.001}, {"NPU": 1.0},
                                                        {"NPU": 1.0}]
+
+
+def test_ranks_follow_the_nodes_the_driver_s_first() -> None:
+    # Ray put bundles 1..5 on nodes .2, .1 (the driver's), .3, .2, .1: ranks 1..5 go to the actors of .1, .2, .3.
+    assert rank_order("10.0.0.1", ["10.0.0.2", "10.0.0.1", "10.0.0.3", "10.0.0.2", "10.0.0.1"]) == [1, 4, 0, 3, 2]
 
 
 def test_the_driver_uses_the_accelerator_ray_reserved_for_it_as_this_process_numbers_it() -> None:
