@@ -89,6 +89,7 @@ def _wait_gone(pid: int, timeout: float = 10) -> bool:
     return not pid_alive(pid)
 
 
+@pytest.mark.slow
 def test_tp2_runs_one_rank_per_node_and_answers_as_one_process(
         cluster: TwoNodeRayCluster, checkpoint: tuple[Path, PreTrainedModel]) -> None:
     path, model = checkpoint
@@ -111,6 +112,7 @@ def test_tp2_runs_one_rank_per_node_and_answers_as_one_process(
     assert _greedy(uni) == ray_tp2 == [_reference(model, p) for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_a_dead_actor_fails_the_replica(cluster: TwoNodeRayCluster, checkpoint: tuple[Path, PreTrainedModel]) -> None:
     core = EngineCore(_config(checkpoint[0]))
     try:
@@ -131,6 +133,7 @@ def test_a_dead_actor_fails_the_replica(cluster: TwoNodeRayCluster, checkpoint: 
         core.close()
 
 
+@pytest.mark.slow
 def test_more_ranks_than_the_cluster_has_devices_is_refused_at_once(
         cluster: TwoNodeRayCluster, checkpoint: tuple[Path, PreTrainedModel]) -> None:
     start = time.monotonic()
