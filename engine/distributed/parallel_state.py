@@ -24,16 +24,17 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]
     one more each to the last stages (stage 0 also embeds, gathers logits and samples). Raises ValueError when a
     stage would get no layer."""
     if pp_size > num_layers:
-        raise ValueError(f"pipeline parallel size {pp_size} exceeds the model's {num_layers} layers")
+        raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers")
     base, extra = divmod(num_layers, pp_size)
     sizes = [base + (1 if s >= pp_size - extra else 0) for s in range(pp_size)]
     start = sum(sizes[:pp_rank])
     return start, start + sizes[pp_rank]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelContext:
-    """This process's ranks and groups. The default is one process: every collective is a no-op."""
+    """This process's ranks and groups. The default is one process: every collective is a no-op. Frozen: one
+    context per process, made once (``init_parallel``), so the default instance can be a default argument."""
 
     tp_size: int = 1
     pp_size: int = 1

@@ -3,6 +3,11 @@
 llama.cpp's converter permutes the rows of Llama's Q and K projections (to its interleaved RoPE
 layout); ``unpermute_qk`` restores the Hugging Face layout, which our rotate_half RoPE expects.
 Qwen2/Qwen3 files are written unpermuted.
+
+A tensor-parallel rank reads its shard alone from the memory-mapped file: whole rows of a block-quantized
+tensor, or whole blocks of its columns (when the shard's columns start and end on block boundaries; otherwise
+the rows are dequantized and cut). The permutation stays within each head, and shards hold whole heads, so a
+shard is un-permuted by its own head count.
 """
 from __future__ import annotations
 
@@ -14,13 +19,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from engine.distributed import ParallelContext
 from engine.models import quant
 from engine.models.config import ModelConfig, RopeScaling, merge_eos
 from engine.models.llama import CausalLM, build_model
+from engine.models.sharding import Shard
 
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -124,50 +131,91 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     )
 
 
-def _permuted_heads(name: str, config: ModelConfig) -> int | None:
-    """The head count to un-permute a tensor's rows by (llama.cpp's Llama q/k weights), or None."""
-    if config.architecture != "llama":
+def _permuted(name: str, config: ModelConfig) -> bool:
+    """Whether a tensor's rows are permuted by head (llama.cpp's Llama q/k weights)."""
+    return config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
+
+
+def _column_bytes(tensor: ReaderTensor, shard: Shard) -> slice | None:
+    """The byte columns of ``tensor.data`` holding the columns of ``shard`` (dim 1) when they are whole blocks of a
+    byte-stored tensor; None otherwise."""
+    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    if tensor.data.dtype != np.uint8 or shard.start % block or shard.size % block:
         return None
-    if name.endswith("q_proj.weight"):
-        return config.num_heads
-    if name.endswith("k_proj.weight"):
-        return config.num_kv_heads
-    return None
+    return slice(shard.start // block * type_size, (shard.start + shard.size) // block * type_size)
 
 
-def _iter_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    for tensor in tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", file=sys.stderr, leave=False):
-        name = hf_name(tensor.name)
-        if name is None:
-            continue
-        array = tensor_to_numpy(tensor)
-        if (heads := _permuted_heads(name, config)) is not None:
-            array = unpermute_qk(array, heads)
+def read_tensor(tensor: ReaderTensor, shard: Shard) -> np.ndarray:
+    """The ``shard`` of a tensor, dequantized to float32 in torch (row-major) order, reading only its rows or
+    blocks where the format allows."""
+    if shard.dim is None:
+        return tensor_to_numpy(tensor)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    end = shard.start + shard.size
+    if shard.dim == 0:
+        return dequantize(tensor.data[shard.start:end], tensor.tensor_type).reshape(shard.size, *shape[1:])
+    if (columns := _column_bytes(tensor, shard)) is not None:
+        return dequantize(tensor.data[:, columns], tensor.tensor_type).reshape(shape[0], shard.size)
+    if tensor.data.dtype != np.uint8:  # stored as elements (F32, F16)
+        return dequantize(tensor.data[:, shard.start:end], tensor.tensor_type)
+    return tensor_to_numpy(tensor)[:, shard.start:end]
+
+
+def read_blocks(tensor: ReaderTensor, shard: Shard) -> quant.QuantWeight | None:
+    """The ``shard`` of a block-quantized matrix as blocks; None when its columns do not fall on block boundaries
+    (that layer then runs dense)."""
+    raw = tensor.data
+    if shard.dim == 0:
+        raw = raw[shard.start:shard.start + shard.size]
+    elif shard.dim == 1:
+        columns = _column_bytes(tensor, shard)
+        if columns is None:
+            return None
+        raw = raw[:, columns]
+    return quant.from_gguf_blocks(raw, tensor.tensor_type)
+
+
+def _iter_tensors(reader: GGUFReader, model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's part of every tensor the model loads."""
+    wanted = [(t, name, shard) for t in reader.tensors
+              if (name := hf_name(t.name)) is not None and (shard := model.weight_shard(name)) is not None]
+    config = model.config
+    for tensor, name, shard in tqdm(wanted, desc="Loading GGUF", unit="tensor", file=sys.stderr, leave=False):
+        array = read_tensor(tensor, shard)
+        if _permuted(name, config):
+            array = unpermute_qk(array, array.shape[0] // config.head_dim)
         if not array.flags.writeable:  # F32 tensors are views of the read-only memory map
             array = array.copy()
         yield name, torch.from_numpy(array)
 
 
-def _iter_quantized(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, quant.QuantWeight]]:
-    """The Q4_0 / Q4_1 / Q8_0 matrices as blocks (engine.models.quant), rows in Hugging Face order."""
+def _iter_quantized(reader: GGUFReader, model: CausalLM) -> Iterator[tuple[str, quant.QuantWeight]]:
+    """This rank's part of the Q4_0 / Q4_1 / Q8_0 matrices as blocks (engine.models.quant), rows in Hugging Face
+    order."""
+    config = model.config
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None or len(tensor.shape) != 2 or not quant.supported(tensor.tensor_type):
             continue
-        weight = quant.from_gguf_blocks(tensor.data, tensor.tensor_type)
-        if (heads := _permuted_heads(name, config)) is not None:
+        shard = model.weight_shard(name)
+        weight = read_blocks(tensor, shard) if shard is not None else None
+        if weight is None:
+            continue
+        if _permuted(name, config):
+            heads = weight.shape[0] // config.head_dim
             weight = quant.permute_rows(weight, lambda a, h=heads: unpermute_qk(a, h))
         yield name, weight
 
 
-def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> CausalLM:
+def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu",
+                    parallel: ParallelContext = ParallelContext()) -> CausalLM:
     """Weights dequantized to ``dtype``; for float32 and bfloat16 on the CPU the model also keeps the quantized
     blocks (``CausalLM.load_quantized``) for the ``quant_linear`` kernel (the CPU device drops them
-    when the kernels are off or cannot be built)."""
+    when the kernels are off or cannot be built). ``parallel``: as ``load_model``."""
     reader = GGUFReader(str(path))
     config = config_from_gguf(reader)
-    model = build_model(config, dtype, device)
-    model.load_weights(_iter_tensors(reader, config))
+    model = build_model(config, dtype, device, parallel)
+    model.load_weights(_iter_tensors(reader, model))
     if dtype in (torch.float32, torch.bfloat16) and torch.device(device).type == "cpu":
-        model.load_quantized(_iter_quantized(reader, config))
+        model.load_quantized(_iter_quantized(reader, model))
     return model

@@ -6,9 +6,13 @@ tensors into them. The residual stream is carried beside the hidden states (vLLM
 residual add is fused into the RMSNorm after it. Sliding-window attention (Mistral v0.1, some Qwen2 configs)
 is ignored: every layer attends over the full context, which is exact while sequences are shorter than the
 window. The layers pick their kernels once, in ``use_kernels``; the forward pass does not branch on them.
+
+One rank of a tensor × pipeline parallel replica builds and loads only its shard of its stage
+(``engine.models.sharding``): ``layers[i]`` is the model's layer ``start_layer + i``.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -16,21 +20,38 @@ from torch import nn
 
 from engine.attention.backend import AttentionMetadata
 from engine.device.kernel_choice import KernelChoice
+from engine.distributed import ParallelContext
 from engine.models.config import ModelConfig
 from engine.models.layers.activation import SiluAndMul
-from engine.models.layers.embedding import Embedding
-from engine.models.layers.linear import Linear
+from engine.models.layers.embedding import Embedding, VocabParallelEmbedding
+from engine.models.layers.linear import Linear, RowParallelLinear
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding
-from engine.models.quant import QuantWeight, cat_rows
+from engine.models.quant import QuantWeight, cat_rows, pad_rows
+from engine.models.sharding import Shard, ShardPlan, check_parallel_sizes
+
+# The hidden states and the residual stream a pipeline stage hands the next.
+Intermediate = tuple[torch.Tensor, torch.Tensor]
+
+
+def _row_linear(in_features: int, out_features: int, bias: bool, parallel: ParallelContext) -> Linear:
+    """o_proj / down_proj: row-parallel over the tensor ranks, a plain Linear without tensor parallelism."""
+    if parallel.tp_size > 1:
+        return RowParallelLinear(in_features, out_features, bias, parallel)
+    return Linear(in_features, out_features, bias=bias)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    """Self-attention over this rank's query heads and the KV heads they read (``plan``)."""
+
+    def __init__(self, config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding,
+                 parallel: ParallelContext) -> None:
         super().__init__()
         self.config = config
-        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
+        self.q_size, self.kv_size = plan.q_size, plan.kv_size
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = _row_linear(self.q_size, config.hidden_size, config.o_proj_bias, parallel)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, on_heads=True) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, on_heads=True) if config.qk_norm else None
         self.rotary = rotary  # one module shared by every layer; its buffers are not persistent
@@ -38,25 +59,25 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        cfg = self.config
+        head_dim = self.config.head_dim
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, cfg.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, plan: ShardPlan, parallel: ParallelContext) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * plan.intermediate_size, bias=False)
+        self.down_proj = _row_linear(plan.intermediate_size, config.hidden_size, False, parallel)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,12 +85,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding,
+                 parallel: ParallelContext) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config, plan, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, plan, parallel)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,39 +112,76 @@ KERNEL_LAYERS = (Linear, RMSNorm, SiluAndMul, RotaryEmbedding)
 
 
 class CausalLM(nn.Module):
-    """Decoder-only language model over a flat batch of tokens (no padding) and a paged KV cache."""
+    """Decoder-only language model over a flat batch of tokens (no padding) and a paged KV cache: the whole model, or
+    one rank's shard of its pipeline stage (``parallel``). Stage 0 holds the embedding and the lm_head, the last
+    stage the final norm; a module a rank does not hold is None."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = ParallelContext()) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel
+        self.plan = plan = ShardPlan.of(config, parallel)
+        self.start_layer, self.end_layer = plan.layers
         self.rotary = RotaryEmbedding(config)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # A tied lm_head shares the embedding table (``tie_weights``): its methods never free it.
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.lm_head.is_lm_head = True
-        self.lm_head.shares_weight = config.tie_word_embeddings
+        self.embed_tokens: Embedding | None = None
+        self.lm_head: Linear | None = None
+        if plan.is_first_stage:
+            self.embed_tokens = (VocabParallelEmbedding(plan.vocab_rows, config.hidden_size, plan.vocab_start, parallel)
+                                 if parallel.tp_size > 1 else Embedding(config.vocab_size, config.hidden_size))
+            # A tied lm_head shares the embedding table (``tie_weights``): its methods never free it.
+            self.lm_head = Linear(config.hidden_size, plan.vocab_rows, bias=False)
+            self.lm_head.is_lm_head = True
+            self.lm_head.shares_weight = config.tie_word_embeddings
+        self.layers = nn.ModuleList(DecoderLayer(config, plan, self.rotary, parallel)
+                                    for _ in range(self.num_local_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if plan.is_last_stage else None
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads of this rank's caches: its share of the model's, or one replicated head."""
+        return self.plan.num_kv_heads
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.embed_tokens is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: int64 [T]; one KV cache per layer. Returns the final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        """input_ids, positions: int64 [T]; one KV cache per local layer. The first stage embeds ``input_ids``, a
+        later one continues from ``intermediate``, the (hidden states, residual) pair the stage before returned.
+        Returns the final hidden states [T, hidden] on the last stage, else the pair to send on."""
         residual: torch.Tensor | None = None
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(input_ids)
+        elif intermediate is not None:
+            x, residual = intermediate
+        else:
+            raise ValueError(f"pipeline stage {self.parallel.pp_rank} needs the hidden states and residual of the "
+                             "stage before it (intermediate)")
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, kv_cache, meta)
         assert residual is not None
+        if self.norm is None:
+            return x, residual
         return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in ``dtype``; ``None``: as the lm_head computes them (the model's
         dtype, float32 on the quantized blocks). The engine passes None: its sampler widens what it must, and
-        greedy rows take the argmax of bfloat16 logits as they are (the same answer, no float32 copy)."""
-        logits = self.lm_head(hidden)
+        greedy rows take the argmax of bfloat16 logits as they are (the same answer, no float32 copy).
+        Pipeline stage 0 only; with tensor parallelism every tensor rank of the stage calls it with as many rows
+        (it gathers their vocabulary shards) and gets the whole logits."""
+        if self.lm_head is None:
+            raise RuntimeError(f"compute_logits runs on pipeline stage 0 (the lm_head's), not on stage "
+                               f"{self.parallel.pp_rank}")
+        logits = self.parallel.all_gather(self.lm_head(hidden), dim=-1)
+        vocab = self.config.vocab_size
+        if logits.shape[-1] != vocab:  # the last rank's padding rows
+            logits = logits[..., :vocab].contiguous()
         return logits if dtype is None else logits.to(dtype)
 
     def use_kernels(self, choice: KernelChoice) -> None:
@@ -141,19 +200,37 @@ class CausalLM(nn.Module):
         """How many projections (and the lm_head) hold GGUF blocks."""
         return sum(1 for m in self.modules() if isinstance(m, Linear) and m.holds_blocks)
 
+    def weight_shard(self, hf_name: str) -> Shard | None:
+        """The part of checkpoint tensor ``hf_name`` this rank loads (the loaders read only it); None: not loaded
+        here (another stage's, or one the model recomputes or shares)."""
+        if _map_name(hf_name, self.config) is None:
+            return None
+        return self.plan.shard(hf_name)
+
+    def _target(self, hf_name: str) -> tuple[str, int] | None:
+        """(parameter name, part of a fused parameter) of this rank's ``hf_name``, or None when not loaded here."""
+        if self.weight_shard(hf_name) is None:
+            return None
+        target = _map_name(hf_name, self.config)
+        assert target is not None
+        name, part = target
+        if (m := _LAYER_INDEX.fullmatch(name)) is not None:
+            name = f"layers.{int(m.group(1)) - self.start_layer}.{m.group(2)}"
+        return name, part
+
     def load_quantized(self, weights: Iterable[tuple[str, QuantWeight]]) -> int:
-        """Keeps block-quantized copies of projection weights (named as in ``load_weights``, which must
-        have loaded the same values dequantized), for ``use_kernels`` to run them. A fused projection gets
-        one only when all its shards come quantized in one format. Returns how many projections got one."""
+        """Keeps block-quantized copies of projection weights (named and sharded as in ``load_weights``, which must
+        have loaded the same values dequantized), for ``use_kernels`` to run them. A fused projection gets one only
+        when all its parts come quantized in one format. Returns how many projections got one."""
         shards: dict[str, dict[int, QuantWeight]] = {}
         for hf_name, weight in weights:
-            target = _map_name(hf_name, self.config)
+            target = self._target(hf_name)
             if target is None or not target[0].endswith(".weight"):
                 continue
             shards.setdefault(target[0], {})[target[1]] = weight
         count = 0
         for name, parts in shards.items():
-            if len(parts) != _num_shards(name):
+            if len(parts) != _num_parts(name):
                 continue
             fused = cat_rows([parts[i] for i in range(len(parts))])
             module: nn.Module | None
@@ -161,8 +238,11 @@ class CausalLM(nn.Module):
                 module = self.lm_head if self.config.tie_word_embeddings else None
             else:
                 module = self.get_submodule(name.removesuffix(".weight"))
-            if fused is None or not isinstance(module, Linear) or fused.shape != (module.out_features,
-                                                                                    module.in_features):
+            if fused is None or not isinstance(module, Linear):
+                continue
+            if module.is_lm_head and fused.shape[0] < module.out_features:  # the vocabulary shard's padding
+                fused = pad_rows(fused, module.out_features)
+            if fused.shape != (module.out_features, module.in_features):
                 continue
             module.quant = fused
             count += 1
@@ -177,26 +257,32 @@ class CausalLM(nn.Module):
                 module.quant = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies tensors named as in a Hugging Face checkpoint into this model's fused layout.
+        """Copies tensors named as in a Hugging Face checkpoint into this model's fused layout: each this rank's
+        part of the checkpoint's tensor (``weight_shard(name).take(tensor)``; the whole tensor without tensor
+        parallelism); tensors this rank does not hold are skipped.
 
-        Raises if a parameter is left unloaded or a name is unknown.
+        Raises if a parameter is left unloaded, a name is unknown or a shape differs.
         """
         params = dict(self.named_parameters())
-        loaded: set[tuple[str, int]] = set()  # (parameter, shard index)
+        loaded: set[tuple[str, int]] = set()  # (parameter, part index)
         for hf_name, tensor in weights:
-            target = _map_name(hf_name, self.config)
+            target = self._target(hf_name)
             if target is None:
                 continue
-            name, shard = target
+            name, part = target
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model ({name!r})")
-            dest = _shard_view(params[name], name, shard, self.config)
-            if dest.shape != tensor.shape:
-                raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+            dest = _part_view(params[name], name, part, self.plan)
             with torch.no_grad():
+                if name in _VOCAB_TABLES:  # rows past the vocabulary (the last tensor rank's) are zeros
+                    dest[self.plan.vocab_held:].zero_()
+                    dest = dest[:self.plan.vocab_held]
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != expected "
+                                     f"{tuple(dest.shape)}")
                 dest.copy_(tensor)
-            loaded.add((name, shard))
-        missing = [n for n in params if not all((n, s) in loaded for s in range(_num_shards(n)))]
+            loaded.add((name, part))
+        missing = [n for n in params if not all((n, s) in loaded for s in range(_num_parts(n)))]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
@@ -204,25 +290,28 @@ class CausalLM(nn.Module):
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.(.+)")
+_VOCAB_TABLES = ("embed_tokens.weight", "lm_head.weight")
 
 
 def _map_name(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
-    """HF checkpoint name -> (our parameter name, shard index within a fused parameter), or None to skip."""
+    """HF checkpoint name -> (our parameter name, with the model's layer index; part index within a fused
+    parameter), or None to skip."""
     name = hf_name.removeprefix("model.")
     if name.startswith("rotary_emb.") or ".rotary_emb." in name:
         return None  # some old checkpoints store inv_freq; ours is recomputed
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return None  # tied checkpoints sometimes still carry a copy
-    for part, shard in _QKV.items():
+    for part, index in _QKV.items():
         if f".self_attn.{part}." in name:
-            return name.replace(part, "qkv_proj"), shard
-    for part, shard in _GATE_UP.items():
+            return name.replace(part, "qkv_proj"), index
+    for part, index in _GATE_UP.items():
         if f".mlp.{part}." in name:
-            return name.replace(part, "gate_up_proj"), shard
+            return name.replace(part, "gate_up_proj"), index
     return name, 0
 
 
-def _num_shards(param_name: str) -> int:
+def _num_parts(param_name: str) -> int:
     if ".qkv_proj." in param_name:
         return 3
     if ".gate_up_proj." in param_name:
@@ -230,21 +319,26 @@ def _num_shards(param_name: str) -> int:
     return 1
 
 
-def _shard_view(param: torch.Tensor, name: str, shard: int, config: ModelConfig) -> torch.Tensor:
+def _part_view(param: torch.Tensor, name: str, part: int, plan: ShardPlan) -> torch.Tensor:
+    """The rows of part ``part`` (q, k or v; gate or up) of a fused parameter (this rank's sizes)."""
     if ".qkv_proj." in name:
-        sizes = [config.q_size, config.kv_size, config.kv_size]
+        sizes = [plan.q_size, plan.kv_size, plan.kv_size]
     elif ".gate_up_proj." in name:
-        sizes = [config.intermediate_size, config.intermediate_size]
+        sizes = [plan.intermediate_size, plan.intermediate_size]
     else:
         return param
-    start = sum(sizes[:shard])
-    return param.narrow(0, start, sizes[shard])
+    start = sum(sizes[:part])
+    return param.narrow(0, start, sizes[part])
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """An uninitialised model on ``device`` (weights are garbage until ``load_weights``)."""
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                parallel: ParallelContext = ParallelContext()) -> CausalLM:
+    """An uninitialised model on ``device`` (weights are garbage until ``load_weights``): the whole model, or the
+    shard of ``parallel``'s rank of its stage. Raises ValueError naming the sizes when the model does not split
+    over ``parallel``'s tensor ranks and stages."""
+    check_parallel_sizes(config, parallel.tp_size, parallel.pp_size)
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, parallel)
     # Materialising from meta skips random initialisation, which would cost seconds for nothing.
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()

@@ -94,3 +94,15 @@ def cat_rows(parts: Sequence[QuantWeight]) -> QuantWeight | None:
         return None
     mins = parts[0].mins if fmt == "s8" else torch.cat([p.mins for p in parts])
     return QuantWeight(fmt, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
+
+
+def pad_rows(weight: QuantWeight, rows: int) -> QuantWeight:
+    """``weight`` with zero rows appended up to ``rows`` (zero codes, scales and mins: weights of exactly 0), for a
+    vocabulary-parallel lm_head's padding."""
+    extra = rows - weight.shape[0]
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+
+    return QuantWeight(weight.format, pad(weight.codes), pad(weight.scales),
+                       weight.mins if weight.format == "s8" else pad(weight.mins))

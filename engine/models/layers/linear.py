@@ -3,7 +3,9 @@
 A :class:`Linear` holds one :class:`LinearMethod`, picked once at load by :func:`choose_linear_method` from its
 weights (dense, GGUF blocks) and the device's :class:`KernelChoice`; ``forward`` calls it and never branches on
 kernels. Methods that only pay off for small steps (the block-quantized and AMX ones) hand larger steps to the
-method they wrap. Tensor-parallel shards, W8A8 and LoRA are more methods of the same shape.
+method they wrap. LoRA is one more method of the same shape. A tensor-parallel layer holds its shard of the
+weight, so every method runs (and packs) the shard; a row-parallel one (:class:`RowParallelLinear`) sums its
+ranks' products and adds its bias after its method.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.device.kernel_choice import KernelChoice
+from engine.distributed import ParallelContext
 from engine.models.quant import QuantWeight
 
 # Up to this many rows, a CPU float32 matmul runs faster as ``weight @ x.T`` than as ``x @ weight.T``:
@@ -62,7 +65,7 @@ def amx_packable(weight: torch.Tensor | None) -> bool:
 
 
 class LinearMethod(ABC):
-    """How one layer computes ``x @ W.T + b`` for 2-D ``x``."""
+    """How one layer computes ``x @ W.T + b`` for 2-D ``x`` (``b``: the layer's ``method_bias``)."""
 
     # Whether it reads ``layer.weight`` (else the layer frees it, unless the weight is shared).
     reads_weight: bool = False
@@ -77,7 +80,7 @@ class DenseLinearMethod(LinearMethod):
     reads_weight = True
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, layer.weight, layer.bias)
+        return linear(x, layer.weight, layer.method_bias)
 
 
 class OneDnnLinearMethod(LinearMethod):
@@ -88,7 +91,7 @@ class OneDnnLinearMethod(LinearMethod):
         self.packed = onednn_pack(weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return onednn_linear(x, self.packed, layer.bias)
+        return onednn_linear(x, self.packed, layer.method_bias)
 
 
 class BlockQuantLinearMethod(LinearMethod):
@@ -109,7 +112,7 @@ class BlockQuantLinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.max_rows is None or x.shape[0] <= self.max_rows:
-            out = quant_linear(self.ops, x, self.blocks, layer.bias)
+            out = quant_linear(self.ops, x, self.blocks, layer.method_bias)
             return out.to(x.dtype) if self.cast_output and out.dtype != x.dtype else out
         assert self.fallback is not None
         return self.fallback.apply(layer, x)
@@ -128,7 +131,7 @@ class AmxLinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= AMX_LINEAR_MAX_ROWS and x.dtype == torch.bfloat16:
             rows = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads whole rows
-            return self.ops.amx_linear(rows, self.packed, layer.bias)
+            return self.ops.amx_linear(rows, self.packed, layer.method_bias)
         return self.fallback.apply(layer, x)
 
 
@@ -151,6 +154,11 @@ class Linear(nn.Linear):
         out = self.method.apply(self, x.reshape(-1, x.shape[-1]))
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
+    @property
+    def method_bias(self) -> torch.Tensor | None:
+        """The bias the method adds to its product."""
+        return self.bias
+
     def use_kernels(self, choice: KernelChoice) -> None:
         """Pick this layer's method once (after its weights are loaded); frees what the method does not read."""
         self.method = choose_linear_method(self, choice)
@@ -168,6 +176,24 @@ class Linear(nn.Linear):
     def holds_blocks(self) -> bool:
         """Whether this layer keeps GGUF blocks (waiting for ``use_kernels`` or in its method)."""
         return self.quant is not None or isinstance(self.method, BlockQuantLinearMethod)
+
+
+class RowParallelLinear(Linear):
+    """A layer whose input features are split over the tensor-parallel ranks (o_proj, down_proj): each rank's method
+    multiplies its columns, the ranks' products are summed, then the bias is added, once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.parallel = parallel
+
+    @property
+    def method_bias(self) -> torch.Tensor | None:
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        out = self.parallel.all_reduce(out if out.is_contiguous() else out.contiguous())
+        return out if self.bias is None else out.add_(self.bias)
 
 
 def choose_linear_method(layer: Linear, choice: KernelChoice) -> LinearMethod:
