@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -72,9 +73,18 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def _streaming(inner: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
-               ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
-    """A response-streaming handler (unary or streaming request) whose errors end the call mapped."""
+def _streaming(inner: Callable[[Any, grpc.aio.ServicerContext], Any]) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
+    """A response-streaming handler (unary or streaming request) whose errors end the call mapped: an async
+    generator, or a coroutine that writes with ``context.write`` (grpc_health's ``Watch``, which the gateways'
+    client-side health checking calls)."""
+    if not inspect.isasyncgenfunction(inner):
+        async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+            try:
+                await inner(request, context)
+            except Exception as e:  # noqa: BLE001
+                await _abort_with(e, context)
+
+        return writer
 
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:

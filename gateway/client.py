@@ -10,6 +10,12 @@ what ``sluice serve`` uses), requests multiplexed on one ``GenerateStream`` per
 tokenizer address: the deltas of one engine step then arrive as one message for
 all of that tokenizer's requests instead of one message per request.
 
+Tokenizer services whose engine is down report NOT_SERVING, and gRPC's health checking
+(``gateway/targets.py``) takes them out of the rotation; a request that still fails
+UNAVAILABLE before its first delta (it raced the news) moves to another service
+(:class:`FailoverCall`). So with several model replicas behind the gateway, one
+replica going down fails only the requests it was running.
+
 With tracing on, each generation carries the current span's context (the request's
 span, ``gateway/tracing.py``) in ``GenerateRequest.trace_headers``, on either path.
 """
@@ -20,7 +26,8 @@ import asyncio
 import functools
 import logging
 import math
-from collections.abc import AsyncIterator, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,7 +36,7 @@ from common.auth import bearer_metadata
 from common.stream_mux import MuxClient, MuxRequest
 from common.tls import GrpcTls, aio_channel
 from common.tracing import Tracing
-from gateway.backend import Delta, GenerationParams, LoRAAdapter, ModelInfo, Prompt, TokenizeResult
+from gateway.backend import Delta, GenerateCall, GenerationParams, LoRAAdapter, ModelInfo, Prompt, TokenizeResult
 from gateway.convert import (
     adapter_from_pb,
     chat_to_pb,
@@ -171,14 +178,64 @@ class GenerateStream:
         await self._mux.close()
 
 
+# Starts a request on a tokenizer service not in the set given (indexes of those tried), within the timeout given;
+# returns that service's index and the call.
+StartOn = Callable[[set[int], float | None], tuple[int, GenerateCall]]
+
+
+class FailoverCall:
+    """A generation that moves to another tokenizer service while nothing has reached the client: a failure with
+    UNAVAILABLE before the first delta (the service or its engine went away, or it drains) starts the request
+    again on a service not tried yet, each at most once, within the request's own deadline. A failure after a
+    delta ends the request, as does every other error: tokens sent cannot be taken back, and the other errors
+    are the request's own."""
+
+    def __init__(self, start: StartOn, services: int, timeout: float | None, request_id: str) -> None:
+        self._start = start
+        self._services = services
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._request_id = request_id
+        self._tried: set[int] = set()
+        self._cancelled = False
+        self._call = self._next()
+
+    def _next(self) -> GenerateCall:
+        timeout = None if self._deadline is None else max(0.001, self._deadline - time.monotonic())
+        index, call = self._start(self._tried, timeout)
+        self._tried.add(index)
+        return call
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        while True:
+            sent = False
+            try:
+                async for delta in self._call:
+                    sent = True
+                    yield delta
+                return
+            except BackendError as err:
+                if (sent or self._cancelled or err.kind is not BackendErrorKind.UNAVAILABLE
+                        or len(self._tried) >= self._services):
+                    raise
+                log.warning("request %s: %s; trying another tokenizer service", self._request_id, err.message)
+            self._call = self._next()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+
 class GrpcBackend:
     """:class:`gateway.backend.Backend` over one ``grpc.aio`` channel (and, with ``mux``, one
     ``GenerateStream`` per tokenizer address on channels of their own). With ``api_key``, every call carries
     it (``authorization: Bearer`` metadata): the tokenizer services' public API asks for it when keyed."""
 
     def __init__(self, channel: grpc.aio.Channel, mux_channels: Sequence[grpc.aio.Channel] = (),
-                 tracing: Tracing | None = None, api_key: str | None = None) -> None:
+                 tracing: Tracing | None = None, api_key: str | None = None, services: int = 1) -> None:
+        """``services``: how many tokenizer services ``channel`` balances over (a request tries each at most
+        once)."""
         self._channel = channel
+        self._services = max(services, len(mux_channels))
         self._tracing = tracing
         self._auth: Metadata = (bearer_metadata(api_key),) if api_key is not None else ()
         self._stub = generation_pb2_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
@@ -195,10 +252,10 @@ class GrpcBackend:
         """Channels to ``addresses``, over TLS when ``tls`` is given (every channel alike)."""
         authority = tls_authority(addresses) if tls is not None else None
         channel = aio_channel(grpc_target(addresses), tls, options=channel_options(authority))
-        if not mux:
-            return cls(channel, tracing=tracing, api_key=api_key)
-        # One channel per address, so each stream goes to its own tokenizer service.
         addrs = [a.strip() for a in addresses if a.strip()]
+        if not mux:
+            return cls(channel, tracing=tracing, api_key=api_key, services=len(addrs))
+        # One channel per address, so each stream goes to its own tokenizer service.
         return cls(channel, [aio_channel(grpc_target([a]), tls, options=channel_options()) for a in addrs],
                    tracing=tracing, api_key=api_key)
 
@@ -206,15 +263,31 @@ class GrpcBackend:
         return (("x-request-id", request_id), *self._auth)
 
     def generate(self, prompt: Prompt, params: GenerationParams, *, request_id: str,
-                 timeout: float | None, adapter: str = "") -> GrpcGenerateCall | MuxGenerateCall:
+                 timeout: float | None, adapter: str = "") -> FailoverCall:
         req = generate_request_to_pb(prompt, params, request_id, adapter)
         if self._tracing is not None:
             self._tracing.inject_current(req.trace_headers)
-        if self._streams:  # the tokenizer with the fewest open requests; ties taken in turn
-            self._turn = (self._turn + 1) % len(self._streams)
-            turn = self._streams[self._turn:] + self._streams[:self._turn]
-            return min(turn, key=lambda s: s.open_requests).start(req, timeout)
-        return GrpcGenerateCall(self._stub.Generate(req, timeout=timeout, metadata=self._metadata(request_id)))
+        metadata = self._metadata(request_id)
+
+        def start(tried: set[int], timeout: float | None) -> tuple[int, GenerateCall]:
+            if self._streams:
+                index = self._pick_stream(tried)
+                return index, self._streams[index].start(req, timeout)
+            # The channel's round robin picks the service (a healthy one).
+            return len(tried), GrpcGenerateCall(self._stub.Generate(req, timeout=timeout, metadata=metadata))
+
+        return FailoverCall(start, self._services, timeout, request_id)
+
+    def _pick_stream(self, tried: set[int]) -> int:
+        """Of the tokenizer services not tried yet, the healthy one with the fewest open requests, ties taken in
+        turn. A service's channel is in TRANSIENT_FAILURE while it reports NOT_SERVING or cannot be reached
+        (``gateway/targets.py``); when every one is, any (its error is then the request's)."""
+        n = len(self._streams)
+        self._turn = (self._turn + 1) % n
+        order = [i for i in ((self._turn + k) % n for k in range(n)) if i not in tried]
+        healthy = [i for i in order if self._mux_channels[i].get_state(try_to_connect=True)
+                   not in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)]
+        return min(healthy or order, key=lambda i: self._streams[i].open_requests)
 
     async def tokenize(self, prompt: Prompt, *, add_special_tokens: bool | None, return_token_strs: bool,
                        request_id: str, timeout: float | None, adapter: str = "") -> TokenizeResult:
@@ -268,7 +341,8 @@ class GrpcBackend:
     async def check_ready(self, *, timeout: float) -> bool:
         """SERVING on the standard health service (NOT_SERVING while a backend drains),
         for the Generation service or else the whole server. A backend that reports
-        neither counts as ready when it describes its model."""
+        neither counts as ready when it describes its model. The check goes to one healthy
+        service (the channel's round robin skips the others): ready while any one is."""
         for service in (HEALTH_SERVICE, ""):
             try:
                 resp = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

@@ -7,7 +7,9 @@ autoscalers read, come from the engine, the one place that knows its queue, KV c
 and where a request is counted once however many gateways front it (engine/entrypoints/metrics.py). With
 ``--metrics-federate URL`` (``sluice serve`` passes its engine's) this gateway's ``/metrics`` appends each URL's
 page after its own, so one scrape of ``:8000/metrics`` shows everything; in Kubernetes each process is scraped
-on its own instead and the gateways are not told to federate (docs/metrics.md).
+on its own instead and the gateways are not told to federate (docs/metrics.md). With several targets (the
+engines of ``sluice serve --data-parallel-size`` replicas, in replica order) their pages are merged, each family
+once, and the i-th target's ``engine`` label reads i, as vLLM labels its data-parallel engines.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import asyncio
 import logging
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.backend import Usage
@@ -65,28 +69,47 @@ class GatewayMetrics:
                                  registry=r)
 
     async def render(self) -> tuple[bytes, str]:
-        """This gateway's page, then each federated target's (fetched concurrently); a target that fails adds
-        nothing and reads 0 in ``sluice:metrics_federate_up``."""
+        """This gateway's page, then the federated targets' (fetched concurrently) as one; a target that fails
+        adds nothing and reads 0 in ``sluice:metrics_federate_up``."""
         pages = await asyncio.gather(*(asyncio.to_thread(self._fetch, url) for url in self.federate))
         for url, page in zip(self.federate, pages):
             self.federate_up.labels(url).set(page is not None)
         body = generate_latest(self.registry)
-        for page in pages:
-            if page:
-                body += page if page.endswith(b"\n") else page + b"\n"
+        if any(page is not None for page in pages):
+            body += generate_latest(_Merged(pages))   # type: ignore[arg-type]  # any object with collect()
         return body, CONTENT_TYPE_LATEST
 
-    def _fetch(self, url: str) -> bytes | None:
-        """One target's exposition text (the plain text format: no Accept header asks for OpenMetrics)."""
+    def _fetch(self, url: str) -> list[Metric] | None:
+        """One target's families (from the plain text format: no Accept header asks for OpenMetrics)."""
         try:
             with urllib.request.urlopen(url, timeout=self.federate_timeout) as response:
-                return bytes(response.read())
+                return list(text_string_to_metric_families(response.read().decode()))
         except (OSError, ValueError) as e:   # refused, timed out, HTTP error status, malformed answer
             logger.warning("metrics of %s not fetched: %s", url, e)
             return None
 
     def track(self, model: str) -> GenerationTracker:
         return GenerationTracker(self, model)
+
+
+class _Merged:
+    """The federated targets' families, each once with the samples of every target; the i-th target's ``engine``
+    label set to i (two replicas' engines would otherwise give the same series)."""
+
+    def __init__(self, pages: Iterable[list[Metric] | None]) -> None:
+        self._pages = pages
+
+    def collect(self) -> Iterable[Metric]:
+        merged: dict[str, Metric] = {}
+        for index, page in enumerate(self._pages):
+            for family in page or ():
+                into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                             family.unit))
+                for sample in family.samples:
+                    if "engine" in sample.labels:
+                        sample = sample._replace(labels={**sample.labels, "engine": str(index)})
+                    into.samples.append(sample)
+        return merged.values()
 
 
 class GenerationTracker:

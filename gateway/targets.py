@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import socket
 from collections.abc import Sequence
 
@@ -61,10 +62,17 @@ def tls_authority(addresses: Sequence[str]) -> str | None:
     return hosts.pop()
 
 
+# Round robin over the healthy services only: gRPC's client-side health checking (gRFC A17) watches each
+# service's standard health status for the whole server (""), and a service reporting NOT_SERVING (its engine is
+# down, or it drains) leaves the rotation until it serves again; its channel reads TRANSIENT_FAILURE meanwhile. A
+# service without the health service counts as healthy.
+_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}})
+
+
 def channel_options(authority: str | None = None) -> list[tuple[str, object]]:
     """``authority``: the name TLS checks the servers' certificates against (:func:`tls_authority`)."""
     return [
-        ("grpc.lb_policy_name", "round_robin"),
+        ("grpc.service_config", _SERVICE_CONFIG),
         ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
         *([("grpc.default_authority", authority)] if authority is not None else []),

@@ -1,7 +1,9 @@
 """Read a MindIE Service ``config.json`` as is and map its keys onto Sluice's settings.
 
 Only keys with a Sluice counterpart are used; the rest are reported once and
-ignored. Explicit command-line flags override what the file says.
+ignored. Explicit command-line flags override what the file says. ``worldSize``
+is the tensor-parallel size; ``npuDeviceIds`` names the NPUs the ranks use, in
+rank order, and so the device too (``--device`` given on the command line wins).
 """
 
 from __future__ import annotations
@@ -64,8 +66,16 @@ def load_mindie_config(path: str | Path) -> dict[str, Any]:
                 out[name] = value
     device_ids = backend.get("npuDeviceIds")
     if device_ids:
-        out["npu_device_ids"] = [int(i) for group in device_ids
-                                 for i in (group if isinstance(group, list) else [group])]
+        ids = tuple(_device_id(i) for group in _list(device_ids, "BackendConfig.npuDeviceIds")
+                    for i in (group if isinstance(group, list) else [group]))
+        if len(set(ids)) != len(ids):
+            raise ConfigFileError(f"BackendConfig.npuDeviceIds names a device twice: {list(ids)}")
+        world = out.get("tensor_parallel_size", 1)
+        if len(ids) < world:
+            raise ConfigFileError(f"BackendConfig.npuDeviceIds names {len(ids)} device(s), {list(ids)}; "
+                                  f"ModelConfig.worldSize {world} needs {world}")
+        out["device_ids"] = ids
+        out["device"] = "npu"
     used = {"ServerConfig": set(_SERVER), "ModelDeployConfig": set(_DEPLOY) | {"ModelConfig"},
             "ScheduleConfig": set(_DEPLOY)}
     ignored = sorted(f"{sec}.{k}" for sec, keys in _iter_keys(raw) for k in keys if k not in used.get(sec, set()))
@@ -89,6 +99,18 @@ def _section(parent: dict[str, Any], name: str) -> dict[str, Any]:
     value = parent.get(name, {})
     if not isinstance(value, dict):
         raise ConfigFileError(f"{name} must be a JSON object")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ConfigFileError(f"{where} must be a list, got {value!r}")
+    return value
+
+
+def _device_id(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigFileError(f"BackendConfig.npuDeviceIds: device ids are integers >= 0, got {value!r}")
     return value
 
 

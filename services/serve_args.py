@@ -53,4 +53,4 @@ def check_vllm_serve_args(ns: argparse.Namespace) -> list[str]:
         if ns.model is not None and ns.model != ns.model_tag:
             raise InvalidRequestError("--model", f"{ns.model!r} contradicts the positional MODEL {ns.model_tag!r}")
         ns.model = ns.model_tag
-    return check_vllm_compat(ns) + check_compat_flags(ns, SERVE_FLAGS)
+    return check_vllm_compat(ns, serve=True) + check_compat_flags(ns, SERVE_FLAGS)

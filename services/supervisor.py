@@ -1,16 +1,17 @@
 """``sluice serve``: the whole stack from one command.
 
-Starts the engine, M tokenizer services and N gateways as child processes (by
-module name — nothing of theirs is imported here), waits until each reports
-ready, prints the URL, and supervises: a crashed child is reported and
-restarted. SIGTERM drains: gateways first (no new requests; in-flight ones get
-``--shutdown-timeout`` to finish), then the tokenizer services and the engine.
+Starts D model replicas (``--data-parallel-size``; each an engine and its M
+``--tokenizers`` services) and N gateways in front of all of them, as child
+processes (by module name — nothing of theirs is imported here), waits until
+each reports ready, prints the URL, and supervises: a crashed child is reported
+and restarted on its own, the other replicas serving meanwhile. SIGTERM drains
+every child at once (no new requests; in-flight ones get ``--shutdown-timeout``
+to finish).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import secrets
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.argtypes import at_least
@@ -34,7 +35,7 @@ from common.observability import (
     observability_flags,
     observability_settings,
 )
-from common.procs import ENV_PARENT_PID, free_port, grpc_serving, port_number
+from common.procs import ENV_PARENT_PID, grpc_serving, port_number
 from common.tls import (
     GrpcTls,
     RestTls,
@@ -45,11 +46,13 @@ from common.tls import (
     rest_tls_flags,
     rest_tls_from_args,
 )
-from engine.config import EngineConfig, LoRAConfig, default_max_queued_requests
+from engine.config import EngineConfig
 from engine.entrypoints.args import add_engine_args, check_local_paths, config_from_args
 from engine.entrypoints.vllm_compat import normalize_flag_spelling
 from engine.text.tool_parsers import TOOL_PARSERS
+from services.child_flags import engine_flags, tokenizer_flags
 from services.mindie_config import ConfigFileError, load_mindie_config
+from services.replicas import check_model_splits, metrics_ports, replica_configs
 from services.serve_args import add_vllm_serve_args, check_vllm_serve_args
 
 logger = logging.getLogger("sluice.serve")
@@ -105,58 +108,6 @@ def served_names(ns: argparse.Namespace, config: EngineConfig) -> list[str]:
     return list(names) if names else [config.model_name]
 
 
-def engine_flags(config: EngineConfig) -> list[str]:
-    """The child engine's command line for ``config`` (only what differs from the defaults)."""
-    default = EngineConfig()
-    flags: list[str] = []
-    for name in EngineConfig.field_names():
-        value = getattr(config, name)
-        if name == "max_queued_requests":   # against the engine CLI's default, which is bounded (the config's is not)
-            if value != default_max_queued_requests(config.max_num_seqs):
-                flags += ["--max-queued-requests", "unbounded" if value is None else str(value)]
-            continue
-        if value == getattr(default, name) or name == "enforce_eager":
-            continue
-        if name == "enable_prefix_caching":
-            flags.append("--enable-prefix-caching" if value else "--no-enable-prefix-caching")
-        elif name == "disable_log_stats":
-            flags.append("--disable-log-stats")
-        elif name == "structured_outputs_config":   # a settings object: its flag takes JSON
-            flags += ["--structured-outputs-config", json.dumps(asdict(value))]
-        elif name == "lora_config":
-            flags += lora_flags(value)
-        elif name == "speculative_config":   # its keys as vLLM's JSON, the normalized n-gram window included
-            flags += ["--speculative-config", json.dumps({k: v for k, v in asdict(value).items() if v is not None})]
-        else:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
-    return flags
-
-
-def lora_flags(lora: LoRAConfig) -> list[str]:
-    """The engine's LoRA flags (vLLM's) for ``lora``; each adapter in the JSON form of ``--lora-modules``."""
-    flags = ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank),
-             "--lora-dtype", lora.lora_dtype]
-    if lora.max_cpu_loras is not None:
-        flags += ["--max-cpu-loras", str(lora.max_cpu_loras)]
-    if lora.allow_runtime_lora_updating:
-        flags.append("--allow-runtime-lora-updating")
-    if lora.lora_modules:
-        flags += ["--lora-modules", *(json.dumps(asdict(m)) for m in lora.lora_modules)]
-    return flags
-
-
-def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
-    """The tokenizer services' own flags (chat template, tool calling), passed on as given."""
-    flags = ["--chat-template", ns.chat_template] if ns.chat_template is not None else []
-    if ns.enable_auto_tool_choice:
-        flags.append("--enable-auto-tool-choice")
-    if ns.tool_call_parser is not None:
-        flags += ["--tool-call-parser", ns.tool_call_parser]
-    if ns.trust_request_chat_template:
-        flags.append("--trust-request-chat-template")
-    return flags
-
-
 # A number of seconds >= 0 (0: off).
 _seconds = at_least(0, what="a number of seconds", note=" (0: off)")
 
@@ -168,9 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=8000, help="first gateway port (gateways use consecutive ports)")
     p.add_argument("--gateways", type=int, default=1)
-    p.add_argument("--tokenizers", type=int, default=1)
-    p.add_argument("--engine-port", type=int, default=50051)
-    p.add_argument("--tokenizer-port", type=int, default=50061, help="first tokenizer service port")
+    p.add_argument("--tokenizers", type=int, default=1, help="tokenizer services per replica")
+    p.add_argument("--engine-port", type=int, default=50051,
+                   help="first engine port (replicas' engines use consecutive ports)")
+    p.add_argument("--tokenizer-port", type=int, default=50061,
+                   help="first tokenizer service port (all replicas' services use consecutive ports)")
     add_api_key_args(p)
     p.add_argument("--allowed-origins", default=None)
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (gateway flag)")
@@ -210,12 +163,8 @@ def add_metrics_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("metrics")
     g.add_argument("--engine-metrics-port", type=port_number, default=None,
                    help="port of the engine's vllm:* metrics on 127.0.0.1, which each gateway's /metrics appends "
-                        "to its own (default: a free port; 0: no engine metrics)")
-
-
-def metrics_port(ns: argparse.Namespace) -> int:
-    """The engine's --metrics-port: the one given, else a free one (0: off)."""
-    return free_port() if ns.engine_metrics_port is None else int(ns.engine_metrics_port)
+                        "to its own (replicas' engines use consecutive ports; default: free ports; 0: no engine "
+                        "metrics)")
 
 
 def resolve_settings(argv: list[str], notes: list[str] | None = None) -> argparse.Namespace:
@@ -233,8 +182,6 @@ def resolve_settings(argv: list[str], notes: list[str] | None = None) -> argpars
             parser.error(str(e))
         explicit = _explicit_dests(parser, argv) | ({"model"} if ns.model_tag is not None else set())
         for key, value in from_file.items():
-            if key == "npu_device_ids":
-                continue
             if key not in explicit and hasattr(ns, key):
                 setattr(ns, key, value)
     try:
@@ -259,6 +206,15 @@ def _explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str
     return set(vars(known))
 
 
+@dataclass
+class Replica:
+    """One model replica: an engine (its ranks its own) and the tokenizer services in front of it."""
+
+    engine: Child
+    tokenizers: list[Child]
+    metrics_url: str | None   # the engine's vllm:* page, None when off
+
+
 class Supervisor:
     """``api_keys``: asked for by the gateways (REST) and the tokenizer services (gRPC), which read them from a
     file of this process's (mode 0600, removed at exit): a key on a child's command line would show in ``ps``."""
@@ -272,80 +228,119 @@ class Supervisor:
         self.api_keys = api_keys
         self.key_file = (os.path.join(tempfile.gettempdir(), f"sluice-api-keys-{os.getpid()}-{secrets.token_hex(8)}")
                          if api_keys else None)
-        key_flags = ["--api-key-file", self.key_file] if self.key_file else []
         self.config = config
         self.observability = observability if observability is not None else observability_settings(ns)
-        # Every child traces and logs alike; request lines come from the gateways and the engine (as vLLM's API
-        # server and engine), not from the tokenizer services in between.
-        tls_flags = grpc_tls_flags(grpc_tls)
-        child_flags = [*observability_flags(self.observability), *tls_flags]
-        tokenizer_obs_flags = [*observability_flags(replace(self.observability, log_requests=False)), *tls_flags]
+        self.grpc_tls = grpc_tls
         self.stopping = False
-        py = sys.executable
-        engine_addr = f"127.0.0.1:{ns.engine_port}"
-        engine_metrics = metrics_port(ns)
-        self.engine = Child("engine", [py, "-m", "engine", "--host", "127.0.0.1", "--port", str(ns.engine_port),
-                                       "--log-level", ns.log_level, "--shutdown-timeout", str(ns.shutdown_timeout),
-                                       "--metrics-port", str(engine_metrics), *engine_flags(config), *child_flags],
-                            ready=lambda: grpc_serving(engine_addr, "sluice.v1.Engine", grpc_tls),
-                            ready_timeout=_ENGINE_READY_TIMEOUT)
-        tok_addrs = [f"127.0.0.1:{ns.tokenizer_port + i}" for i in range(ns.tokenizers)]
+        self.replicas = [self._replica(r, replica_config, metrics)
+                         for r, (replica_config, metrics) in enumerate(zip(
+                             replica_configs(config, ns.data_parallel_size), metrics_ports(ns), strict=True))]
+        # Replica by replica within each rank of tokenizer: the gateways take their addresses in turn, so
+        # consecutive requests go to different replicas.
+        tok_addrs = [f"127.0.0.1:{ns.tokenizer_port + r * ns.tokenizers + i}"
+                     for i in range(ns.tokenizers) for r in range(ns.data_parallel_size)]
+        self.scheme = "http" if rest_tls is None else "https"
+        self.gateways = [self._gateway(i, tok_addrs, rest_tls) for i in range(ns.gateways)]
+
+    def _child_flags(self, *, log_requests: bool = True) -> list[str]:
+        """Every child traces and logs alike; request lines come from the gateways and the engine (as vLLM's API
+        server and engine), not from the tokenizer services in between."""
+        obs = self.observability if log_requests else replace(self.observability, log_requests=False)
+        return [*observability_flags(obs), *grpc_tls_flags(self.grpc_tls)]
+
+    def _key_flags(self) -> list[str]:
+        return ["--api-key-file", self.key_file] if self.key_file else []
+
+    def _replica(self, r: int, config: EngineConfig, metrics_port: int) -> Replica:
+        """Replica ``r``: its engine on the r-th engine port, its tokenizer services on the r-th block of
+        ``--tokenizers`` ports."""
+        ns, py, tls = self.ns, sys.executable, self.grpc_tls
+        suffix = "" if ns.data_parallel_size == 1 else f"-{r}"
+        port = ns.engine_port + r
+        engine_addr = f"127.0.0.1:{port}"
+        engine = Child(f"engine{suffix}", [py, "-m", "engine", "--host", "127.0.0.1", "--port", str(port),
+                                           "--log-level", ns.log_level, "--shutdown-timeout",
+                                           str(ns.shutdown_timeout), "--metrics-port", str(metrics_port),
+                                           *engine_flags(config), *self._child_flags()],
+                       ready=lambda: grpc_serving(engine_addr, "sluice.v1.Engine", tls),
+                       ready_timeout=_ENGINE_READY_TIMEOUT)
         model_flags = (["--model", config.model] if config.model else []) + (
             ["--tokenizer", config.tokenizer] if config.tokenizer else []) + tokenizer_flags(ns)
-        self.tokenizers = [
-            Child(f"tokenizer-{i}", [py, "-m", "services.tokenizer", "--engine", engine_addr, "--host", "127.0.0.1",
-                                     "--port", str(ns.tokenizer_port + i), "--served-model-name",
-                                     config.model_name, "--log-level", ns.log_level,
-                                     "--shutdown-timeout", str(ns.shutdown_timeout), *model_flags,
-                                     *key_flags, *tokenizer_obs_flags],
-                  ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation", grpc_tls)))
-            for i, addr in enumerate(tok_addrs)]
-        self.scheme = scheme = "http" if rest_tls is None else "https"
+        tokenizers = []
+        for i in range(ns.tokenizers):
+            tok_port = ns.tokenizer_port + r * ns.tokenizers + i
+            addr = f"127.0.0.1:{tok_port}"
+            tokenizers.append(Child(
+                f"tokenizer{suffix}-{i}",
+                [py, "-m", "services.tokenizer", "--engine", engine_addr, "--host", "127.0.0.1", "--port",
+                 str(tok_port), "--served-model-name", config.model_name, "--log-level", ns.log_level,
+                 "--shutdown-timeout", str(ns.shutdown_timeout), *model_flags, *self._key_flags(),
+                 *self._child_flags(log_requests=False)],
+                ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation", tls))))
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
+        return Replica(engine, tokenizers, metrics_url)
+
+    def _gateway(self, i: int, tok_addrs: list[str], rest_tls: RestTls | None) -> Child:
+        ns, config = self.ns, self.config
+        port = ns.port + i
+        argv = [sys.executable, "-m", "gateway", "--tokenizer", ",".join(tok_addrs), "--host", ns.host,
+                "--port", str(port), *[f for name in served_names(ns, config) for f in ("--served-model-name", name)],
+                "--shutdown-timeout", str(ns.shutdown_timeout), "--keepalive-interval", str(ns.keepalive_interval),
+                "--log-level", ns.uvicorn_log_level or ns.log_level, *self._key_flags(), *self._child_flags()]
+        if ns.request_timeout is not None:
+            argv += ["--request-timeout", str(ns.request_timeout)]
+        if ns.tokenizer_mux:
+            argv.append("--tokenizer-mux")
+        if ns.allowed_origins:
+            argv += ["--allowed-origins", ns.allowed_origins]
+        if ns.disable_fastapi_docs:
+            argv.append("--disable-fastapi-docs")
+        for flag in ("allow_credentials", "disable_uvicorn_access_log"):
+            if getattr(ns, flag):
+                argv.append("--" + flag.replace("_", "-"))
+        for flag in ("allowed_methods", "allowed_headers"):
+            if getattr(ns, flag) is not None:
+                argv += ["--" + flag.replace("_", "-"), getattr(ns, flag)]
+        for replica in self.replicas:
+            if replica.metrics_url is not None:
+                argv += ["--metrics-federate", replica.metrics_url]
+        argv += rest_tls_flags(rest_tls)
         probe = None if rest_tls is None else rest_tls.probe_context()
-        self.gateways = []
-        for i in range(ns.gateways):
-            port = ns.port + i
-            argv = [py, "-m", "gateway", "--tokenizer", ",".join(tok_addrs), "--host", ns.host, "--port", str(port),
-                    *[f for name in served_names(ns, config) for f in ("--served-model-name", name)],
-                    "--shutdown-timeout", str(ns.shutdown_timeout),
-                    "--keepalive-interval", str(ns.keepalive_interval),
-                    "--log-level", ns.uvicorn_log_level or ns.log_level, *key_flags, *child_flags]
-            if ns.request_timeout is not None:
-                argv += ["--request-timeout", str(ns.request_timeout)]
-            if ns.tokenizer_mux:
-                argv.append("--tokenizer-mux")
-            if ns.allowed_origins:
-                argv += ["--allowed-origins", ns.allowed_origins]
-            if ns.disable_fastapi_docs:
-                argv.append("--disable-fastapi-docs")
-            for flag in ("allow_credentials", "disable_uvicorn_access_log"):
-                if getattr(ns, flag):
-                    argv.append("--" + flag.replace("_", "-"))
-            for flag in ("allowed_methods", "allowed_headers"):
-                if getattr(ns, flag) is not None:
-                    argv += ["--" + flag.replace("_", "-"), getattr(ns, flag)]
-            if engine_metrics:
-                argv += ["--metrics-federate", f"http://127.0.0.1:{engine_metrics}/metrics"]
-            argv += rest_tls_flags(rest_tls)
-            self.gateways.append(Child(f"gateway-{i}", argv,
-                                       ready=(lambda p=port: http_ok(f"{scheme}://127.0.0.1:{p}/health", probe))))
+        scheme = self.scheme
+        return Child(f"gateway-{i}", argv, ready=(lambda: http_ok(f"{scheme}://127.0.0.1:{port}/health", probe)))
+
+    @property
+    def engines(self) -> list[Child]:
+        return [replica.engine for replica in self.replicas]
+
+    @property
+    def engine(self) -> Child:
+        """The first replica's engine (the only one without --data-parallel-size)."""
+        return self.replicas[0].engine
+
+    @property
+    def tokenizers(self) -> list[Child]:
+        return [child for replica in self.replicas for child in replica.tokenizers]
 
     @property
     def children(self) -> list[Child]:
-        return [self.engine, *self.tokenizers, *self.gateways]
+        """In the order they start: the engines, then the tokenizer services, then the gateways."""
+        return [*self.engines, *self.tokenizers, *self.gateways]
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.write_key_file()
-        for child in self.children:
-            child.start()
-            if not child.wait_ready(lambda: self.stopping):
-                if self.stopping:
-                    return self.shutdown()
-                logger.error("%s did not become ready; stopping", child.name)
-                self.shutdown()
-                return 1
+        for group in (self.engines, self.tokenizers, self.gateways):   # a group's children start together
+            for child in group:
+                child.start()
+            for child in group:
+                if not child.wait_ready(lambda: self.stopping):
+                    if self.stopping:
+                        return self.shutdown()
+                    logger.error("%s did not become ready; stopping", child.name)
+                    self.shutdown()
+                    return 1
         urls = ", ".join(f"{self.scheme}://{self.ns.host}:{self.ns.port + i}/v1" for i in range(self.ns.gateways))
         if self.observability.log_format == "json":  # every line it prints stays JSON
             logger.info("Sluice is serving %s at %s", self.config.model_name, urls)
@@ -414,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = config_from_args(ns)
         check_local_paths(config)
+        replica_configs(config, ns.data_parallel_size)
         observability = observability_settings(ns)
         grpc_tls, rest_tls = grpc_tls_from_args(ns), rest_tls_from_args(ns)
         keys = api_keys(ns)
@@ -421,10 +417,17 @@ def main(argv: list[str] | None = None) -> None:
         build_parser().error(str(e))
     except ValueError as e:
         raise SystemExit(f"sluice serve: {e}") from e
+    try:
+        check_model_splits(config)
+    except OSError as e:
+        build_parser().error(f"cannot read the model's sizes from {config.model_path}: {e}")
+    except ValueError as e:   # "the model's 9 attention heads do not divide over tensor_parallel_size 2"
+        build_parser().error(str(e))
+    supervisor = Supervisor(ns, config, observability, keys, grpc_tls=grpc_tls, rest_tls=rest_tls)
     configure_logging(ns.log_level, observability.log_format, "serve")
     for note in notes:
         logger.info("%s", note)
-    raise SystemExit(Supervisor(ns, config, observability, keys, grpc_tls=grpc_tls, rest_tls=rest_tls).run())
+    raise SystemExit(supervisor.run())
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import logging
 from dataclasses import fields
 from pathlib import Path
 
+from common.argtypes import at_least
 from common.errors import InvalidRequestError
 from common.settings import runtime_lora_updating
 from engine.config import (
@@ -33,6 +34,22 @@ def _bool(value: str) -> bool:
     if value.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
+
+
+_positive_int = at_least(1, integer=True)
+# vLLM's choices; external_launcher is refused with the reason (vllm_compat).
+_EXECUTOR_BACKENDS = ("uni", "mp", "ray", "external_launcher")
+
+
+def _device_ids(value: str) -> tuple[int, ...]:
+    """``--device-ids 0,1,2,3``: distinct integers >= 0."""
+    try:
+        ids = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of device ids: {value!r}") from None
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"device ids must be distinct integers >= 0, got {value!r}")
+    return ids
 
 
 UNBOUNDED = "unbounded"
@@ -88,7 +105,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "four batches waits, more is sent elsewhere); 'unbounded' for no limit")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--enforce-eager", action="store_true", default=True)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on CPU")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="stream each sequence's tokens in groups of N (the first token and the last group at "
@@ -104,6 +120,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "llguidance (auto, guidance and llguidance all mean it)")
     g.add_argument("--guided-decoding-backend", default=None,
                    help="vLLM's older flag for the structured-output backend: auto, guidance or llguidance")
+    par = parser.add_argument_group("parallelism (vLLM's flag names; docs/distributed.md)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                     help="ranks each layer is split over (attention heads, MLP columns, vocabulary)")
+    par.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
+                     help="stages the layers are split into, one rank group each")
+    par.add_argument("--distributed-executor-backend", default=None, choices=_EXECUTOR_BACKENDS,
+                     help="how the ranks run: uni (in the engine process; one rank only), mp (a process per rank, "
+                          "the default for more than one), ray (a Ray actor per rank, across hosts: RAY_ADDRESS "
+                          "joins a cluster, else a local one starts)")
+    par.add_argument("--device-ids", type=_device_ids, default=None, metavar="ID,ID,...",
+                     help="accelerator ids of the ranks in rank order (default: 0, 1, ...; MindIE's npuDeviceIds)")
+    par.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                     help="engine replicas behind the gateways (sluice serve only: one engine is one replica)")
     spec = parser.add_argument_group("speculative decoding (vLLM's flag names)")
     spec.add_argument("--speculative-config", "-sc", default=None,
                       help='JSON: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' or '
@@ -132,8 +161,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                       help="let clients load and unload adapters (POST /v1/load_lora_adapter, "
                            "/v1/unload_lora_adapter); also VLLM_ALLOW_RUNTIME_LORA_UPDATING=true")
     lora.add_argument("--fully-sharded-loras", action="store_true", default=False,
-                      help="vLLM's switch to shard LoRA computation across tensor-parallel ranks: nothing to shard "
-                           "at tensor-parallel size 1, the only size this release runs")
+                      help="vLLM's switch to shard LoRA computation across tensor-parallel ranks: LoRA runs at "
+                           "tensor-parallel size 1 only, with nothing to shard")
     lora.add_argument("--enable-lora-bias", action="store_true", default=False,
                       help="refused: adapters with bias weights are not supported")
     lora.add_argument("--long-lora-scaling-factors", default=None, help="refused: LongLoRA is not supported")

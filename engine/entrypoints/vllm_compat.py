@@ -90,7 +90,6 @@ def _quantization(value: str, ns: argparse.Namespace) -> str | None:
 
 
 _HUB = "Sluice loads local files only and never downloads: give that revision's directory as the model"
-_TP = "is not implemented yet (issue 23): one worker per engine"
 # vLLM v0's speculative decoding flags, replaced in vLLM (and here) by --speculative-config's keys.
 _SPEC_V0 = "is vLLM v0's flag; give --speculative-config '{json}' instead"
 _OVERRIDE = "overriding the model's own configuration is not supported"
@@ -129,8 +128,9 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--disable-sliding-window",), "Sluice's attention always covers the whole context (no sliding "
                                               "window)", kind="switch"),
     CompatFlag(("--use-v2-block-manager",), "Sluice has one block manager", kind="switch"),
-    CompatFlag(("--disable-custom-all-reduce",), "no all-reduce runs at tensor-parallel size 1", kind="switch"),
-    CompatFlag(("--enable-expert-parallel",), "at tensor-parallel size 1 every expert is on the one worker",
+    CompatFlag(("--disable-custom-all-reduce",), "Sluice's all-reduce is always torch.distributed's (gloo, NCCL or "
+                                                 "HCCL)", kind="switch"),
+    CompatFlag(("--enable-expert-parallel",), "Sluice serves dense models: there are no experts to place",
                kind="switch"),
     CompatFlag(("--max-seq-len-to-capture",), "Sluice runs eagerly: no graphs are captured", type=_positive_int),
     CompatFlag(("--compilation-config",), "Sluice runs eagerly and compiles nothing; its kernels are chosen when "
@@ -141,14 +141,6 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
                type=_positive_int),
     CompatFlag(("--tokenizer-pool-size",), "tokenization runs on the tokenizer service's threads (scale it with "
                                            "--tokenizers)", type=int),
-    CompatFlag(("--pipeline-parallel-size", "-pp"), "1 is the only pipeline-parallel size", type=_positive_int,
-               refuse=refuse_unless(lambda v: v == 1, f"pipeline parallel {_TP}")),
-    CompatFlag(("--data-parallel-size", "-dp"), "1 replica is what one sluice serve runs", type=_positive_int,
-               refuse=refuse_unless(lambda v: v == 1, "data parallel in one command is not implemented: run a "
-                                                      "sluice serve per replica behind a load balancer")),
-    CompatFlag(("--distributed-executor-backend",), "at tensor-parallel size 1 the one worker runs in the engine "
-                                                    "process", choices=("uni", "mp", "ray", "external_launcher"),
-               refuse=lambda v, ns: None if v in ("uni", "mp") else f"the {v} executor {_TP}"),
     CompatFlag(("--num-scheduler-steps",), "1 step per schedule is how Sluice runs", type=_positive_int,
                refuse=refuse_unless(lambda v: v == 1, "multi-step scheduling is not implemented yet")),
     CompatFlag(("--speculative-model",), None, refuse_always(_SPEC_V0.format(
@@ -177,8 +169,16 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
 
 # Flags Sluice has under vLLM's name whose values it cannot all honour.
 _ENGINE_VALUE_LIMITS: tuple[tuple[str, str, Refusal], ...] = (
-    ("tensor_parallel_size", "--tensor-parallel-size",
-     refuse_unless(lambda v: v == 1, f"tensor parallel {_TP}")),
+    ("distributed_executor_backend", "--distributed-executor-backend",
+     refuse_unless(lambda v: v != "external_launcher", "external_launcher (one engine per rank, each started by "
+                                                       "torchrun) is not supported: the engine starts its ranks "
+                                                       "itself, as processes (mp) or Ray actors (ray)")),
+)
+# Values only a whole `sluice serve` honours: `sluice engine` refuses them (one engine is one replica).
+_ENGINE_PROCESS_LIMITS: tuple[tuple[str, str, Refusal], ...] = (
+    ("data_parallel_size", "--data-parallel-size",
+     refuse_unless(lambda v: v == 1, "one engine is one replica: `sluice serve --data-parallel-size N` runs N "
+                                     "engines behind its gateways")),
 )
 
 
@@ -213,8 +213,9 @@ def check_compat_flags(ns: argparse.Namespace, flags: Sequence[CompatFlag],
     return notes
 
 
-def check_vllm_compat(ns: argparse.Namespace) -> list[str]:
-    return check_compat_flags(ns, ENGINE_FLAGS, _ENGINE_VALUE_LIMITS)
+def check_vllm_compat(ns: argparse.Namespace, *, serve: bool = False) -> list[str]:
+    """The engine flags' check; ``serve``: for `sluice serve`, which also runs data-parallel replicas."""
+    return check_compat_flags(ns, ENGINE_FLAGS, _ENGINE_VALUE_LIMITS + (() if serve else _ENGINE_PROCESS_LIMITS))
 
 
 def normalize_flag_spelling(argv: Sequence[str]) -> list[str]:

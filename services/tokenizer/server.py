@@ -47,7 +47,7 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
         name = EngineConfig(model=model).model_name
     servicer = GenerationServicer(tok, channel, served_model_name=name,
                                   shm_tokens=shm_tokens, tools=tools, limits=limits, tracing=tracing,
-                                  log_requests=log_requests)
+                                  log_requests=log_requests, engine_address=engine_addr)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await health_service.set_serving(False)
     bind_port = bind(server, host, port, tls)

@@ -78,8 +78,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, engine_channel: grpc.aio.Channel, *, served_model_name: str,
                  shm_tokens: int = 0, tools: ToolSettings | None = None,
                  limits: InputLimits | None = None, tracing: Tracing | None = None,
-                 log_requests: bool = False) -> None:
+                 log_requests: bool = False, engine_address: str | None = None) -> None:
+        """``engine_address``: where ``engine_channel`` goes, for the log."""
         self.tokenizer = tokenizer
+        self._engine_name = f"the engine at {engine_address}" if engine_address else "the engine"
         self.tracing = tracing
         # Engine keys: this service's random prefix (several services share one engine) and a counter.
         self._key_prefix = f"tok-{uuid.uuid4().hex[:12]}"
@@ -115,7 +117,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self._info
 
     async def ensure_shm(self) -> bool:
-        """Register this replica's ring with the engine once (again after an engine restart)."""
+        """Register this replica's ring with the engine once (again after an engine restart). An engine that
+        cannot map it (on another host, or with a /dev/shm of its own) gets inline ids from then on, said once
+        in the log."""
         if self._ring is None:
             return False
         if not self._shm_registered:
@@ -127,7 +131,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 return False
             self._shm_registered = r.ok
             if not r.ok:
-                logger.warning("engine cannot map our shared memory (%s); sending prompt ids inline", r.error)
+                logger.warning("%s cannot map our shared memory segment %s (%s): it is on another host or sees "
+                               "another /dev/shm; sending prompt ids inline from now on", self._engine_name,
+                               self._ring.name, r.error)
                 self._ring.close()
                 self._ring = None
         return self._shm_registered

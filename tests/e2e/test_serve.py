@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from engine.config import default_model_path
-from proto.sluice.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.procs import ServeStack, http_status, wait_until
 
 pytestmark = pytest.mark.slow
@@ -294,15 +294,23 @@ def test_sigterm_drains_and_exits_zero(small_stack: ServeStack) -> None:
         assert not Path(f"/proc/{pid}").exists() or b"zombie" in Path(f"/proc/{pid}/status").read_bytes().lower()
 
 
-def test_mindie_config_is_accepted_as_is(tmp_path: Path) -> None:
+def test_mindie_config_with_world_size_2_serves_tensor_parallel(tmp_path: Path) -> None:
+    """A MindIE config.json as is, worldSize 2 on a tiny random Llama (4 heads, 2 KV heads): the engine runs
+    tensor parallel over two processes on the CPU (--device cpu wins over the NPUs the file names), serves its
+    settings (name, lengths, block size), and its greedy tokens are transformers' own."""
+    import torch
+
+    from tests.engine.core.tiny_llama import save_tiny_llama
+
+    reference = save_tiny_llama(tmp_path / "tiny", vocab_size=49152)   # the default model's tokenizer's vocabulary
     cfg = {
         "Version": "1.0.0",
         "ServerConfig": {"ipAddress": "127.0.0.1", "port": 1025, "maxLinkNum": 300, "httpsEnabled": False},
         "BackendConfig": {
-            "backendName": "mindieservice_llm_engine", "npuDeviceIds": [[0]],
-            "ModelDeployConfig": {"maxSeqLen": 1024, "maxInputTokenLen": 1000, "truncation": False,
-                                  "ModelConfig": [{"modelInstanceType": "Standard", "modelName": "smollm2-mindie",
-                                                   "modelWeightPath": default_model_path(), "worldSize": 1,
+            "backendName": "mindieservice_llm_engine", "npuDeviceIds": [[0, 1]],
+            "ModelDeployConfig": {"maxSeqLen": 200, "maxInputTokenLen": 100, "truncation": False,
+                                  "ModelConfig": [{"modelInstanceType": "Standard", "modelName": "tiny-mindie",
+                                                   "modelWeightPath": str(tmp_path / "tiny"), "worldSize": 2,
                                                    "cpuMemSize": 5, "npuMemSize": -1, "backendType": "atb"}]},
             "ScheduleConfig": {"templateType": "Standard", "cacheBlockSize": 32, "maxPrefillBatchSize": 50,
                                "maxPrefillTokens": 2048, "maxBatchSize": 8, "maxIterTimes": 512},
@@ -310,15 +318,32 @@ def test_mindie_config_is_accepted_as_is(tmp_path: Path) -> None:
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    s = ServeStack(tmp_path, "--config", str(path), "--kv-cache-memory", "128MiB")
+    s = ServeStack(tmp_path, "--config", str(path), "--device", "cpu", "--tokenizer", default_model_path(),
+                   "--kv-cache-memory", "64MiB", "--dtype", "float32")
     s.flags += ["--host", "127.0.0.1"]  # explicit flags override the file (its port 1025 too: --port is given)
     s.start()
     try:
         models = httpx.get(f"{s.base_url}/v1/models").json()["data"]
-        assert [m["id"] for m in models] == ["smollm2-mindie"]
-        assert models[0]["max_model_len"] == 1024
-        info = engine_pb2_grpc.EngineStub(grpc.insecure_channel(s.engine_addr)).GetInfo(engine_pb2.GetInfoRequest())
-        assert (info.max_model_len, info.block_size) == (1024, 32)
+        assert [m["id"] for m in models] == ["tiny-mindie"]
+        assert models[0]["max_model_len"] == 200
+        stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(s.engine_addr))
+        info = stub.GetInfo(engine_pb2.GetInfoRequest())
+        assert (info.max_model_len, info.block_size) == (200, 32)
+        engine = s.engine_pid()
+        ranks = [p for p in subprocess.run(["pgrep", "-P", str(engine)], capture_output=True, text=True).stdout.split()
+                 if b"python" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert ranks   # rank 1 in a process of its own (rank 0 runs in the engine process)
+        prompt = [1, 504, 3303, 282, 1345, 17]
+        req = engine_pb2.EngineGenerateRequest(request_id="tp", sampling=common_pb2.SamplingParameters(temperature=0),
+                                               stopping=engine_pb2.EngineStoppingCriteria(max_tokens=12,
+                                                                                          ignore_eos=True))
+        req.prompt_token_ids.ids.extend(prompt)
+        got = [t for msg in stub.Generate(req, timeout=60) for t in msg.token_ids]
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(12):
+                ids = torch.cat([ids, reference(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert got == ids[0, len(prompt):].tolist()
     finally:
         assert s.stop() == 0
 

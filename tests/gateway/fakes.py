@@ -2,6 +2,8 @@
 
 What it does is chosen by the prompt (the text, or the last chat message):
   * ``abort:CODE:details`` — fails the call with that gRPC status;
+  * ``abort-once:CODE:details`` — the same, on the first fake server a request (by ``request_id``) reaches;
+    any other server then answers it as usual (a replica whose engine just died, then a healthy one);
   * ``busy:SECONDS`` — fails with RESOURCE_EXHAUSTED and a ``retry-after`` trailer;
   * ``slow:SECONDS`` — waits before the first message;
   * ``stall`` — sends one message, then waits until cancelled;
@@ -50,6 +52,8 @@ TOOL_CALLS = (  # (index, id, name, arguments fragment) per step
     (1, "call_1", "get_time", "{}"),
 )
 MODEL_NAME = "fake-model"
+# Request ids an ``abort-once:`` prompt was refused for, on whichever fake server came first.
+_REFUSED_ONCE: set[str] = set()
 
 
 def command_of(req: generation_pb2.GenerateRequest) -> str:
@@ -99,7 +103,9 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     async def _generate(self, request, command, context):  # type: ignore[no-untyped-def]
         if request.model and request.model not in self.lora_adapters:
             await context.abort(grpc.StatusCode.NOT_FOUND, self._not_found(request.model))
-        if command.startswith("abort:"):
+        if command.startswith("abort:") or (command.startswith("abort-once:")
+                                            and request.request_id not in _REFUSED_ONCE):
+            _REFUSED_ONCE.add(request.request_id)
             _, code, details = command.split(":", 2)
             await context.abort(grpc.StatusCode[code], details)
         if command.startswith("busy:"):

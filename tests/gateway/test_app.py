@@ -228,6 +228,11 @@ async def test_health_ready_and_metrics(gateway: Gateway) -> None:
     await gateway.fake.set_serving(False)
     r = await gateway.client.get("/ready")
     assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable"
+    await gateway.fake.set_serving(True)   # back in the channel's rotation once the news arrives
+    for _ in range(100):
+        if (await gateway.client.get("/ready")).status_code == 200:
+            break
+        await asyncio.sleep(0.02)
     await gateway.client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2})
     r = await gateway.client.post("/v1/completions", json={"prompt": "abort:RESOURCE_EXHAUSTED:full"})
     assert r.status_code == 429

@@ -242,6 +242,9 @@ async def test_mux_stream_failure_fails_its_open_requests_and_the_next_request_o
         fake_server: FakeServer) -> None:
     backend = GrpcBackend.connect([fake_server.address], mux=True)
     try:
+        # Connected first: the connection's health watch (a call the fake server runs as a task) stays open.
+        await backend.model_info(timeout=5)
+        await asyncio.sleep(0.2)
         tasks_before = len(asyncio.all_tasks())
         open_call = backend.generate(Prompt(text="stall"), GenerationParams(), request_id="a", timeout=None)
         async for delta in open_call:
@@ -307,9 +310,79 @@ async def test_readiness_follows_the_health_service(fake_server: FakeServer) -> 
         assert not await backend.check_ready(timeout=2)  # the named service wins
         await fake_server.set_serving(True, "sluice.v1.Generation")
         await fake_server.set_serving(False, "")
-        assert await backend.check_ready(timeout=2)
+        # The whole server's NOT_SERVING takes it out of the channel's rotation (gRPC health checking watches ""),
+        # so no check reaches it: not ready, until it serves again.
+        assert await ready_within(backend, False) and await ready_within(backend, False, 0.3)
+        await fake_server.set_serving(True, "")
+        assert await ready_within(backend, True)
     finally:
         await backend.close()
+
+
+async def ready_within(backend: GrpcBackend, expected: bool, seconds: float = 2.0) -> bool:
+    """Whether ``check_ready`` answers ``expected`` within ``seconds`` (and, for a long wait, still does at its
+    end): health news reaches the channel a moment after the server changes."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while await backend.check_ready(timeout=1) != expected:
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+@pytest_anyio
+async def test_unhealthy_services_are_skipped_and_a_request_refused_before_its_first_token_moves_on() -> None:
+    """Two tokenizer services (two replicas): one reporting NOT_SERVING (its engine is down) gets no new request,
+    the gateway stays ready while the other serves; one that fails a request UNAVAILABLE before its first delta
+    (it had not yet heard its engine die) has that request move to the other, once; after a delta, or with any
+    other error, the error is the request's."""
+    servers = [await start_fake_server() for _ in range(2)]
+    for mux in (True, False):
+        backend = GrpcBackend.connect([s.address for s in servers], mux=mux)
+        try:
+            await servers[1].set_serving(False)
+            assert await ready_within(backend, True)
+            before = [len(s.servicer.generate_requests) for s in servers]
+            for i in range(6):
+                deltas = [d.text async for d in backend.generate(Prompt(text="x"), GenerationParams(),
+                                                                 request_id=f"h{i}", timeout=5)]
+                assert deltas == ["Hel", "lo", " world"]
+            after = [len(s.servicer.generate_requests) for s in servers]
+            assert (after[0] - before[0], after[1] - before[1]) == (6, 0), (mux, before, after)
+            await servers[1].set_serving(True)
+            await servers[0].set_serving(False)
+            assert await ready_within(backend, True)
+            await servers[1].set_serving(False)
+            assert await ready_within(backend, False)   # no replica serves
+            await servers[0].set_serving(True)
+            await servers[1].set_serving(True)
+            assert await ready_within(backend, True)
+            # Both healthy: an UNAVAILABLE before the first delta moves on, each service tried once.
+            for i in range(4):
+                before = [len(s.servicer.generate_requests) for s in servers]
+                call = backend.generate(Prompt(text="abort-once:UNAVAILABLE:gone"), GenerationParams(),
+                                        request_id=f"f{mux}{i}", timeout=5)
+                deltas = [d.text async for d in call]
+                assert deltas == ["Hel", "lo", " world"]
+                after = [len(s.servicer.generate_requests) for s in servers]
+                assert after[0] - before[0] == 1 and after[1] - before[1] == 1, (mux, before, after)
+            with pytest.raises(BackendError) as info:   # every service refuses: the last error is the request's
+                [d async for d in backend.generate(Prompt(text="abort:UNAVAILABLE:gone"), GenerationParams(),
+                                                   request_id="all", timeout=5)]
+            assert info.value.kind is BackendErrorKind.UNAVAILABLE and info.value.message == "gone"
+            for prompt, kind in (("midfail:UNAVAILABLE", BackendErrorKind.UNAVAILABLE),
+                                 ("abort:RESOURCE_EXHAUSTED:full", BackendErrorKind.RESOURCE_EXHAUSTED)):
+                before = [len(s.servicer.generate_requests) for s in servers]
+                with pytest.raises(BackendError) as info:
+                    [d async for d in backend.generate(Prompt(text=prompt), GenerationParams(), request_id="m",
+                                                       timeout=5)]
+                assert info.value.kind is kind
+                after = [len(s.servicer.generate_requests) for s in servers]
+                assert sum(after) - sum(before) == 1, (mux, prompt)   # not tried again
+        finally:
+            await backend.close()
+    for s in servers:
+        await s.server.stop(0)
 
 
 @pytest_anyio

@@ -96,9 +96,25 @@ async def test_a_target_slower_than_the_timeout_is_left_out(engine_url: str, slo
     metrics = GatewayMetrics(federate=(slow_url, engine_url), federate_timeout=0.3)
     body, _ = await metrics.render()   # the slow one would answer after 2 s: it is given up on at 0.3 s
     got = families(body.decode())
-    assert got["vllm:num_requests_waiting"] == [({"engine": "0", "model_name": "m"}, 3.0)]
+    # The second target's series: engine "1" (the target's position), whatever the page said.
+    assert got["vllm:num_requests_waiting"] == [({"engine": "1", "model_name": "m"}, 3.0)]
     assert dict((s[0]["target"], s[1]) for s in got["sluice:metrics_federate_up"]) == {slow_url: 0.0,
                                                                                       engine_url: 1.0}
+
+
+async def test_replicas_engines_are_merged_and_labelled_by_their_position(engine_url: str) -> None:
+    """Two data-parallel replicas' engines, each labelling itself engine "0": one family on the page, a series per
+    replica (engine "0" and "1"), so Prometheus sees neither a family twice nor a series twice."""
+    second = _serve(0.0)
+    other_url = next(second)
+    try:
+        body, _ = await GatewayMetrics(federate=(engine_url, other_url)).render()
+    finally:
+        second.close()
+    text = body.decode()
+    assert families(text)["vllm:num_requests_waiting"] == [({"engine": "0", "model_name": "m"}, 3.0),
+                                                          ({"engine": "1", "model_name": "m"}, 3.0)]
+    assert text.count("# TYPE vllm:num_requests_waiting gauge") == 1
 
 
 def test_a_federate_target_must_be_an_http_url() -> None:

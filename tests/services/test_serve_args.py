@@ -16,6 +16,7 @@ from common.auth import api_keys
 from engine.entrypoints import vllm_compat
 from engine.entrypoints.args import add_engine_args, config_from_args
 from services import serve_args, supervisor
+from services.child_flags import engine_flags
 
 # The `vllm serve` command lines of vLLM-Ascend's guides, as written there.
 GUIDE_COMMANDS: list[tuple[str, str, str | None]] = [
@@ -33,15 +34,13 @@ GUIDE_COMMANDS: list[tuple[str, str, str | None]] = [
                      "--compilation-config '{\"custom_ops\":[\"none\", \"+rms_norm\", \"+rotary_embedding\"]}'",
      None),
     ("300I, 2 cards", "vllm serve Qwen/Qwen2.5-7B-Instruct --tensor-parallel-size 2 --enforce-eager "
-                      "--dtype float16 --compilation-config '{\"custom_ops\":[\"none\", \"+rms_norm\"]}'",
-     "--tensor-parallel-size"),
+                      "--dtype float16 --compilation-config '{\"custom_ops\":[\"none\", \"+rms_norm\"]}'", None),
     ("300I, Pangu MoE", "vllm serve /home/pangu-pro-moe-mode/ --tensor-parallel-size 4 --enable-expert-parallel "
-                        "--dtype float16 --trust-remote-code --enforce-eager", "--tensor-parallel-size"),
+                        "--dtype float16 --trust-remote-code --enforce-eager", None),
     # https://docs.vllm.ai/projects/ascend/en/v0.9.1/tutorials/multi_npu.html
-    ("multi NPU, QwQ", "vllm serve Qwen/QwQ-32B --max-model-len 4096 --port 8000 -tp 4", "--tensor-parallel-size"),
+    ("multi NPU, QwQ", "vllm serve Qwen/QwQ-32B --max-model-len 4096 --port 8000 -tp 4", None),
     # https://docs.vllm.ai/projects/ascend/en/v0.9.1/tutorials/multi_npu_qwen3_moe.html
-    ("multi NPU, Qwen3 MoE", "vllm serve Qwen/Qwen3-30B-A3B --tensor-parallel-size 4 --enable-expert-parallel",
-     "--tensor-parallel-size"),
+    ("multi NPU, Qwen3 MoE", "vllm serve Qwen/Qwen3-30B-A3B --tensor-parallel-size 4 --enable-expert-parallel", None),
     # https://github.com/vllm-project/vllm-ascend/blob/main/docs/source/tutorials/multi_npu_quantization.md
     ("multi NPU, W8A8", "vllm serve /home/models/QwQ-32B-w8a8 --tensor-parallel-size 1 --served-model-name "
                         "qwq-32b-w8a8 --max-model-len 4096 --quantization ascend", "--quantization"),
@@ -66,6 +65,13 @@ SAME_NAME: list[tuple[str, str, object]] = [
     ("--scheduling-policy priority", "scheduling_policy", "priority"),
     ("--stream-interval 4", "stream_interval", 4),
     ("--tensor-parallel-size 1", "tensor_parallel_size", 1),
+    ("--tensor-parallel-size 2", "tensor_parallel_size", 2),
+    ("-tp 4", "tensor_parallel_size", 4),
+    ("--pipeline-parallel-size 2", "pipeline_parallel_size", 2),
+    ("-pp 3", "pipeline_parallel_size", 3),
+    ("--distributed-executor-backend ray", "distributed_executor_backend", "ray"),
+    ("--distributed-executor-backend mp", "distributed_executor_backend", "mp"),
+    ("--distributed-executor-backend uni", "distributed_executor_backend", "uni"),
     ("--num-gpu-blocks-override 96", "num_kv_blocks", 96),   # vLLM's name for --num-kv-blocks
 ]
 
@@ -73,15 +79,15 @@ SAME_NAME: list[tuple[str, str, object]] = [
 REFUSED = [
     "--revision main", "--code-revision v1", "--tokenizer-revision v1", "--load-format pt",
     "--quantization awq", "--tokenizer-mode slow", "--no-enable-chunked-prefill", "--preemption-mode swap",
-    "--cpu-offload-gb 4", "--pipeline-parallel-size 2", "--data-parallel-size 2",
-    "--distributed-executor-backend ray", "--num-scheduler-steps 8", "--speculative-model m",
+    "--cpu-offload-gb 4", "--distributed-executor-backend external_launcher", "--num-scheduler-steps 8",
+    "--speculative-model m",
     "--num-speculative-tokens 3", "--ngram-prompt-lookup-max 4", "--ngram-prompt-lookup-min 1",
     "--generation-config auto",
     "--override-generation-config {}", "--hf-overrides {}", "--rope-scaling {}", "--rope-theta 1e6",
     "--task embed", "--limit-mm-per-prompt image=2", "--kv-transfer-config {}", "--enable-sleep-mode",
     "--skip-tokenizer-init", "--root-path /api", "--middleware m.M", "--response-role bot",
     "--return-tokens-as-token-ids", "--api-server-count 2", "--enable-reasoning", "--reasoning-parser deepseek_r1",
-    "--headless", "--tensor-parallel-size 2",
+    "--headless",
 ]
 NO_EFFECT = [
     "--trust-remote-code", "--download-dir /d", "--hf-token t", "--load-format auto", "--load-format gguf",
@@ -89,8 +95,7 @@ NO_EFFECT = [
     "--preemption-mode recompute", "--cpu-offload-gb 0", "--disable-async-output-proc", "--async-scheduling",
     "--disable-sliding-window", "--use-v2-block-manager", "--disable-custom-all-reduce", "--enable-expert-parallel",
     "--max-seq-len-to-capture 8192", "--compilation-config 3", "--additional-config {}",
-    "--max-parallel-loading-workers 2", "--tokenizer-pool-size 4", "--pipeline-parallel-size 1",
-    "--data-parallel-size 1", "--distributed-executor-backend mp", "--num-scheduler-steps 1",
+    "--max-parallel-loading-workers 2", "--tokenizer-pool-size 4", "--num-scheduler-steps 1",
     "--generation-config vllm", "--task generate", "--response-role assistant", "--api-server-count 1",
     "--disable-frontend-multiprocessing",
 ]
@@ -185,7 +190,7 @@ def test_underscore_spelling_as_vllm_accepts_it() -> None:
 
 def test_num_gpu_blocks_override_reaches_the_engine_as_num_kv_blocks(capsys: pytest.CaptureFixture[str]) -> None:
     ns, _ = resolve("--num-gpu-blocks-override 96")
-    flags = supervisor.engine_flags(config_from_args(ns))
+    flags = engine_flags(config_from_args(ns))
     assert flags[flags.index("--num-kv-blocks") + 1] == "96"
     with pytest.raises(ValueError, match="--num-gpu-blocks-override: 96 contradicts --num-kv-blocks 64"):
         config_from_args(resolve("--num-gpu-blocks-override 96 --num-kv-blocks 64")[0])
@@ -226,8 +231,11 @@ def test_the_engine_cli_takes_the_same_engine_flags() -> None:
 
 
 @pytest.mark.parametrize(("command", "line"), [
-    (["services.cli", "serve", "/m/qwen", "-tp", "2"],
-     "sluice serve: error: --tensor-parallel-size: tensor parallel is not implemented yet (issue 23)"),
+    (["services.cli", "serve", "-tp", "2"],   # the default model, checked before any process starts
+     "sluice serve: error: the model's 9 attention heads do not divide over tensor_parallel_size 2"),
+    (["engine", "-dp", "2"],
+     "sluice engine: error: --data-parallel-size: one engine is one replica: `sluice serve --data-parallel-size N` "
+     "runs N engines behind its gateways"),
     (["engine", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'],
      "sluice engine: error: --speculative-config.method: 'eagle' is not supported: Sluice speculates with ngram or "
      "draft_model"),
@@ -254,10 +262,10 @@ def test_speculative_config_reaches_the_engine_as_it_reads_it() -> None:
         ns, notes = resolve(command)
         config = config_from_args(ns)
         assert config.speculative_config is not None and notes == []
-        flags = supervisor.engine_flags(config)
+        flags = engine_flags(config)
         assert " ".join(flags) in " ".join(supervisor.Supervisor(ns, config).engine.argv)
         assert config_from_args(parser.parse_args(flags)).speculative_config == config.speculative_config, command
-    assert "--speculative-config" not in supervisor.engine_flags(config_from_args(resolve("")[0]))
+    assert "--speculative-config" not in engine_flags(config_from_args(resolve("")[0]))
 
 
 def test_a_speculative_method_sluice_lacks_stops_serve(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,61 @@
+"""What ``sluice serve`` checks and lays out per model replica before anything starts: whether the model splits
+over a replica's ranks, each replica's devices, each engine's metrics port."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common.errors import InvalidRequestError
+from common.procs import free_port
+from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from engine.models import ModelConfig
+
+
+def metrics_ports(ns: argparse.Namespace) -> list[int]:
+    """Each replica's engine --metrics-port: consecutive from the one given, else free ones (0: off)."""
+    if ns.engine_metrics_port is None:
+        return [free_port() for _ in range(ns.data_parallel_size)]
+    first = int(ns.engine_metrics_port)
+    return [first + r if first else 0 for r in range(ns.data_parallel_size)]
+
+
+def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:
+    """Each replica's engine settings: its own tensor_parallel_size x pipeline_parallel_size ranks on devices of its
+    own, the r-th slice of ``device_ids`` (of 0, 1, ... on an accelerator when none are named), as vLLM places its
+    data-parallel ranks. On the CPU every replica shares the host's cores."""
+    world = config.world_size
+    if replicas == 1 or (config.device_ids is None and config.device == "cpu"):
+        return [config] * replicas
+    ids = config.device_ids if config.device_ids is not None else tuple(range(replicas * world))
+    if len(ids) < replicas * world:
+        raise InvalidRequestError("--device-ids", f"{replicas} replicas of {world} ranks need {replicas * world} "
+                                                  f"device ids; got {len(ids)}: {list(ids)}")
+    return [config.with_changes(device_ids=ids[r * world:(r + 1) * world]) for r in range(replicas)]
+
+
+def check_model_splits(config: EngineConfig) -> None:
+    """Refuses, before any process starts, a model that does not split over the ranks asked for (ValueError
+    naming the sizes): the engine would refuse it at load, at every restart."""
+    if config.world_size == 1:
+        return
+    from engine.models import check_parallel_sizes
+
+    check_parallel_sizes(model_config(config.model_path), config.tensor_parallel_size, config.pipeline_parallel_size)
+
+
+def model_config(path: str) -> ModelConfig:
+    """The model's sizes from its config.json or GGUF metadata, no weights read."""
+    from engine.models.config import config_from_hf
+
+    if path.endswith(".gguf"):
+        from gguf import GGUFReader
+
+        from engine.models.gguf_loader import config_from_gguf
+
+        return config_from_gguf(GGUFReader(path))
+    return config_from_hf(json.loads((Path(path) / "config.json").read_text()), None, has_lm_head=True)

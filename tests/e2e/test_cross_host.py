@@ -1,0 +1,162 @@
+"""The services and the engine on different hosts, made on this machine: network namespace A (the gateway and
+the tokenizer service, on the host's /dev/shm) and namespace B (the engine, with a /dev/shm of its own) joined by
+a veth pair, 10.23.0.1/24 and 10.23.0.2/24, each process started by its real entry point inside its namespace.
+A streamed request completes through A to B, and the tokenizer service, whose shared memory the engine cannot
+map, sends prompt ids inline and says so once in its log, naming the engine's address."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.procs import stop_process
+from engine.config import default_model_path
+from tests.engine.core.tiny_llama import save_tiny_llama
+from tests.procs import ROOT, wait_until
+
+pytestmark = pytest.mark.slow
+
+_CLONE_NEWNET = 0x40000000
+ENGINE_ADDR = "10.23.0.2:50051"
+TOKENIZER_ADDR = "127.0.0.1:50061"   # in A, next to the gateway
+GATEWAY_URL = "http://127.0.0.1:8000"   # in A
+FALLBACK_LOG = f"the engine at {ENGINE_ADDR} cannot map our shared memory segment"
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@dataclass
+class Hosts:
+    a: str   # namespace names
+    b: str
+    tmp: Path
+    client: ThreadPoolExecutor   # its one thread is in namespace A
+    procs: list[subprocess.Popen[bytes]]
+
+    def start(self, netns: str, name: str, args: list[str], own_shm: bool = False) -> Path:
+        """``python args`` in ``netns`` (with a /dev/shm of its own when ``own_shm``); its log's path."""
+        log = self.tmp / f"{name}.log"
+        prefix = ["ip", "netns", "exec", netns]
+        if own_shm:   # a mount namespace whose /dev/shm is a fresh tmpfs, as on another machine
+            prefix += ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"']
+        with open(log, "ab") as f:
+            self.procs.append(subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, stdout=f,
+                                               stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1")))
+        return log
+
+    def alive(self) -> bool:
+        """True while every process runs; raises naming the first that exited."""
+        for proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with {proc.returncode}")
+        return True
+
+    def in_a(self, fn, *args):  # type: ignore[no-untyped-def]
+        """``fn(*args)`` on the client thread, whose sockets are namespace A's."""
+        return self.client.submit(fn, *args).result()
+
+
+def _enter_netns(name: str) -> None:
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL("libc.so.6", use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+    finally:
+        os.close(fd)
+
+
+def _netns_unavailable() -> str | None:
+    if shutil.which("ip") is None or shutil.which("unshare") is None:
+        return "needs iproute2's ip and util-linux's unshare"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"sluice-probe-{os.getpid()}"
+    try:
+        ip("netns", "add", probe)
+    except (subprocess.CalledProcessError, OSError) as e:
+        return f"ip netns add failed: {getattr(e, 'stderr', b'') or e}"
+    ip("netns", "del", probe)
+    return None
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    reason = _netns_unavailable()
+    if reason is not None:
+        pytest.skip(f"cross-host tests use network namespaces: {reason}")
+    tmp = tmp_path_factory.mktemp("hosts")
+    tag = os.getpid()
+    a, b = f"sluice-a-{tag}", f"sluice-b-{tag}"
+    client = ThreadPoolExecutor(max_workers=1, initializer=_enter_netns, initargs=(a,))
+    made: list[str] = []
+    h = Hosts(a, b, tmp, client, [])
+    try:
+        for name in (a, b):
+            ip("netns", "add", name)
+            made.append(name)
+            ip("-n", name, "link", "set", "lo", "up")
+        ip("link", "add", f"sva{tag}", "type", "veth", "peer", "name", f"svb{tag}")
+        for name, dev, addr in ((a, f"sva{tag}", "10.23.0.1/24"), (b, f"svb{tag}", "10.23.0.2/24")):
+            ip("link", "set", dev, "netns", name)
+            ip("-n", name, "addr", "add", addr, "dev", dev)
+            ip("-n", name, "link", "set", dev, "up")
+        save_tiny_llama(tmp / "tiny", vocab_size=49152)   # the default model's vocabulary, for its tokenizer
+        model = ["--model", str(tmp / "tiny"), "--tokenizer", default_model_path(), "--shutdown-timeout", "1"]
+        h.start(b, "engine", ["-m", "engine", "--host", "10.23.0.2", "--port", "50051", *model, "--kv-cache-memory",
+                              "64MiB", "--num-threads", "1"], own_shm=True)
+        h.start(a, "tokenizer", ["-m", "services.tokenizer", "--engine", ENGINE_ADDR, "--host", "127.0.0.1",
+                                 "--port", "50061", *model])
+        h.start(a, "gateway", ["-m", "gateway", "--tokenizer", TOKENIZER_ADDR, "--host", "127.0.0.1", "--port",
+                               "8000", "--tokenizer-mux", "--shutdown-timeout", "1"])
+        wait_until(lambda: h.alive() and h.in_a(_status, f"{GATEWAY_URL}/ready") == 200, 300,
+                   what="gateway ready in A")
+        yield h
+    finally:
+        for proc in h.procs:
+            if proc.poll() is None:
+                stop_process(proc, 10)
+        client.shutdown()
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def _stream(prompt: str) -> list[str]:
+    """The SSE data lines of a streamed completion."""
+    body = {"prompt": prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{GATEWAY_URL}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_stream_crosses_hosts_and_prompt_ids_go_inline_said_once(hosts: Hosts) -> None:
+    for prompt in ("Across the veth:", "And once more:"):
+        events = hosts.in_a(_stream, prompt)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not [c for c in chunks if "error" in c], chunks
+        assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks if c["choices"]) >= 2
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    log = (hosts.tmp / "tokenizer.log").read_text()
+    fallback = [line for line in log.splitlines() if "cannot map our shared memory" in line]
+    assert len(fallback) == 1 and FALLBACK_LOG in fallback[0] and "sending prompt ids inline" in fallback[0], \
+        fallback
