@@ -70,7 +70,7 @@ def decode_steps(model: str, tp: int, pp: int, num_seqs: int, input_len: int, ou
                 steps.append(1e3 * st.duration_s)
         return steps
     finally:
-        core.shutdown()
+        core.close()
 
 
 def _comm_rank(rank: int, port: int, shapes: dict[str, tuple[int, ...]], rounds: int, out: str) -> None:

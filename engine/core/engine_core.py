@@ -21,7 +21,7 @@ from engine.core.request import FinishReason, Request, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.spec_stats import SpecDecodingStats
-from engine.executor.uniproc import UniprocExecutor
+from engine.executor.base import make_executor
 from engine.worker.structured_output import GrammarVocabulary
 
 logger = logging.getLogger(__name__)
@@ -53,13 +53,17 @@ class EngineCore:
         """``grammar_vocabulary``: the tokenizer's vocabulary for structured outputs, which only an entry point
         can load (the core never reads text); None refuses requests with a constraint."""
         self.config = config
-        self.executor = UniprocExecutor(config)
+        self.executor = make_executor(config)
         mc = self.executor.model_config
         self.model_config = mc
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = set(mc.eos_token_ids)
-        self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
-        num_blocks = self.executor.initialize_cache(self.eos_token_ids, grammar_vocabulary)
+        try:
+            self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
+            num_blocks = self.executor.initialize_cache(self.eos_token_ids, grammar_vocabulary)
+        except BaseException:
+            self.executor.shutdown()   # the other ranks of a replica end with it
+            raise
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
                                    max_model_len=self.max_model_len)
@@ -80,6 +84,15 @@ class EngineCore:
                     config.model_name, self.executor.dtype_name, num_blocks, config.block_size,
                     self.executor.kv_cache_dtype_name,
                     self.max_model_len)
+
+    def check_health(self) -> None:
+        """Raises WorkerFailedError once a rank of the replica has died, between steps too (a step raises it
+        itself)."""
+        self.executor.check_health()
+
+    def close(self) -> None:
+        """Stops the replica's other ranks (nothing to stop with the uniproc executor); idempotent."""
+        self.executor.shutdown()
 
     # -- sizing -------------------------------------------------------------------------------------------
     def _resolve_max_model_len(self, model_max: int) -> int:

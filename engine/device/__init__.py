@@ -7,17 +7,19 @@ from engine.device.base import Device
 from engine.device.cpu import CpuDevice
 
 
-def get_device(name: str, *, num_threads: int | None = None, kernels: KernelSettings | None = None) -> Device:
+def get_device(name: str, *, num_threads: int | None = None, kernels: KernelSettings | None = None,
+               index: int = 0) -> Device:
+    """``index``: which accelerator of the host (each rank of a replica has its own); the CPU has one."""
     if name == "cpu":
         return CpuDevice(num_threads, kernels)
     if name == "cuda":
         from engine.device.cuda import CudaDevice
 
-        return CudaDevice()
+        return CudaDevice(index)
     if name == "npu":
         from engine.device.npu import NpuDevice  # imports torch_npu, and only here
 
-        return NpuDevice()
+        return NpuDevice(index)
     raise ValueError(f"unknown device {name!r} (cpu, cuda or npu)")
 
 

@@ -30,8 +30,13 @@ from engine.core.request import FinishReason, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.metrics import EngineMetrics
 from engine.entrypoints.stats_logger import StatsLogger
+from engine.executor.errors import WorkerFailedError
 
 logger = logging.getLogger(__name__)
+
+# How often an idle engine asks its executor whether every rank of the replica still lives (a step finds out
+# by itself): an engine whose worker died must stop serving even with no request in flight.
+HEALTH_CHECK_INTERVAL_S = 0.5
 
 
 class OutputGroup(Protocol):
@@ -119,6 +124,9 @@ class AsyncEngine:
         self._sinks: dict[str, OutputGroup] = {}   # engine thread only: where each live request's outputs go
         self._dead: BaseException | None = None
         self.started: Future[None] = Future()
+        # Set when a rank of the replica died (WorkerFailedError): every request in flight has had its ERROR
+        # output, and the engine process should exit for its supervisor to restart it.
+        self.failed: Future[BaseException] = Future()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
 
@@ -205,16 +213,27 @@ class AsyncEngine:
             self._stats = StatsLogger(core, self._log_stats_interval)
         if self._collect_metrics:
             self.metrics = EngineMetrics(core)
+        self.started.set_result(None)
+        try:
+            self._loop(core)
+        except WorkerFailedError as e:
+            self._die(e)
+        finally:
+            core.close()   # the replica's other ranks stop with the loop
+
+    def _loop(self, core: EngineCore) -> None:
         metrics = self.metrics
         observed = self._stats is not None or metrics is not None
-        self.started.set_result(None)
+        idle_wait = min(self._stats.interval_s, HEALTH_CHECK_INTERVAL_S) if self._stats else HEALTH_CHECK_INTERVAL_S
         while True:
             block = not core.has_unfinished_requests()
             try:
-                # Idle: wake up at the stats interval so the last busy interval still gets its line.
-                cmd = self._commands.get(block=block, timeout=self._stats.interval_s if block and self._stats else None)
+                # Idle: wake up at the stats interval so the last busy interval still gets its line, and to check
+                # the replica's health.
+                cmd = self._commands.get(block=block, timeout=idle_wait if block else None)
             except queue.Empty:
                 cmd = None
+                core.check_health()
             if self._stats is not None:
                 self._stats.maybe_log()
             while cmd is not None:
@@ -234,6 +253,8 @@ class AsyncEngine:
             last = core.last_step if observed else None
             try:
                 outputs = core.step()
+            except WorkerFailedError:
+                raise
             except Exception as e:  # a failed step ends the requests in it, never the process
                 logger.exception("engine step failed")
                 self._fail_all(e)
@@ -288,6 +309,16 @@ class AsyncEngine:
                 cmd.done.set_result(cmd.fn(self.core))
             except BaseException as e:
                 cmd.done.set_exception(e)
+
+    def _die(self, error: WorkerFailedError) -> None:
+        """A rank of the replica died: every request in flight ends with an error, the engine refuses new ones,
+        and ``failed`` tells the server to stop serving and exit."""
+        logger.error("engine failed: %s", error)
+        self._dead = error
+        self._fail_all(error)
+        self.core.close()
+        self.failed.set_result(error)
+        self._refuse_queued(EngineDeadError(f"the engine failed: {error}"))
 
     def _refuse_queued(self, error: BaseException) -> None:
         """The core never came up: fail every command, queued now or later, until shutdown."""

@@ -50,10 +50,14 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:
         pass
+    from engine.executor.errors import WorkerFailedError
+
     try:
         asyncio.run(serve(config, ns.host, ns.port, shutdown_grace=ns.shutdown_timeout, tracing=tracing,
                           log_requests=observability.log_requests, metrics_host=ns.metrics_host,
                           metrics_port=ns.metrics_port, tls=tls))
+    except WorkerFailedError:   # logged; a non-zero exit has the supervisor start the engine again
+        sys.exit(1)
     finally:
         if tracing is not None:
             tracing.shutdown()

@@ -307,7 +307,8 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
                 metrics_host: str = "127.0.0.1", metrics_port: int = 0, tls: GrpcTls | None = None) -> None:
     """The engine process's servers: gRPC on ``host:port`` (with TLS when ``tls`` is given), and with
     ``metrics_port`` the ``vllm:*`` Prometheus metrics on ``metrics_host:metrics_port``
-    (engine.entrypoints.metrics), once the model is loaded.
+    (engine.entrypoints.metrics), once the model is loaded. Returns after SIGTERM / SIGINT and a drain; raises
+    WorkerFailedError when a rank of the replica died (health NOT_SERVING first, every request ended).
     ``tracing``: a span per request (None: off); ``log_requests``: a line per request added and finished."""
     metrics_registry, metrics_server = serve_metrics(metrics_host, metrics_port) if metrics_port else (None, None)
     # Sized before the model loads (the server answers health meanwhile): --max-model-len, else the model's own.
@@ -346,10 +347,20 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
     logger.info("engine ready: %s on %s:%d", config.model_name, host, bound)
     if ready is not None:
         ready.set()
-    await stop.wait()
-    logger.info("draining (grace %.1fs)", shutdown_grace)
+    failed = asyncio.wrap_future(engine.failed)
+    stopping = asyncio.ensure_future(stop.wait())
+    waits: list[asyncio.Future[Any]] = [failed, stopping]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if failed.done():   # every request in flight has its error: stop serving, and exit for a restart
+        logger.error("engine failed, exiting: %s", failed.result())
+    else:
+        failed.cancel()
+        logger.info("draining (grace %.1fs)", shutdown_grace)
     await health_service.set_serving(False)
     await server.stop(shutdown_grace)
     engine.shutdown()
     if metrics_server is not None:
         metrics_server.shutdown()
+    if engine.failed.done():
+        raise engine.failed.result()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,12 +124,25 @@ class LLM:
         check_draft_tokenizer(self.config, self.tokenizer)
         # The core never reads text: the vocabulary structured outputs mask with is handed to it from here.
         self.engine = EngineCore(self.config, grammar_vocabulary=GrammarVocabulary.from_tokenizer(self.tokenizer))
+        # A replica's other ranks (mp, ray) stop with this LLM: at close(), when it is collected, or at exit.
+        self._close = weakref.finalize(self, self.engine.close)
         self._ids = itertools.count()
         self._built_on = threading.current_thread()
         self._warned_thread = False
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def close(self) -> None:
+        """Stops the engine's other ranks (tensor / pipeline parallel); idempotent. Also done when the LLM is
+        garbage-collected and at interpreter exit."""
+        self._close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- public API ---------------------------------------------------------------------------------------
     def generate(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
+from engine.executor.errors import WorkerFailedError
 
 if TYPE_CHECKING:
     from engine.core.lora_request import LoRARequest
@@ -21,10 +22,6 @@ if TYPE_CHECKING:
     from engine.models import ModelConfig
     from engine.worker.model_runner import RunnerOutput
     from engine.worker.structured_output import GrammarVocabulary
-
-
-class WorkerFailedError(RuntimeError):
-    """A rank of the replica died or stopped answering: every request in flight fails, the engine exits."""
 
 
 class Executor(Protocol):
@@ -49,6 +46,9 @@ class Executor(Protocol):
     def remove_lora(self, lora_id: int) -> None: ...
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
     def release(self, seq_ids: list[SequenceId]) -> None: ...
+    def check_health(self) -> None:
+        """Raises WorkerFailedError once a rank of the replica has died (between steps too)."""
+        ...
     def shutdown(self) -> None:
         """Stops the other ranks (a Shutdown message, then a bounded wait and kill); idempotent."""
         ...
@@ -65,3 +65,6 @@ def make_executor(config: EngineConfig) -> Executor:
         return MultiprocExecutor(config)
     from engine.executor.ray_executor import RayExecutor
     return RayExecutor(config)
+
+
+__all__ = ["Executor", "WorkerFailedError", "make_executor"]

@@ -1,9 +1,10 @@
 """The driver → worker messages, typed (msgspec structs encoded as MessagePack; never pickle).
 
-A message is one of :class:`Execute` (a step's :class:`~engine.worker.step_inputs.StepInputs`) or
-:class:`Shutdown`, tagged by ``kind``. Arrays travel as raw little-endian int64 bytes, so any MessagePack reader
-decodes a message into maps, lists, integers and byte strings (``msgspec.msgpack.decode(data)`` without a type,
-or the ``msgpack`` package), and :data:`SCHEMA` is its JSON Schema.
+A message is one of :class:`InitCache` (the KV cache's block count, decided on the driver, once), :class:`Execute`
+(a step's :class:`~engine.worker.step_inputs.StepInputs`) or :class:`Shutdown`, tagged by ``kind``. Arrays travel
+as raw little-endian int64 bytes, so any MessagePack reader decodes a message into maps, lists, integers and byte
+strings (``msgspec.msgpack.decode(data)`` without a type, or the ``msgpack`` package), and :data:`SCHEMA` is its
+JSON Schema.
 """
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ class WireMicroBatch(msgspec.Struct, array_like=False):
     block_tables: bytes        # int64 little-endian, [num_seqs, max_blocks] row-major
 
 
+class InitCache(msgspec.Struct, tag_field="kind", tag="init_cache"):
+    """Allocate the KV cache: every rank has the same block ids."""
+
+    num_blocks: int
+
+
 class Execute(msgspec.Struct, tag_field="kind", tag="execute"):
     """Run one step's forward pass (and the logits gathers) over these inputs."""
 
@@ -41,7 +48,7 @@ class Shutdown(msgspec.Struct, tag_field="kind", tag="shutdown"):
     """Leave the step loop and the process group; the process exits 0."""
 
 
-WorkerMessage = Execute | Shutdown
+WorkerMessage = InitCache | Execute | Shutdown
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(WorkerMessage)
@@ -69,11 +76,17 @@ def encode_shutdown() -> bytes:
     return _ENCODER.encode(Shutdown())
 
 
-def decode(data: bytes) -> StepInputs | None:
-    """A step's inputs, or None for :class:`Shutdown`."""
+def encode_init_cache(num_blocks: int) -> bytes:
+    return _ENCODER.encode(InitCache(num_blocks))
+
+
+def decode(data: bytes) -> StepInputs | InitCache | None:
+    """A step's inputs, the :class:`InitCache` message, or None for :class:`Shutdown`."""
     msg = _DECODER.decode(data)
     if isinstance(msg, Shutdown):
         return None
+    if isinstance(msg, InitCache):
+        return msg
     mbs = [MicroBatch(m.token_start, m.token_end, m.query_lens, m.seq_lens, m.num_decodes,
                       _arr(m.block_tables).reshape(m.num_seqs, m.max_blocks)) for m in msg.micro_batches]
     return StepInputs(_arr(msg.input_ids), _arr(msg.positions), _arr(msg.slot_mapping), msg.block_size, mbs,

@@ -80,6 +80,9 @@ class UniprocExecutor:
         runner = self.worker.runner
         return 0.0 if runner is None else runner.last_prepare_s
 
+    def check_health(self) -> None:
+        """Nothing to check: the one worker is this process."""
+
     def shutdown(self) -> None:
         """Nothing to stop: the one worker is this process."""
 

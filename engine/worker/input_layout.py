@@ -1,4 +1,5 @@
-"""A step's tokens laid out flat for the model, and for attention row by row (the runner's and the draft's)."""
+"""A step's tokens laid out flat for the model, and for attention row by row (the runner's and the draft's); cut
+into pipeline micro-batches."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -58,3 +59,31 @@ def lay_out(rows: list[LayoutRow], block_size: int, input_ids: torch.Tensor, pos
     layout = StepLayout(slot_mapping=slots, block_tables=block_tables, query_lens=query_lens, seq_lens=seq_lens,
                         num_decodes=num_decodes, block_size=bs)
     return offset, layout, ends
+
+
+def split_rows(rows: list[LayoutRow], parts: int) -> list[list[LayoutRow]]:
+    """The rows in up to ``parts`` contiguous micro-batches of about equal tokens, in order. A row that straddles
+    a boundary is cut in two: its second piece starts at the position where the first ended, and a pipeline
+    stage runs its micro-batches in order, so the first piece's keys are in the cache when the second attends
+    to them (one long prompt is pipelined like many short ones). Each micro-batch keeps the rows' order, so
+    its single-token rows still come first."""
+    total = sum(len(tokens) for _, _, tokens, _ in rows)
+    parts = min(parts, total)
+    if parts <= 1:
+        return [rows]
+    cuts = [round(k * total / parts) for k in range(1, parts)]   # flat token offsets, strictly increasing
+    batches: list[list[LayoutRow]] = [[]]
+    offset = 0
+    for request, start, tokens, split in rows:
+        n, done = len(tokens), 0
+        while cuts and cuts[0] < offset + n:   # a boundary inside the row (those at its start were taken)
+            cut = cuts.pop(0) - offset
+            batches[-1].append((request, start + done, tokens[done:cut], split))
+            batches.append([])
+            done = cut
+        batches[-1].append((request, start + done, tokens[done:], split))
+        offset += n
+        if cuts and cuts[0] == offset:
+            cuts.pop(0)
+            batches.append([])
+    return batches

@@ -1,4 +1,4 @@
-"""The model runner: the only module that touches the model's tensors.
+"""The driver's model runner: each step's inputs in, sampled tokens out (the model itself runs in StageRunner).
 
 One step = copy inputs → compute → sample → copy back, each on its own stream
 (no-op streams on CPU). Inputs are prepared with numpy into (pinned, where the
@@ -8,20 +8,20 @@ device wants it) host staging buffers, so building step N+1 is cheap Python.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionMetadata
-from engine.device import Device
-from engine.models import CausalLM
-from engine.worker.input_layout import lay_out
+from engine.worker.input_layout import lay_out, split_rows
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.sampler import Sampler, SamplingRow, make_generator
 from engine.worker.sampling_ops import compute_logprobs
 from engine.worker.spec_decode import Proposer
+from engine.worker.stage_runner import StageRunner
+from engine.worker.step_inputs import MicroBatch, StepInputs
 from engine.worker.structured_output import StructuredOutputs
 
 if TYPE_CHECKING:  # the core's step types, handed down by the executor: annotations only
@@ -56,32 +56,31 @@ class RunnerOutput:
 
 
 class ModelRunner:
+    """The driver's runner (rank 0): lays out each step's inputs, hands them to the other ranks (``publish``),
+    runs its own stage (:class:`StageRunner`) and samples. Speculative proposals, structured outputs, beams and
+    the sampler live here only."""
+
     def __init__(
         self,
-        model: CausalLM,
-        device: Device,
+        stage: StageRunner,
         sampler: Sampler,
         *,
-        num_blocks: int,
         block_size: int,
         max_num_batched_tokens: int,
-        dtype: torch.dtype,
         structured: StructuredOutputs | None = None,
         lora: LoRAManager | None = None,
         proposer: Proposer | None = None,
+        publish: Callable[[StepInputs], None] | None = None,
     ) -> None:
-        self.model = model
+        self.stage = stage
         self.proposer = proposer  # None: no speculative decoding
         self.lora = lora  # None: LoRA off
         self.structured = structured  # None: the engine was given no vocabulary, requests with a grammar refused
-        self.device = device
+        self.publish = publish   # sends each step's inputs to the other ranks; None: this is the only rank
+        self.device = device = stage.device
         self.sampler = sampler
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        cfg = model.config
-        self.backend = device.attention_backend()  # owns the cache's layout, allocation and step metadata
-        self.kv_caches = self.backend.allocate_kv_caches(device, cfg.num_layers, num_blocks, block_size,
-                                                         cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.num_micro_batches = stage.parallel.pp_size
         self.copy_stream = device.new_stream()
         self.compute_stream = device.new_stream()
         self.d2h_stream = device.new_stream()
@@ -92,10 +91,6 @@ class ModelRunner:
         self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
         self._positions = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
         self._slots = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
-
-    @property
-    def kv_bytes_per_block(self) -> int:
-        return self.kv_caches[0][:, 0].numel() * self.kv_caches[0].element_size() * len(self.kv_caches)
 
     def release(self, seq_ids: list[SequenceId]) -> None:
         """Forget the per-sequence state (seeded generators, grammar matchers) of sequences that ended."""
@@ -113,14 +108,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        if out.block_copies:
-            self._copy_blocks(out.block_copies)
-            if self.proposer is not None:
+        if self.proposer is not None:
+            if out.block_copies:
                 self.proposer.copy_blocks(out.block_copies)
-        if self.proposer is not None and out.preempted:
-            self.proposer.forget(out.preempted)
+            if out.preempted:
+                self.proposer.forget(out.preempted)
         scheduled = out.scheduled  # decodes first: the scheduler's order, which the attention metadata relies on
         if not scheduled:
+            if out.block_copies:   # every rank copies them in its layers
+                none = np.empty(0, dtype=np.int64)
+                self._run(StepInputs(none, none, none, self.block_size, [], out.block_copies))
             return RunnerOutput()
         dev = self.device
         t0 = time.perf_counter()
@@ -128,11 +125,11 @@ class ModelRunner:
         # (A draft model runs every step: its cache follows the target's.)
         drafts = self.proposer.propose(scheduled) if self.proposer is not None else None
         with dev.use_stream(self.copy_stream):
-            input_ids, positions, meta, sample_idx, row_tokens = self._prepare(scheduled, drafts)
+            inputs, sample_idx, row_tokens = self._prepare(scheduled, drafts, out.block_copies)
+            chunks = self._plan_logits(scheduled, row_tokens, sample_idx, inputs)
             if self.lora is not None:
                 self.lora.activate([(s.request.lora_request, n) for s, n in zip(scheduled, row_tokens)])
             self.last_prepare_s = time.perf_counter() - t0
-            dev.record_event(self.inputs_ready, self.copy_stream)
         sampling = [s for s in scheduled if s.sample]
         # Logits rows of each sampling row: its last token's, or each token's of a row verifying a proposal.
         draft_of = ({id(s): d for s, d in zip(scheduled, drafts) if len(d)} if drafts is not None else {})
@@ -143,14 +140,15 @@ class ModelRunner:
         # filled on the mask thread while the model runs.
         pending = (self.structured.start_masks(owners, [row.params.structured_outputs for row in rows])
                    if self.structured is not None else None)
-        dev.wait_event(self.compute_stream, self.inputs_ready)
         with dev.use_stream(self.compute_stream):
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            prompt_logprobs = self._prompt_logprobs(scheduled, row_tokens, hidden)
+            hidden, needed = self._run(inputs)
+            assert hidden is not None, "the driver is on pipeline stage 0"
+            # One compute_logits call per entry of inputs.logits_rows, in its order: the other tensor ranks of
+            # stage 0 make the same calls to gather the vocabulary.
+            prompt_logprobs = self._prompt_logprobs(scheduled, chunks, hidden, needed, inputs)
             if not sampling:
                 return RunnerOutput(prompt_logprobs=prompt_logprobs)
-            idx = torch.tensor(sample_idx, dtype=torch.int64, device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx), dtype=None)
+            logits = self.stage.logits(hidden, needed, inputs.logits_rows[-1])
             runner_out = RunnerOutput(prompt_logprobs=prompt_logprobs)
             beams = [i for i, s in enumerate(sampling) if s.num_beam_candidates]
             if beams:   # their proposals, not samples; the other rows' logits stay, in order
@@ -191,6 +189,19 @@ class ModelRunner:
             runner_out.grammar_complete, runner_out.grammar_failed = self.structured.advance(
                 firsts, [runner_out.sampled[seq_id][0] for seq_id in firsts])
         return runner_out
+
+    def _run(self, inputs: StepInputs) -> tuple[torch.Tensor | None, np.ndarray]:
+        """Hand the step to the other ranks, then run this rank's part of it (``StageRunner.run``)."""
+        dev = self.device
+        if self.publish is not None:
+            self.publish(inputs)
+        n = inputs.num_tokens
+        with dev.use_stream(self.copy_stream):
+            tensors = self.stage.prepare(inputs, self._input_ids[:n], self._positions[:n], self._slots[:n])
+            dev.record_event(self.inputs_ready, self.copy_stream)
+        dev.wait_event(self.compute_stream, self.inputs_ready)
+        with dev.use_stream(self.compute_stream):
+            return self.stage.run(inputs, tensors)
 
     @staticmethod
     def _rewind(row: SamplingRow, num_kept: int) -> None:
@@ -238,58 +249,80 @@ class ModelRunner:
             logits = logits.index_select(0, torch.tensor(others, device=logits.device))
         return logits
 
-    def _prepare(self, scheduled: list[ScheduledRequest], drafts: list[np.ndarray] | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
-        """The step's flat inputs: each row's known tokens, then its proposed ones (``drafts``). A row verifying
-        a proposal is laid out for attention as one single-token row per token, each seeing the cache up to its
-        own position (the keys of all of them are written first), so it runs with the decodes. Returns (ids,
-        positions, metadata, logits rows to compute, tokens of each row)."""
+    def _prepare(self, scheduled: list[ScheduledRequest], drafts: list[np.ndarray] | None,
+                 block_copies: list[tuple[int, int]]) -> tuple[StepInputs, list[int], list[int]]:
+        """The step's flat inputs: each row's known tokens, then its proposed ones (``drafts``), in up to one
+        micro-batch per pipeline stage. A row verifying a proposal is laid out for attention as one single-token
+        row per token, each seeing the cache up to its own position (the keys of all of them are written first),
+        so it runs with the decodes. Returns (the inputs, flat logits rows to sample from, tokens of each row)."""
         rows = [(s.request, s.start, s.request.all_token_ids[s.start:s.start + s.num_new_tokens]
                  if drafts is None or not len(drafts[i]) else
                  np.concatenate([s.request.all_token_ids[s.start:s.start + s.num_new_tokens], drafts[i]]),
                  drafts is not None and len(drafts[i]) > 0) for i, s in enumerate(scheduled)]
-        num_tokens, layout, ends = lay_out(rows, self.block_size, self._input_ids, self._positions, self._slots)
+        micro_batches: list[MicroBatch] = []
+        num_tokens = 0
+        for part in split_rows(rows, self.num_micro_batches):
+            start = num_tokens
+            n, layout, _ = lay_out(part, self.block_size, self._input_ids[start:], self._positions[start:],
+                                   self._slots[start:])
+            num_tokens += n
+            micro_batches.append(MicroBatch(start, num_tokens, layout.query_lens, layout.seq_lens,
+                                            layout.num_decodes, layout.block_tables))
         sample_idx: list[int] = []
         row_tokens: list[int] = []
+        end = 0
         for i, s in enumerate(scheduled):
             n = len(rows[i][2])
             row_tokens.append(n)
+            end += n
             if s.sample:  # the scheduler decided: this chunk ends the known tokens
-                sample_idx += range(ends[i] - n, ends[i]) if rows[i][3] else [ends[i] - 1]
-        torch_dev = self.device.torch_device
-        input_ids = self._input_ids[:num_tokens].to(torch_dev, non_blocking=True)
-        positions = self._positions[:num_tokens].to(torch_dev, non_blocking=True)
-        meta = self.backend.build_metadata(layout, torch_dev)
-        return input_ids, positions, meta, sample_idx, row_tokens
+                sample_idx += range(end - n, end) if rows[i][3] else [end - 1]
+        inputs = StepInputs(self._input_ids[:num_tokens].numpy(), self._positions[:num_tokens].numpy(),
+                            self._slots[:num_tokens].numpy(), self.block_size, micro_batches, block_copies)
+        return inputs, sample_idx, row_tokens
 
-    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], row_tokens: list[int], hidden: torch.Tensor
+    @staticmethod
+    def _plan_logits(scheduled: list[ScheduledRequest], row_tokens: list[int], sample_idx: list[int],
+                     inputs: StepInputs) -> list[tuple[int, int, int]]:
+        """The step's ``compute_logits`` calls, in the order they are made, into ``inputs.logits_rows``: the
+        prompt-logprob chunks (PROMPT_LOGITS_ROWS positions at a time, row by row), then the sampled rows.
+        Returns each chunk as (scheduled row, first, end) positions within the row's new tokens."""
+        chunks: list[tuple[int, int, int]] = []
+        offset = 0
+        for i, (s, num_row_tokens) in enumerate(zip(scheduled, row_tokens)):
+            end = min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1) - s.start
+            if s.num_prompt_logprobs is not None and end > 0:
+                for lo in range(0, end, PROMPT_LOGITS_ROWS):
+                    hi = min(lo + PROMPT_LOGITS_ROWS, end)
+                    chunks.append((i, lo, hi))
+                    inputs.logits_rows.append(np.arange(offset + lo, offset + hi, dtype=np.int64))
+            offset += num_row_tokens
+        if sample_idx:
+            inputs.logits_rows.append(np.asarray(sample_idx, dtype=np.int64))
+        return chunks
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], chunks: list[tuple[int, int, int]],
+                         hidden: torch.Tensor, needed: np.ndarray, inputs: StepInputs
                          ) -> dict[SequenceId, PromptLogprobsChunk]:
         """Logprobs of the prompt tokens that the positions of each chunk asking for them predict (position p
         predicts token p + 1; the prompt's last position predicts the first output, not a prompt token).
 
-        Only these chunks pay for full-vocabulary logits, PROMPT_LOGITS_ROWS positions at a time, float32 (the
-        raw model distribution, as vLLM); only the k + 1 numbers per position are kept."""
-        result: dict[SequenceId, PromptLogprobsChunk] = {}
-        offset = 0
-        for s, num_row_tokens in zip(scheduled, row_tokens):
-            k = s.num_prompt_logprobs
-            req = s.request
-            end = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
-            if k is not None and end > s.start:
-                targets = torch.from_numpy(req.all_token_ids[s.start + 1:end + 1].astype(np.int64))
-                targets = targets.to(hidden.device)
-                parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-                for lo in range(0, end - s.start, PROMPT_LOGITS_ROWS):
-                    hi = min(lo + PROMPT_LOGITS_ROWS, end - s.start)
-                    logits = self.model.compute_logits(hidden[offset + lo:offset + hi], dtype=torch.float32)
-                    logits = logits[:, :self.sampler.vocab_size]   # never a padding column of the output layer
-                    parts.append(compute_logprobs(logits, targets[lo:hi], k))
-                result[req.seq_id] = (s.start + 1,
-                                      torch.cat([p[0] for p in parts]).cpu().numpy(),
-                                      torch.cat([p[2] for p in parts]).cpu().numpy(),
-                                      torch.cat([p[1] for p in parts]).cpu().numpy())
-            offset += num_row_tokens
-        return result
+        Only these chunks pay for full-vocabulary logits, PROMPT_LOGITS_ROWS positions at a time (``chunks``:
+        the first calls of ``inputs.logits_rows``), float32 (the raw model distribution, as vLLM); only the
+        k + 1 numbers per position are kept."""
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        for (i, lo, hi), rows in zip(chunks, inputs.logits_rows):
+            s = scheduled[i]
+            targets = torch.from_numpy(s.request.all_token_ids[s.start + lo + 1:s.start + hi + 1].astype(np.int64))
+            logits = self.stage.logits(hidden, needed, rows).float()
+            logits = logits[:, :self.sampler.vocab_size]   # never a padding column of the output layer
+            assert s.num_prompt_logprobs is not None
+            parts.setdefault(i, []).append(compute_logprobs(logits, targets.to(logits.device), s.num_prompt_logprobs))
+        return {scheduled[i].request.seq_id: (scheduled[i].start + 1,
+                                              torch.cat([p[0] for p in ps]).cpu().numpy(),
+                                              torch.cat([p[2] for p in ps]).cpu().numpy(),
+                                              torch.cat([p[1] for p in ps]).cpu().numpy())
+                for i, ps in parts.items()}
 
     def _sampling_rows(self, sampling: list[ScheduledRequest], draft_of: dict[int, np.ndarray]
                        ) -> tuple[list[int], list[SamplingRow], list[SequenceId]]:
@@ -340,6 +373,3 @@ class ModelRunner:
         if gen is None:
             gen = self.generators[seq_id] = make_generator(params.seed + offset, self.device.torch_device)
         return gen
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        self.backend.copy_blocks(self.kv_caches, copies)

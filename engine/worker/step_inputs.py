@@ -45,3 +45,10 @@ class StepInputs:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    def hidden_rows(self) -> np.ndarray:
+        """The flat rows whose final hidden states stage 0 needs (every row of ``logits_rows``), sorted: the last
+        pipeline stage sends back only these."""
+        if not self.logits_rows:
+            return np.empty(0, dtype=np.int64)
+        return np.unique(np.concatenate(self.logits_rows))

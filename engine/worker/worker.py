@@ -1,7 +1,9 @@
-"""The worker: one device, the model on it with its kernels chosen, its KV cache and its model runner."""
+"""The worker: one rank's device, its shard or stage of the model with its kernels chosen, its KV cache, and its
+runner (the model runner on the driver, a :class:`StageRunner` that follows it on the other ranks)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -9,6 +11,7 @@ import torch
 from common.errors import InvalidRequestError
 from engine.config import EngineConfig
 from engine.device import Device, get_device
+from engine.distributed import ParallelContext, stage_layers
 from engine.models import CausalLM, ModelConfig, load_model, resolve_dtype
 from engine.models.layers.linear import linear_methods
 from engine.worker.lora_manager import LoRAManager
@@ -17,6 +20,8 @@ from engine.worker.sampler import Sampler
 from engine.worker.spec_decode import Proposer
 from engine.worker.spec_decode.draft_model import DraftModelProposer
 from engine.worker.spec_decode.ngram import NgramProposer
+from engine.worker.stage_runner import StageRunner
+from engine.worker.step_inputs import StepInputs
 from engine.worker.structured_output import GrammarVocabulary, StructuredOutputs
 
 if TYPE_CHECKING:
@@ -56,16 +61,22 @@ def load_draft_model(path: str, target: ModelConfig, dtype: torch.dtype, device:
 
 
 class Worker:
-    """Loads the model on its device and runs the steps the executor hands it."""
+    """Loads this rank's part of the model on its device and runs the steps the executor hands it (the driver)
+    or the driver publishes (the other ranks: ``init_stage``, then ``StageRunner.follow``)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:
         self.config = config
-        self.device = get_device(config.device, num_threads=config.num_threads, kernels=config.kernels)
+        self.parallel = parallel = parallel if parallel is not None else ParallelContext()
+        # Each rank of a replica on an accelerator has its own device: --device-ids (MindIE npuDeviceIds) in
+        # rank order, else the rank's number.
+        index = config.device_ids[parallel.rank] if config.device_ids is not None else parallel.rank
+        self.device = get_device(config.device, num_threads=config.num_threads, kernels=config.kernels,
+                                 index=index)
         self.device.set_seed(config.seed)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
                                else resolve_dtype(config.kv_cache_dtype, config.device))
-        self.model = load_model(config.model_path, self.dtype, self.device.torch_device)
+        self.model = load_model(config.model_path, self.dtype, self.device.torch_device, parallel=parallel)
         prepare_model(self.model, self.device, self.dtype)
         # LoRA wraps the projections' chosen methods; off (None), the model carries no trace of it.
         lora = config.lora_config
@@ -75,10 +86,11 @@ class Worker:
             self.lora = LoRAManager(self.model, lora, lora_dtype, self.device.torch_device)
         self.draft: CausalLM | None = None   # speculative decoding's draft model
         spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and spec.method == "draft_model" and parallel.is_driver:   # unsharded, rank 0 only
             assert spec.model is not None
             self.draft = load_draft_model(spec.model, self.model.config, self.dtype, self.device)
-        self.runner: ModelRunner | None = None
+        self.runner: ModelRunner | None = None   # the driver's
+        self.stage: StageRunner | None = None
 
     @property
     def model_config(self) -> ModelConfig:
@@ -86,15 +98,27 @@ class Worker:
 
     def num_kv_blocks(self) -> int:
         """KV blocks for the configured memory (``--kv-cache-memory`` on CPU, a share of device memory less what
-        the weights and a step's activations hold on accelerators), or ``--num-kv-blocks``."""
+        the weights and a step's activations hold on accelerators), or ``--num-kv-blocks``. Decided on the
+        driver for every rank (they share block ids): by the rank whose blocks take the most bytes, the largest
+        pipeline stage's or the driver's with its draft model."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         mc = self.model.config
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+
+        def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+            return 2 * num_layers * cfg.block_size * num_kv_heads * head_dim * elem
+
+        par = self.parallel
+        largest_stage = max(end - start for start, end in (stage_layers(mc.num_layers, par.pp_size, s)
+                                                            for s in range(par.pp_size)))
+        heads = self.model.num_local_kv_heads   # the same on every rank
         # A draft model keeps its own keys and values under the same block ids.
-        per_block = sum(2 * m.num_layers * cfg.block_size * m.num_kv_heads * m.head_dim * elem
-                        for m in (mc, *([self.draft.config] if self.draft is not None else [])))
+        draft = (block_bytes(self.draft.config.num_layers, self.draft.config.num_kv_heads,
+                             self.draft.config.head_dim) if self.draft is not None else 0)
+        per_block = max(block_bytes(largest_stage, heads, mc.head_dim),
+                        block_bytes(self.model.num_local_layers, heads, mc.head_dim) + draft)
         if self.device.name == "cpu":
             budget = cfg.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
         else:
@@ -112,20 +136,27 @@ class Worker:
         return (4 * tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size)
                 + 4 * self.config.max_num_seqs * mc.vocab_size * 2)
 
+    def init_stage(self, num_blocks: int) -> StageRunner:
+        """This rank's KV cache and the runner of its part of each step."""
+        self.stage = StageRunner(self.model, self.device, num_blocks=num_blocks, block_size=self.config.block_size,
+                                 dtype=self.kv_cache_dtype, activation_dtype=self.dtype)
+        return self.stage
+
     def init_runner(self, num_blocks: int, eos_token_ids: set[int],
-                    grammar_vocabulary: GrammarVocabulary | None = None) -> ModelRunner:
-        """``grammar_vocabulary``: the tokenizer llguidance masks with; None: no structured outputs."""
+                    grammar_vocabulary: GrammarVocabulary | None = None,
+                    publish: Callable[[StepInputs], None] | None = None) -> ModelRunner:
+        """The driver's runner. ``grammar_vocabulary``: the tokenizer llguidance masks with; None: no structured
+        outputs. ``publish``: hands each step's inputs to the other ranks (None: there are none)."""
         mc = self.model.config
         sampler = Sampler(mc.vocab_size, eos_token_ids, seed=self.config.seed, argmax=self.device.row_argmax())
         so = self.config.structured_outputs_config
         structured = (StructuredOutputs(grammar_vocabulary, mc.vocab_size, eos_token_ids,
                                         disable_any_whitespace=so.disable_any_whitespace, overlap=so.overlap_masks)
                       if grammar_vocabulary is not None else None)
-        self.runner = ModelRunner(self.model, self.device, sampler, num_blocks=num_blocks,
-                                  block_size=self.config.block_size,
+        self.runner = ModelRunner(self.init_stage(num_blocks), sampler, block_size=self.config.block_size,
                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                  dtype=self.kv_cache_dtype, structured=structured, lora=self.lora,
-                                  proposer=self._proposer(num_blocks))
+                                  structured=structured, lora=self.lora, proposer=self._proposer(num_blocks),
+                                  publish=publish)
         return self.runner
 
     def _proposer(self, num_blocks: int) -> Proposer | None:

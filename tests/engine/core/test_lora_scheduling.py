@@ -134,10 +134,16 @@ class FakeExecutor:
     def release(self, seq_ids: list[SequenceId]) -> None:
         pass
 
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
 
 @pytest.fixture
 def core(monkeypatch: pytest.MonkeyPatch) -> EngineCore:
-    monkeypatch.setattr(engine_core, "UniprocExecutor", FakeExecutor)
+    monkeypatch.setattr(engine_core, "make_executor", FakeExecutor)
     return EngineCore(EngineConfig(block_size=4, lora_config=LoRAConfig(max_loras=2)))
 
 
@@ -157,7 +163,7 @@ def drain(core: EngineCore) -> None:
 
 
 def test_lora_requests_are_refused_when_lora_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_core, "UniprocExecutor", FakeExecutor)
+    monkeypatch.setattr(engine_core, "make_executor", FakeExecutor)
     core = EngineCore(EngineConfig())
     with pytest.raises(InvalidRequestError) as e:
         add(core, "r", A)

@@ -137,6 +137,12 @@ class _SchedulerCore:
         return self.scheduler.update_from_output(out, {seq_id: [7] for s in out.scheduled
                                                        for seq_id in s.sample_seq_ids})
 
+    def check_health(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
 
 class _Collect:
     """An output group that counts each request's terminal outputs."""

@@ -61,7 +61,7 @@ Served = tuple[AsyncEngine, LoRARegistry, FolderExecutor]
 
 def start(lora_config: LoRAConfig | None) -> Served:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_core, "UniprocExecutor", FolderExecutor)
+        mp.setattr(engine_core, "make_executor", FolderExecutor)
         core = EngineCore(EngineConfig(served_model_name=SERVED, block_size=4, lora_config=lora_config))
     registry = LoRARegistry(core.config)
     registry.load_startup_modules(core)
