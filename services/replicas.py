@@ -4,8 +4,6 @@ over a replica's ranks, each replica's devices, each engine's metrics port."""
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.errors import InvalidRequestError
@@ -50,12 +48,6 @@ def check_model_splits(config: EngineConfig) -> None:
 
 def model_config(path: str) -> ModelConfig:
     """The model's sizes from its config.json or GGUF metadata, no weights read."""
-    from engine.models.config import config_from_hf
+    from engine.models.loader import read_model_config
 
-    if path.endswith(".gguf"):
-        from gguf import GGUFReader
-
-        from engine.models.gguf_loader import config_from_gguf
-
-        return config_from_gguf(GGUFReader(path))
-    return config_from_hf(json.loads((Path(path) / "config.json").read_text()), None, has_lm_head=True)
+    return read_model_config(path)

@@ -33,6 +33,8 @@ from engine.executor.errors import WorkerFailedError
 from engine.executor.message import encode_config, encode_init_cache, encode_shutdown, encode_step
 from engine.executor.uniproc import UniprocExecutor
 from engine.executor.worker_main import COLLECTIVE_TIMEOUT_S
+from engine.models import check_parallel_sizes
+from engine.models.loader import read_model_config
 from engine.worker.model_runner import RunnerOutput
 from engine.worker.step_inputs import StepInputs
 from engine.worker.worker import Worker
@@ -64,6 +66,10 @@ class DistributedExecutor(UniprocExecutor):
         self._closed = False
         self._started = False                # every rank joined and the driver's worker loaded
         self._watching = threading.Event()   # cleared: the monitor stops
+        # A model that does not split over the ranks is refused before any rank starts (each would refuse it too,
+        # racing the driver to report it).
+        check_parallel_sizes(read_model_config(config.model_path), config.tensor_parallel_size,
+                             config.pipeline_parallel_size)
         host = self._driver_host()
         with socket.socket() as s:   # a port free now, for the driver's store
             s.bind((host, 0))

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine.distributed import ParallelContext
-from engine.models.config import config_from_hf
+from engine.models.config import ModelConfig, config_from_hf
 from engine.models.llama import CausalLM, build_model
 from engine.models.sharding import Shard
 
@@ -30,6 +30,17 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu"
     if p.is_dir():
         return load_hf_model(p, dtype, device, parallel)
     raise FileNotFoundError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """The model's sizes from its config.json or GGUF metadata, no weights read."""
+    if path.endswith(".gguf"):
+        from gguf import GGUFReader
+
+        from engine.models.gguf_loader import config_from_gguf
+
+        return config_from_gguf(GGUFReader(path))
+    return config_from_hf(json.loads((Path(path) / "config.json").read_text()), None, has_lm_head=True)
 
 
 def safetensors_files(directory: Path) -> list[Path]:
