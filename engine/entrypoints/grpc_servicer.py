@@ -352,15 +352,16 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
     waits: list[asyncio.Future[Any]] = [failed, stopping]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
-    if failed.done():   # every request in flight has its error: stop serving, and exit for a restart
-        logger.error("engine failed, exiting: %s", failed.result())
+    error = failed.result() if failed.done() else None
+    if error is not None:   # every request in flight has its error: stop serving, and exit for a restart
+        logger.error("engine failed, exiting: %s", error)
     else:
-        failed.cancel()
+        failed.cancel()   # (cancels engine.failed too: nothing is waiting on it any more)
         logger.info("draining (grace %.1fs)", shutdown_grace)
     await health_service.set_serving(False)
     await server.stop(shutdown_grace)
     engine.shutdown()
     if metrics_server is not None:
         metrics_server.shutdown()
-    if engine.failed.done():
-        raise engine.failed.result()
+    if error is not None:
+        raise error
