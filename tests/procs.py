@@ -37,6 +37,28 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
+def python_outputs(*runs: tuple[list[str], dict[str, str | None]], timeout: float = 120) -> list[str]:
+    """The stripped stdout of ``python *args`` for each run's ``(args, env)``, each in a fresh process of this
+    environment with ``env`` set (removed where None), in ROOT. Started together: a test that checks a fresh
+    process's state in several settings waits for the slowest import of torch, not for their sum."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for args, env in runs:
+            full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+            procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=full))
+        outs = []
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, stderr
+            outs.append(stdout.strip())
+        return outs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def stop(proc: subprocess.Popen[bytes], timeout: float = 15) -> int:
     code = stop_process(proc, timeout)
     assert code is not None
