@@ -7,7 +7,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,6 +37,28 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
+def python_outputs(*runs: tuple[list[str], dict[str, str | None]], timeout: float = 120) -> list[str]:
+    """The stripped stdout of ``python *args`` for each run's ``(args, env)``, each in a fresh process of this
+    environment with ``env`` set (removed where None), in ROOT. Started together: a test that checks a fresh
+    process's state in several settings waits for the slowest import of torch, not for their sum."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for args, env in runs:
+            full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+            procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=full))
+        outs = []
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, stderr
+            outs.append(stdout.strip())
+        return outs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def stop(proc: subprocess.Popen[bytes], timeout: float = 15) -> int:
     code = stop_process(proc, timeout)
     assert code is not None
@@ -56,16 +78,30 @@ def engine_process(tmp: Path, *flags: str) -> Iterator[str]:
 
 
 @contextmanager
-def tokenizer_process(tmp: Path, engine_addr: str, *flags: str) -> Iterator[str]:
-    port = free_port()
-    proc = spawn(["-m", "services.tokenizer", "--engine", engine_addr, "--port", str(port), *flags],
-                 tmp / f"tokenizer-{port}.log")
-    addr = f"127.0.0.1:{port}"
+def tokenizer_processes(tmp: Path, engine_addr: str, *flag_sets: Sequence[str]) -> Iterator[list[str]]:
+    """Tokenizer services in front of ``engine_addr``, one per set of flags, started together; their addresses."""
+    ports: list[int] = []
+    while len(ports) < len(flag_sets):  # chosen before any of them binds: distinct
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        wait_until(lambda: grpc_serving(addr, "sluice.v1.Generation"), 120, proc, "tokenizer ready")
-        yield addr
+        for port, flags in zip(ports, flag_sets, strict=True):
+            procs.append(spawn(["-m", "services.tokenizer", "--engine", engine_addr, "--port", str(port), *flags],
+                               tmp / f"tokenizer-{port}.log"))
+        addrs = [f"127.0.0.1:{port}" for port in ports]
+        for proc, addr in zip(procs, addrs, strict=True):
+            wait_until(lambda a=addr: grpc_serving(a, "sluice.v1.Generation"), 120, proc, "tokenizer ready")
+        yield addrs
     finally:
-        stop(proc)
+        for proc in procs:
+            stop(proc)
+
+
+@contextmanager
+def tokenizer_process(tmp: Path, engine_addr: str, *flags: str) -> Iterator[str]:
+    with tokenizer_processes(tmp, engine_addr, flags) as (addr,):
+        yield addr
 
 
 def http_status(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None) -> int | None:

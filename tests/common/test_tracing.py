@@ -3,8 +3,6 @@ process started without an endpoint."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -13,7 +11,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common.tracing import Tracing, epoch_ns, init_tracing, trace_headers_of, traces_endpoint
-from tests.procs import ROOT
+from tests.procs import python_outputs
 
 
 def _tracing() -> tuple[Tracing, InMemorySpanExporter]:
@@ -91,13 +89,6 @@ def test_epoch_ns_converts_the_monotonic_clock() -> None:
     assert abs(epoch_ns(now_mono + 1.5) - epoch_ns(now_mono) - 1_500_000_000) < 1_000_000
 
 
-def _modules_after(script: str) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
-
-
 _SET_UP = """
     import sys
     from common.observability import ObservabilitySettings, set_up
@@ -117,5 +108,5 @@ _SET_UP = """
 
 def test_a_process_without_an_endpoint_never_imports_opentelemetry() -> None:
     """Every server's modules imported and set up as without the flag; with it (the control) it is loaded."""
-    assert _modules_after(_SET_UP.format(endpoint=None)) == "[]"
-    assert _modules_after(_SET_UP.format(endpoint="http://127.0.0.1:9")) == "['opentelemetry']"
+    scripts = [textwrap.dedent(_SET_UP.format(endpoint=e)) for e in (None, "http://127.0.0.1:9")]
+    assert python_outputs(*((["-c", script], {}) for script in scripts)) == ["[]", "['opentelemetry']"]

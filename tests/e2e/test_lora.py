@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -17,7 +18,6 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from engine.config import default_model_path
 from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.lora_factory import make_tiny_model, save_adapter
 from tests.procs import ServeStack
@@ -43,11 +43,8 @@ class Models:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
-    from transformers import AutoTokenizer
-
-    path = Path(default_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def models(tmp_path_factory: pytest.TempPathFactory, default_hf_tokenizer: Any) -> Models:
+    tokenizer = default_hf_tokenizer
     root = tmp_path_factory.mktemp("lora")
     base_dir = root / "base"
     tokenizer.save_pretrained(base_dir)

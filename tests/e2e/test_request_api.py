@@ -5,6 +5,7 @@ Hermes-style template (rendering checked against transformers), beam search, bes
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Iterator
@@ -19,7 +20,6 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from engine.config import default_model_path
 from tests.engine.text.test_chat import QWEN25_TEMPLATE
 from tests.procs import ServeStack
 
@@ -244,12 +244,11 @@ def test_auto_tool_choice_without_a_parser_is_refused(stack: ServeStack, model: 
 
 
 @pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory, default_hf_tokenizer: Any) -> Path:
     """A tiny random Qwen2 checkpoint with the default model's vocabulary and Qwen2.5's tool template."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    path = Path(default_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = copy.deepcopy(default_hf_tokenizer)  # the session's one keeps its own template
     tokenizer.chat_template = QWEN25_TEMPLATE
     out = tmp_path_factory.mktemp("qwen2")
     tokenizer.save_pretrained(out)
@@ -327,19 +326,9 @@ def test_beam_search_and_best_of(stack: ServeStack, model: str) -> None:
     assert info.free_kv_blocks == info.total_kv_blocks
 
 
-@pytest.fixture(scope="module")
-def hf_default() -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(default_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
-    return tokenizer, hf.eval()
-
-
-def test_echo_and_prompt_logprobs_match_transformers(stack: ServeStack, model: str,
-                                                     hf_default: tuple[Any, Any]) -> None:
-    tokenizer, hf = hf_default
+def test_echo_and_prompt_logprobs_match_transformers(stack: ServeStack, model: str, default_hf_tokenizer: Any,
+                                                     default_hf_model: Any) -> None:
+    tokenizer, hf = default_hf_tokenizer, default_hf_model
     prompt = "The capital of France is Paris, and the capital of Italy is"
     ids = tokenizer(prompt)["input_ids"]
     with torch.no_grad():

@@ -1,11 +1,15 @@
-"""Fixtures shared by the engine's kernel tests."""
+"""Fixtures shared by the engine's tests: the compiled kernels, and one parsed reader per GGUF file."""
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from gguf import GGUFReader
 
 from engine.kernels import cpu_ops, portable_cpu_ops
+from engine.models import gguf_loader
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
@@ -16,3 +20,27 @@ def ops(request: pytest.FixtureRequest) -> Any:
     module = cpu_ops()
     assert module is not None, "engine/kernels/cpu_ops.cpp did not build (see the warning logged)"
     return module
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_gguf_reader_per_file() -> Iterator[None]:
+    """These tests load the default model in process ~25 times, and each load parsed the file's metadata anew with
+    gguf's GGUFReader: ~2.5 s of Python (its 49k-token vocabulary, mostly) of the ~7 s a load costs. A reader is a
+    read-only memory map and its parsed fields, so the session keeps one per file (path, inode, size, mtime); every
+    load still runs the engine's whole loader (config, dequantization, shards, blocks) over it."""
+    parse = gguf_loader.GGUFReader
+    readers: dict[tuple[str, int, int, int], GGUFReader] = {}
+
+    def reader(path: str, mode: str = "r") -> GGUFReader:
+        if mode != "r":
+            return parse(path, mode)
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(gguf_loader, "GGUFReader", reader)
+    yield
+    patch.undo()

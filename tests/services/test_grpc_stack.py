@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
-from tests.procs import ROOT, engine_process, grpc_serving, tokenizer_process
+from tests.procs import ROOT, engine_process, grpc_serving, tokenizer_processes
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +29,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     (tmp / "keys").write_text(f"other-key\n{KEY}\n")
     # fp32 so outputs are comparable across batch shapes; 4 running sequences at most so requests queue.
     with engine_process(tmp, "--dtype", "float32", "--max-num-seqs", "4", "--kv-cache-memory", "256MiB") as eng, \
-            tokenizer_process(tmp, eng) as tok_shm, \
-            tokenizer_process(tmp, eng, "--shm-tokens", "0") as tok_inline, \
-            tokenizer_process(tmp, eng, "--api-key-file", str(tmp / "keys")) as tok_keyed:
+            tokenizer_processes(tmp, eng, (), ("--shm-tokens", "0"), ("--api-key-file", str(tmp / "keys"))) as (
+                tok_shm, tok_inline, tok_keyed):
         yield {"engine": eng, "shm": tok_shm, "inline": tok_inline, "keyed": tok_keyed}
 
 

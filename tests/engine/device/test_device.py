@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 import sys
@@ -73,19 +72,13 @@ def test_importing_engine_changes_no_process_state_the_entry_points_set_openmp_d
             "    import engine.entrypoints.llm\n"
             "import torch\n"
             "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT', '-'))")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-
-    def run(what: str, **extra: str) -> str:
-        out = subprocess.run([sys.executable, "-c", code, what], capture_output=True, text=True, timeout=120,
-                             env={**env, **extra})
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
-
-    assert run("library") == "None -"  # import engine alone leaves the process as it was
-    assert run("llm") == "PASSIVE 30000"  # the offline API's entry point: a short spin, then sleep
-    assert run("llm", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE -"
-    assert run("llm", OMP_WAIT_POLICY="PASSIVE") == "PASSIVE -"  # sleep at once, as chosen
-    assert run("llm", GOMP_SPINCOUNT="0") == "PASSIVE 0"
+    unset: dict[str, str | None] = {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}
+    assert _pythons(code, (["library"], unset),  # import engine alone leaves the process as it was
+                    (["llm"], unset),  # the offline API's entry point: a short spin, then sleep
+                    (["llm"], {**unset, "OMP_WAIT_POLICY": "ACTIVE"}),
+                    (["llm"], {**unset, "OMP_WAIT_POLICY": "PASSIVE"}),  # sleep at once, as chosen
+                    (["llm"], {**unset, "GOMP_SPINCOUNT": "0"})) == [
+        "None -", "PASSIVE 30000", "ACTIVE -", "PASSIVE -", "PASSIVE 0"]
 
 
 def _thp_mode() -> str:
@@ -110,13 +103,11 @@ def _vm_flags(address: int) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def _python(code: str, *args: str, drop: tuple[str, ...] = (), **env: str) -> str:
-    """stdout of ``python -c code args`` in a fresh process: this environment less ``drop``, plus ``env``."""
-    base = {k: v for k, v in os.environ.items() if k not in drop}
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
-                         env={**base, **env})
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
+def _pythons(code: str, *runs: tuple[list[str], dict[str, str | None]]) -> list[str]:
+    """stdout of ``python -c code args`` for each run's (args, env), in fresh processes started together."""
+    from tests.procs import python_outputs  # here: the scripts import this module, and need no grpc
+
+    return python_outputs(*((["-c", code, *args], env) for args, env in runs))
 
 
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
@@ -131,8 +122,9 @@ def test_cpu_kv_cache_is_advised_for_huge_pages_and_zeroed() -> None:
             "cache, = dev.attention_backend().allocate_kv_caches(dev, 1, 1024, 16, 8, 128, torch.bfloat16)\n"
             "middle = cache.data_ptr() + cache.numel() * cache.element_size() // 2\n"
             "print(cache.shape == (2, 1024, 16, 8, 128), not cache.any(), 'hg' in _vm_flags(middle))\n")
-    assert _python(code, THP_MEM_ALLOC_ENABLE="0") == "True True True"
-    assert _python(code, THP_MEM_ALLOC_ENABLE="0", **{ENV_KV_HUGE_PAGES: "0"}) == "True True False"
+    assert _pythons(code, ([], {"THP_MEM_ALLOC_ENABLE": "0"}),
+                    ([], {"THP_MEM_ALLOC_ENABLE": "0", ENV_KV_HUGE_PAGES: "0"})) == [
+        "True True True", "True True False"]
 
 
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
@@ -154,10 +146,9 @@ def test_engine_process_allocates_large_tensors_on_huge_pages_unless_the_user_ch
             "from tests.engine.device.test_device import _vm_flags\n"
             "x = torch.ones(64 << 20, dtype=torch.uint8)\n"
             "print('hg' in _vm_flags(x.data_ptr() + (32 << 20)))\n")
-    drop = ("THP_MEM_ALLOC_ENABLE",)
-    assert _python(code, "server", drop=drop) == "True"
-    assert _python(code, "server", drop=drop, THP_MEM_ALLOC_ENABLE="0") == "False"
-    assert _python(code, "library", drop=drop) == "False"
+    unset: dict[str, str | None] = {"THP_MEM_ALLOC_ENABLE": None}
+    assert _pythons(code, (["server"], unset), (["server"], {"THP_MEM_ALLOC_ENABLE": "0"}),
+                    (["library"], unset)) == ["True", "False", "False"]
 
 
 # A step's temporaries as the allocator sees them: blocks of 12, 12 and 20 MiB (a 2048-token prefill's
@@ -182,10 +173,11 @@ _MALLOC_STEPS = (
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                     reason="the thresholds are glibc's mallopt")
 def test_cpu_device_keeps_freed_step_memory_mapped_unless_turned_off() -> None:
-    tuned, faults = _python(_MALLOC_STEPS, drop=(ENV_MALLOC_TUNING,)).split()
+    on, off = _pythons(_MALLOC_STEPS, ([], {ENV_MALLOC_TUNING: None}), ([], {ENV_MALLOC_TUNING: "0"}))
+    tuned, faults = on.split()
     assert tuned == "True" and int(faults) < 1000, faults  # the same pages every step
     # glibc's defaults: each block mmap'd (or the heap top trimmed) and its 11,264 pages faulted in again
-    tuned, faults = _python(_MALLOC_STEPS, **{ENV_MALLOC_TUNING: "0"}).split()
+    tuned, faults = off.split()
     assert tuned == "False" and int(faults) > 20000, faults
 
 

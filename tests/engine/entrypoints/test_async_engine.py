@@ -10,6 +10,7 @@ import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.entrypoints.async_engine import AsyncEngine, _Add, _Call
+from tests.lora_factory import make_tiny_model
 from tests.procs import ROOT, free_port
 
 pytestmark = pytest.mark.slow
@@ -36,8 +38,19 @@ class _Nowhere:
 
 
 @pytest.fixture(scope="module")
-def engine() -> AsyncEngine:
-    eng = AsyncEngine(EngineCore(EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1)))
+def tiny(tmp_path_factory: pytest.TempPathFactory, default_hf_tokenizer: Any) -> EngineConfig:
+    """Engine settings for a tiny random checkpoint with the default model's tokenizer (the served engine reads
+    it): these tests are about threads and calls, not the model, and it loads in a fraction of the time."""
+    path = tmp_path_factory.mktemp("tiny")
+    default_hf_tokenizer.save_pretrained(path)
+    make_tiny_model(vocab_size=len(default_hf_tokenizer), eos_token_id=default_hf_tokenizer.eos_token_id,
+                    bos_token_id=default_hf_tokenizer.bos_token_id).save_pretrained(path)
+    return EngineConfig(model=str(path), dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny: EngineConfig) -> AsyncEngine:
+    eng = AsyncEngine(EngineCore(tiny))
     yield eng
     eng.shutdown()
 
@@ -189,13 +202,13 @@ def test_a_burst_on_an_idle_engine_is_refused_only_past_the_free_seats_and_the_q
         eng.shutdown()
 
 
-def test_launch_builds_the_core_on_the_thread_that_steps_it() -> None:
+def test_launch_builds_the_core_on_the_thread_that_steps_it(tiny: EngineConfig) -> None:
     # Loading (and warm-up) on the stepping thread keeps one OpenMP pool per process (see AsyncEngine).
     built_on: list[int] = []
 
     def build() -> EngineCore:
         built_on.append(threading.get_ident())
-        return EngineCore(EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1))
+        return EngineCore(tiny)
 
     async def run() -> tuple[AsyncEngine, int, list[FinishReason | None]]:
         eng = await AsyncEngine.launch(build)
@@ -255,13 +268,15 @@ def traced_step(self):
     seen["step"].add(threading.get_ident())
     return step(self)
 core_mod.EngineCore.__init__, core_mod.EngineCore.step = traced_init, traced_step
-port = int(sys.argv[1])
+port, model = int(sys.argv[1]), sys.argv[2]
 
 async def main():
     ready = asyncio.Event()
-    config = EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1)
+    config = EngineConfig(model=model, dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1)
     serving = asyncio.ensure_future(server.serve(config, "127.0.0.1", port, ready=ready))
-    await ready.wait()
+    await asyncio.wait([asyncio.ensure_future(ready.wait()), serving], return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():
+        serving.result()  # a build that failed: its error, not a wait for a ready that never comes
     steps_at_ready = set(seen["step"])
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         request = engine_pb2.EngineGenerateRequest(request_id="r")
@@ -278,12 +293,12 @@ asyncio.run(main())
 """
 
 
-def test_engine_process_loads_warms_up_and_steps_on_one_thread(tmp_path: Path) -> None:
+def test_engine_process_loads_warms_up_and_steps_on_one_thread(tmp_path: Path, tiny: EngineConfig) -> None:
     # The served engine: model load, warm-up and every request's steps on one thread, not the event loop's.
     script = tmp_path / "serve_threads.py"
     script.write_text(_SERVE_THREADS, encoding="utf-8")
-    out = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+    out = subprocess.run([sys.executable, str(script), str(free_port()), str(tiny.model)], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["tokens"] == 3

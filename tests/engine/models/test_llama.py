@@ -1,15 +1,16 @@
 """Our models against transformers' own implementations, on tiny random checkpoints and the default GGUF."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import (
-    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -367,17 +368,15 @@ def default_gguf(request: pytest.FixtureRequest) -> tuple[Path, CausalLM]:
 
 
 @pytest.mark.slow
-def test_default_gguf_matches_transformers(default_gguf: tuple[Path, CausalLM]) -> None:
-    from transformers import AutoTokenizer
-
-    path, ours = default_gguf
+def test_default_gguf_matches_transformers(default_gguf: tuple[Path, CausalLM], default_hf_tokenizer: Any,
+                                           default_hf_model: PreTrainedModel) -> None:
+    _, ours = default_gguf
+    tokenizer, hf = default_hf_tokenizer, default_hf_model
     cfg = ours.config
     assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 9, 3)
     assert cfg.tie_word_embeddings and cfg.eos_token_ids == (2,)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     expected = _hf_logits(hf, ids)
     kv = PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=16, backend=_backend(ours))
     logits = _run(ours, kv, [("q", ids)])
@@ -398,7 +397,8 @@ def test_default_gguf_matches_transformers(default_gguf: tuple[Path, CausalLM]) 
 
 
 @pytest.mark.slow
-def test_default_gguf_in_bfloat16_answers_as_float32_does() -> None:
+def test_default_gguf_in_bfloat16_answers_as_float32_does(default_hf_tokenizer: Any,
+                                                          default_hf_model: PreTrainedModel) -> None:
     # The default model as --dtype auto runs it on AVX512-BF16 / AMX CPUs: bfloat16 weights (dequantized
     # from the file's blocks) on oneDNN for the prompt, the file's Q4_1 / Q8_0 blocks for the one-row decode
     # steps (on AMX CPUs amx_linear on the bfloat16 weights instead, the blocks dropped), the cpu_ops kernels,
@@ -406,8 +406,6 @@ def test_default_gguf_in_bfloat16_answers_as_float32_does() -> None:
     # the first near-tie (vLLM's check_logprobs_close: where the two part, each token is in the other's top 3;
     # the first token here is one: "The" 25.33 against "L" 25.24 in float32, a margin bfloat16 rounding can
     # flip), and its logits are about as far from float32's as transformers' own bfloat16 run.
-    from transformers import AutoTokenizer
-
     from engine.config import default_model_path
 
     path = Path(default_model_path())
@@ -419,7 +417,7 @@ def test_default_gguf_in_bfloat16_answers_as_float32_does() -> None:
     assert model_onednn_packed(ours) and uses_cpu_ops(ours)
     assert ours.quantized_linears == (0 if amx else 4 * cfg.num_layers + 1)
     assert (amx_packed(ours.lm_head) is not None) == amx
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = default_hf_tokenizer
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     kv = PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=16,
@@ -431,8 +429,13 @@ def test_default_gguf_in_bfloat16_answers_as_float32_does() -> None:
         answer.append(int(logits[-1].argmax()))
         logits = _run(ours, kv, [("q", answer[-1:])])
         got.append(logits[-1])
-    hf32 = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    hf16 = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    hf32 = default_hf_model
+    # transformers' bfloat16 model: its float32 one with the parameters cast, which is bit for bit what
+    # from_pretrained(dtype=torch.bfloat16) loads (same parameters, rotary buffers kept float32; logits
+    # compared equal), without dequantizing the file again (~13 s). Not .to(): that rounds the rotary buffers.
+    hf16 = copy.deepcopy(hf32)
+    for param in hf16.parameters():
+        param.data = param.data.to(torch.bfloat16)
     reference: list[int] = []
     while len(reference) < 12 and (not reference or reference[-1] not in cfg.eos_token_ids):
         reference.append(int(_hf_logits(hf32, ids + reference)[-1].argmax()))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from engine.config import default_model_path
@@ -21,11 +19,9 @@ def smollm(gguf_path: str) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def reference(gguf_path: str):  # type: ignore[no-untyped-def]
-    """transformers' own tokenizer for the same GGUF file: a reference no one here wrote."""
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
-                                                      gguf_file=os.path.basename(gguf_path))
+def reference(default_hf_tokenizer):  # type: ignore[no-untyped-def]
+    """transformers' own tokenizer for the same GGUF file: a reference no one here wrote (tests/conftest.py)."""
+    return default_hf_tokenizer
 
 
 SPM_PIECES = ["▁", "e", "l", "o", "h", "w", "r", "d", "▁h", "he", "ll", "llo", "▁hello", "▁w", "or", "▁wor",
