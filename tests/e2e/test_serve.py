@@ -297,7 +297,8 @@ def test_sigterm_drains_and_exits_zero(small_stack: ServeStack) -> None:
 def test_mindie_config_with_world_size_2_serves_tensor_parallel(tmp_path: Path) -> None:
     """A MindIE config.json as is, worldSize 2 on a tiny random Llama (4 heads, 2 KV heads): the engine runs
     tensor parallel over two processes on the CPU (--device cpu wins over the NPUs the file names), serves its
-    settings (name, lengths, block size), and its greedy tokens are transformers' own."""
+    settings (name, lengths, block size), and its greedy tokens are transformers' own. Killing rank 1 turns
+    /ready 503 at once; the supervisor restarts the replica, which answers the same; no rank outlives the stack."""
     import torch
 
     from tests.engine.core.tiny_llama import save_tiny_llama
@@ -344,8 +345,24 @@ def test_mindie_config_with_world_size_2_serves_tensor_parallel(tmp_path: Path) 
             for _ in range(12):
                 ids = torch.cat([ids, reference(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         assert got == ids[0, len(prompt):].tolist()
+
+        # A rank that dies takes the replica down at once (/ready 503), and the supervisor brings it back.
+        os.kill(int(ranks[0]), signal.SIGKILL)
+        wait_until(lambda: http_status(f"{s.base_url}/ready") == 503, 2, what="/ready fails with a rank dead")
+        wait_until(lambda: http_status(f"{s.base_url}/ready") == 200, 180, what="the replica restarted")
+        restarted = s.engine_pid()
+        assert restarted != engine
+        ranks += [p for p in subprocess.run(["pgrep", "-P", str(restarted)], capture_output=True,
+                                            text=True).stdout.split()]
+        stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(s.engine_addr))
+        req.request_id = "tp-again"
+        assert [t for msg in stub.Generate(req, timeout=60) for t in msg.token_ids] == got
     finally:
         assert s.stop() == 0
+    # No rank, of the first replica or of the restarted one, outlives sluice serve.
+    left = [p for p in ranks if Path(f"/proc/{p}").exists()
+            and b"zombie" not in Path(f"/proc/{p}/status").read_bytes().lower()]
+    assert not left, f"ranks outlived sluice serve: {left}"
 
 
 def test_children_end_when_the_supervisor_is_killed(tmp_path: Path) -> None:
