@@ -39,8 +39,8 @@ def test_float16_cache_holds_twice_the_blocks_and_gives_the_same_greedy_text() -
     settings = {"dtype": "float32", "kv_cache_memory": "64MiB", "seed": 0}
     full, half = LLM(**settings), LLM(kv_cache_dtype="float16", **settings)
     assert half.engine.num_blocks == 2 * full.engine.num_blocks
-    assert {c.dtype for c in half.engine.executor.worker.runner.kv_caches} == {torch.float16}
-    assert {c.dtype for c in full.engine.executor.worker.runner.kv_caches} == {torch.float32}
+    assert {c.dtype for c in half.engine.executor.worker.runner.stage.kv_caches} == {torch.float16}
+    assert {c.dtype for c in full.engine.executor.worker.runner.stage.kv_caches} == {torch.float32}
     topics = ["the sea", "mountains", "a cat", "Python", "the moon", "bread", "rain", "music"]
     prompts = [f"Request {i}: write one sentence about {t} and number {i * 7}." for i, t in enumerate(topics)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
