@@ -36,7 +36,7 @@ class Driver:
         self.next_block = 1
         runner = executor.worker.runner
         assert runner is not None
-        model = runner.model
+        model = runner.stage.model
         compute = model.compute_logits
         self.logits: list[torch.Tensor] = []
 
