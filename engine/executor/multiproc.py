@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,7 +51,7 @@ _NAME_WAIT_S = 0.5      # how long a failed step waits for the monitor to name t
 _STOP_WAIT_S = 5.0      # how long the ranks get to leave after Shutdown before they are killed
 
 
-class DistributedExecutor(UniprocExecutor):
+class DistributedExecutor(UniprocExecutor, ABC):
     """The driver of a replica whose other ranks a subclass starts (``_start_workers``), watches
     (``_dead_worker``), kills (``_kill_workers``) and reaps (``_stop_workers``)."""
 
@@ -95,23 +96,27 @@ class DistributedExecutor(UniprocExecutor):
         """The address the other ranks reach the driver's store at."""
         return "127.0.0.1"
 
+    @abstractmethod
     def _start_workers(self, config_json: str, init_method: str) -> None:
         """Start ranks 1 .. world_size - 1, each running ``run_worker(config_json, rank, init_method)``."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _dead_worker(self) -> str | None:
         """A description of the first rank found dead or ended (e.g. "rank 1 (pid 42) exited with code 1"), or
         None; never blocks."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _kill_workers(self) -> None:
         """Kill every rank still running, now (a rank died: the others may be blocked in a collective)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _stop_workers(self) -> None:
         """After the Shutdown message (or ``_kill_workers``): wait a bounded time for the ranks to end, then
         kill those left, and release what started them."""
-        raise NotImplementedError
+        ...
 
     # -- the driver ------------------------------------------------------------------------------------------
     def _join(self, init_method: str) -> ParallelContext:
