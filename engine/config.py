@@ -298,6 +298,10 @@ class EngineConfig:
     max_queued_requests: int | None = None
     scheduling_policy: str = "fcfs"          # fcfs | priority
     enforce_eager: bool = True
+    # None: the checkpoint's own weights (a compressed-tensors int8 checkpoint is detected from its config.json);
+    # "w8a8": int8 weights per output channel and int8 activations per token (engine.models.w8a8), quantized at
+    # load from a float or GGUF checkpoint; "compressed-tensors": require the checkpoint's own int8 W8A8 weights.
+    quantization: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # uni | mp | ray; None: uni for one rank, mp for more (vLLM's default on one host)

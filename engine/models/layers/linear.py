@@ -20,6 +20,7 @@ from torch import nn
 from engine.device.kernel_choice import KernelChoice
 from engine.distributed import ParallelContext
 from engine.models.quant import QuantWeight
+from engine.models.w8a8 import Int8Weight
 
 # Up to this many rows, a CPU float32 matmul runs faster as ``weight @ x.T`` than as ``x @ weight.T``:
 # measured with torch 2.13's MKL on 2 AVX2 cores, 576 -> 3072 took 1.09 ms instead of 1.51 ms at 32 rows and
@@ -144,6 +145,7 @@ class Linear(nn.Linear):
     module too (a tied lm_head's embedding table), so no method frees it."""
 
     quant: QuantWeight | None = None
+    int8: Int8Weight | None = None  # W8A8's int8 weight (engine.models.w8a8), set before ``use_kernels``
     method: LinearMethod = _DENSE
     shares_weight: bool = False
     is_lm_head: bool = False
