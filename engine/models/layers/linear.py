@@ -20,7 +20,7 @@ from torch import nn
 from engine.device.kernel_choice import KernelChoice
 from engine.distributed import ParallelContext
 from engine.models.quant import QuantWeight
-from engine.models.w8a8 import Int8Weight
+from engine.models.w8a8 import Int8Weight, w8a8_reference
 
 # Up to this many rows, a CPU float32 matmul runs faster as ``weight @ x.T`` than as ``x @ weight.T``:
 # measured with torch 2.13's MKL on 2 AVX2 cores, 576 -> 3072 took 1.09 ms instead of 1.51 ms at 32 rows and
@@ -136,6 +136,18 @@ class AmxLinearMethod(LinearMethod):
         return self.fallback.apply(layer, x)
 
 
+class W8A8LinearMethod(LinearMethod):
+    """W8A8 int8 (engine.models.w8a8): the step's rows quantized per token, multiplied by the int8 weight with int32
+    accumulation, scaled back per token and per output channel. Today: the plain-PyTorch reference (portable,
+    slow); the CPU kernel replaces it."""
+
+    def __init__(self, weight: Int8Weight) -> None:
+        self.weight = weight
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return w8a8_reference(x, self.weight, layer.method_bias)
+
+
 _DENSE = DenseLinearMethod()
 
 
@@ -165,6 +177,7 @@ class Linear(nn.Linear):
         """Pick this layer's method once (after its weights are loaded); frees what the method does not read."""
         self.method = choose_linear_method(self, choice)
         self.quant = None  # held by the method now, or not usable here
+        self.int8 = None
         if not self.method.reads_weight and not self.shares_weight:
             self.weight = None  # type: ignore[assignment]
 
@@ -205,6 +218,8 @@ def choose_linear_method(layer: Linear, choice: KernelChoice) -> LinearMethod:
     def base() -> LinearMethod:
         return OneDnnLinearMethod(weight) if choice.onednn and weight is not None else _DENSE
 
+    if layer.int8 is not None:
+        return W8A8LinearMethod(layer.int8)
     if choice.amx_linear and choice.ops is not None and amx_packable(weight):
         return AmxLinearMethod(choice.ops, weight, base())
     if layer.quant is not None and choice.ops is not None:
