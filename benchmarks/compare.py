@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the `vllm` command --client vllm-bench runs")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (bench: 106; vllm-bench: 256)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens (bench: 64; vllm-bench: 128)")
+    p.add_argument("--prefix-len", type=int, default=0,
+                   help="vllm-bench: a random prefix of this many tokens shared by every prompt, before its "
+                        "--input-len own tokens (vLLM's --random-prefix-len)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--bench-args", default="",
@@ -284,8 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.input_len = args.input_len or (256 if vllm_bench else 106)
     args.output_len = args.output_len or (128 if vllm_bench else 64)
+    if args.prefix_len and not vllm_bench:
+        print("--prefix-len works with --client vllm-bench (benchmarks.bench has --shared-prefix-len)", file=sys.stderr)
+        return 2
     client = VllmBench(Path(args.vllm_bin), args.hf_dir, args.input_len, args.output_len,
-                       endpoint=args.endpoint) if vllm_bench else None
+                       endpoint=args.endpoint, prefix_len=args.prefix_len) if vllm_bench else None
     if client is not None and not client.binary.exists():
         print(f"{client.binary} missing (run benchmarks/install_peers.sh vllm)", file=sys.stderr)
         return 2
@@ -308,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         f"# Serving comparison, {utc_timestamp()}", "",
         f"Command: `{shlex.join(['python', '-m', 'benchmarks.compare', *argv])}`  ",
         f"Machine: {machine['cpu_model']}, {machine['cpu_cores']} cores  ",
-        f"Workload: {args.num_prompts} requests, ~{args.input_len}-token prompts, {args.output_len} output tokens, "
+        f"Workload: {args.num_prompts} requests, ~{args.input_len}-token prompts"
+        + (f" after a shared {args.prefix_len}-token prefix" if args.prefix_len else "")
+        + f", {args.output_len} output tokens, "
         f"streamed `/v1/{'chat/' if args.endpoint == 'chat' else ''}completions`"
         + (", client `vllm bench serve` (random dataset, ignore_eos, temperature 1.0)" if vllm_bench else ""), "",
         markdown_table(docs), "",

@@ -27,6 +27,7 @@ class VllmBench:
     temperature: float = 1.0
     seed: int = 0
     endpoint: str = "completions"
+    prefix_len: int = 0           # tokens of one random prefix every prompt starts with (vLLM's --random-prefix-len)
 
     def command(self, base_url: str, served_name: str, concurrency: int, num_prompts: int, result_dir: Path,
                 result_file: str) -> list[str]:
@@ -38,7 +39,9 @@ class VllmBench:
                 "--base-url", base_url, "--endpoint", "/v1/chat/completions" if chat else "/v1/completions",
                 "--model", self.tokenizer, "--tokenizer", self.tokenizer, "--served-model-name", served_name,
                 "--dataset-name", "random", "--random-input-len", str(self.input_len),
-                "--random-output-len", str(self.output_len), "--ignore-eos", "--temperature", str(self.temperature),
+                "--random-output-len", str(self.output_len),
+                *(["--random-prefix-len", str(self.prefix_len)] if self.prefix_len else []),
+                "--ignore-eos", "--temperature", str(self.temperature),
                 "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
                 "--request-rate", "inf", "--seed", str(self.seed),
                 "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",

@@ -53,6 +53,11 @@ def test_the_command_is_vllm_bench_serve_with_the_issues_random_workload(tmp_pat
     chat = VllmBench(Path("vllm"), "tok", endpoint="chat").command("http://h:1", "m", 1, 2, tmp_path, "r.json")
     assert chat[chat.index("--backend") + 1] == "openai-chat"
     assert chat[chat.index("--endpoint") + 1] == "/v1/chat/completions"
+    assert "--random-prefix-len" not in cmd
+    shared = VllmBench(Path("vllm"), "tok", 128, 64, prefix_len=1024).command("http://h:1", "m", 32, 64, tmp_path,
+                                                                             "r.json")
+    assert shared[shared.index("--random-prefix-len") + 1] == "1024"
+    assert shared[shared.index("--random-input-len") + 1] == "128"
 
 
 def test_a_saved_result_becomes_a_run_of_the_table() -> None:
