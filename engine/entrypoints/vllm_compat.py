@@ -17,6 +17,7 @@ from typing import Any
 
 from common.argtypes import at_least
 from common.errors import InvalidRequestError
+from engine.config import QUANTIZATIONS
 
 # The value given (never None: a flag not given is not checked) and the whole namespace -> a reason to
 # refuse that value, or None to accept it.
@@ -83,10 +84,15 @@ def _load_format(value: str, ns: argparse.Namespace) -> str | None:
 
 
 def _quantization(value: str, ns: argparse.Namespace) -> str | None:
-    if value == "gguf" and _is_gguf(ns):
+    if value in QUANTIZATIONS or (value == "gguf" and _is_gguf(ns)):
         return None
-    return (f"{value!r} is not supported: Sluice serves float weights (safetensors) or GGUF files, whose "
-            "quantized blocks it runs as they are")
+    if value == "gguf":
+        return "'gguf' needs a .gguf model file"
+    supported = f"Sluice runs {', '.join(QUANTIZATIONS)} (docs/quantization.md) and a GGUF file's own blocks (gguf)"
+    if value == "ascend":
+        return (f"'ascend' (vLLM-Ascend's msModelSlim checkpoints) is not read: their layout is not supported; "
+                f"{supported}. An msModelSlim W8A8 model's float original runs with --quantization w8a8")
+    return f"{value!r} is not supported: {supported}"
 
 
 _HUB = "Sluice loads local files only and never downloads: give that revision's directory as the model"
@@ -104,7 +110,9 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--hf-token",), "Sluice never downloads from the Hugging Face Hub"),
     CompatFlag(("--load-format",), "the weights' format follows the model path (HF safetensors or .gguf)",
                _load_format),
-    CompatFlag(("--quantization", "-q"), "a GGUF file's quantized blocks are always run as they are", _quantization),
+    CompatFlag(("--quantization", "-q"), None, _quantization,
+               help="w8a8: int8 weights and activations, quantized at load; compressed-tensors: a W8A8 int8 "
+                    "checkpoint's own weights (detected without the flag); gguf: a GGUF file's blocks, as always"),
     CompatFlag(("--tokenizer-mode",), "Sluice always uses the model's fast (Rust) tokenizer",
                refuse_unless(lambda v: v in ("auto", "hf"), "only the model's fast (Rust) tokenizer is supported "
                                                             "(auto)")),
