@@ -178,8 +178,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values["lora_config"] = lora_config(ns)
     values["speculative_config"] = speculative_config(ns)
     values["num_kv_blocks"] = kv_blocks(ns)
-    if values.get("quantization") == "gguf":   # vLLM's name for what a GGUF file always runs (vllm_compat)
-        logger.info("--quantization gguf has no effect: a GGUF file's quantized blocks are always run as they are")
+    if values.get("quantization") == "gguf":   # what a GGUF file always runs (vllm_compat notes it)
         values["quantization"] = None
     if isinstance(values.get("served_model_name"), list):
         values["served_model_name"] = values["served_model_name"][0]
