@@ -36,7 +36,7 @@ _REFUSED_SUFFIXES = (".input_scale", ".input_zero_point", ".weight_g_idx", ".wei
 
 _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
 _INPUTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
-_EMPTY = (None, [], {})   # unset optional keys
+_EMPTY: tuple[object, ...] = (None, [], {})   # unset optional keys
 
 
 @dataclass(frozen=True)

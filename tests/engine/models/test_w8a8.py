@@ -140,9 +140,9 @@ def test_unknown_quantization_is_refused_by_the_loader(checkpoint: Path) -> None
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
-def test_npu_method_calls_the_documented_operators_and_gives_the_reference(
-        torch_npu_twin: object, dtype: torch.dtype, smooth: bool) -> None:
-    import torch_npu   # the twin (tests/engine/npu_twin), installed by the fixture
+@pytest.mark.usefixtures("torch_npu_twin")
+def test_npu_method_calls_the_documented_operators_and_gives_the_reference(dtype: torch.dtype, smooth: bool) -> None:
+    import torch_npu  # the twin (tests/engine/npu_twin), installed by the fixture
 
     gen = torch.Generator().manual_seed(3)
     layer = Linear(96, 40, bias=True).to(dtype).requires_grad_(False)
