@@ -351,6 +351,8 @@ class EngineConfig:
         check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
               f"{self.quantization!r} is not supported; expected one of {', '.join(QUANTIZATIONS)} (or none: the "
               "checkpoint's own weights)")
+        check(self.quantization is None or self.device != "cuda", "quantization",
+              "W8A8 runs on cpu and npu: no CUDA int8 kernel is wired")
         check(isinstance(self.stream_interval, int) and self.stream_interval >= 1, "stream_interval",
               "must be an integer >= 1")
         check(isinstance(self.max_logprobs, int) and self.max_logprobs >= 0, "max_logprobs",

@@ -62,3 +62,8 @@ def test_sluice_serve_passes_the_quantization_to_its_engines() -> None:
     assert flags[flags.index("--quantization") + 1] == "w8a8"
     assert _config(*flags)[0].quantization == "w8a8"
     assert "--quantization" not in engine_flags(EngineConfig())
+
+
+def test_w8a8_on_cuda_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="no CUDA int8 kernel"):
+        EngineConfig(quantization="w8a8", device="cuda")
