@@ -274,6 +274,10 @@ class SpeculativeConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
+# EngineConfig.quantization's values: W8A8 int8 quantized at load, or a compressed-tensors W8A8 int8 checkpoint.
+QUANTIZATIONS = ("w8a8", "compressed-tensors")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine process is configured with; built once, validated, passed in."""
@@ -301,6 +305,7 @@ class EngineConfig:
     # None: the checkpoint's own weights (a compressed-tensors int8 checkpoint is detected from its config.json);
     # "w8a8": int8 weights per output channel and int8 activations per token (engine.models.w8a8), quantized at
     # load from a float or GGUF checkpoint; "compressed-tensors": require the checkpoint's own int8 W8A8 weights.
+    # One of QUANTIZATIONS (docs/quantization.md).
     quantization: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -343,6 +348,11 @@ class EngineConfig:
         check(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests",
               "must be >= 0")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
+        check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+              f"{self.quantization!r} is not supported; expected one of {', '.join(QUANTIZATIONS)} (or none: the "
+              "checkpoint's own weights)")
+        check(self.quantization is None or self.device != "cuda", "quantization",
+              "W8A8 runs on cpu and npu: no CUDA int8 kernel is wired")
         check(isinstance(self.stream_interval, int) and self.stream_interval >= 1, "stream_interval",
               "must be an integer >= 1")
         check(isinstance(self.max_logprobs, int) and self.max_logprobs >= 0, "max_logprobs",

@@ -178,6 +178,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values["lora_config"] = lora_config(ns)
     values["speculative_config"] = speculative_config(ns)
     values["num_kv_blocks"] = kv_blocks(ns)
+    if values.get("quantization") == "gguf":   # what a GGUF file always runs (vllm_compat notes it)
+        values["quantization"] = None
     if isinstance(values.get("served_model_name"), list):
         values["served_model_name"] = values["served_model_name"][0]
     return EngineConfig(**values)

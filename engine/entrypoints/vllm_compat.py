@@ -17,6 +17,7 @@ from typing import Any
 
 from common.argtypes import at_least
 from common.errors import InvalidRequestError
+from engine.config import QUANTIZATIONS
 
 # The value given (never None: a flag not given is not checked) and the whole namespace -> a reason to
 # refuse that value, or None to accept it.
@@ -30,10 +31,11 @@ def _never(value: Any, ns: argparse.Namespace) -> str | None:
 @dataclass(frozen=True)
 class CompatFlag:
     """One vLLM flag. ``no_effect``: why an accepted value changes nothing here (logged); None when the flag
-    is implemented by the code that reads its ``dest``. ``refuse``: the values Sluice cannot honour."""
+    is implemented by the code that reads its ``dest``; a function of the value when only some values have no
+    effect. ``refuse``: the values Sluice cannot honour."""
 
     names: tuple[str, ...]
-    no_effect: str | None
+    no_effect: str | Callable[[Any], str | None] | None
     refuse: Refusal = _never
     kind: str = "value"                       # value | switch (given or not) | bool (--x / --no-x)
     type: Callable[[str], Any] = str
@@ -45,7 +47,8 @@ class CompatFlag:
         return self.names[0].lstrip("-").replace("-", "_")
 
     def add_to(self, group: argparse._ArgumentGroup) -> None:
-        kwargs: dict[str, Any] = {"dest": self.dest, "default": None, "help": self.help or self.no_effect}
+        shown = self.no_effect if isinstance(self.no_effect, str) else None
+        kwargs: dict[str, Any] = {"dest": self.dest, "default": None, "help": self.help or shown}
         if self.kind == "switch":
             kwargs["action"] = "store_const"
             kwargs["const"] = True
@@ -83,10 +86,15 @@ def _load_format(value: str, ns: argparse.Namespace) -> str | None:
 
 
 def _quantization(value: str, ns: argparse.Namespace) -> str | None:
-    if value == "gguf" and _is_gguf(ns):
+    if value in QUANTIZATIONS or (value == "gguf" and _is_gguf(ns)):
         return None
-    return (f"{value!r} is not supported: Sluice serves float weights (safetensors) or GGUF files, whose "
-            "quantized blocks it runs as they are")
+    if value == "gguf":
+        return "'gguf' needs a .gguf model file"
+    supported = f"Sluice runs {', '.join(QUANTIZATIONS)} (docs/quantization.md) and a GGUF file's own blocks (gguf)"
+    if value == "ascend":
+        return (f"'ascend' (vLLM-Ascend's msModelSlim checkpoints) is not read: their layout is not supported; "
+                f"{supported}. An msModelSlim W8A8 model's float original runs with --quantization w8a8")
+    return f"{value!r} is not supported: {supported}"
 
 
 _HUB = "Sluice loads local files only and never downloads: give that revision's directory as the model"
@@ -104,7 +112,11 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--hf-token",), "Sluice never downloads from the Hugging Face Hub"),
     CompatFlag(("--load-format",), "the weights' format follows the model path (HF safetensors or .gguf)",
                _load_format),
-    CompatFlag(("--quantization", "-q"), "a GGUF file's quantized blocks are always run as they are", _quantization),
+    CompatFlag(("--quantization", "-q"),
+               lambda v: "a GGUF file's quantized blocks are always run as they are" if v == "gguf" else None,
+               _quantization,
+               help="w8a8: int8 weights and activations, quantized at load; compressed-tensors: a W8A8 int8 "
+                    "checkpoint's own weights (detected without the flag); gguf: a GGUF file's blocks, as always"),
     CompatFlag(("--tokenizer-mode",), "Sluice always uses the model's fast (Rust) tokenizer",
                refuse_unless(lambda v: v in ("auto", "hf"), "only the model's fast (Rust) tokenizer is supported "
                                                             "(auto)")),
@@ -208,8 +220,9 @@ def check_compat_flags(ns: argparse.Namespace, flags: Sequence[CompatFlag],
         shown = flag.names[0] if value is not False else "--no-" + flag.names[0][2:]
         if (reason := flag.refuse(value, ns)) is not None:
             raise InvalidRequestError(shown, reason)
-        if flag.no_effect is not None:
-            notes.append(f"{shown} has no effect: {flag.no_effect}")
+        note = flag.no_effect(value) if callable(flag.no_effect) else flag.no_effect
+        if note is not None:
+            notes.append(f"{shown} has no effect: {note}")
     return notes
 
 

@@ -29,6 +29,7 @@ from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding
 from engine.models.quant import QuantWeight, cat_rows, pad_rows
 from engine.models.sharding import Shard, ShardPlan, check_parallel_sizes
+from engine.models.w8a8 import Int8Weight, quantize_weight
 
 # The hidden states and the residual stream a pipeline stage hands the next.
 Intermediate = tuple[torch.Tensor, torch.Tensor]
@@ -255,6 +256,55 @@ class CausalLM(nn.Module):
                 if module.weight is None:
                     raise RuntimeError("drop_quantized: some layers have only their blocks left (float32 freed)")
                 module.quant = None
+
+    def quantize_w8a8(self) -> int:
+        """W8A8 (engine.models.w8a8) for every projection without an int8 weight yet: its weight (this rank's shard)
+        quantized per output channel, its GGUF blocks dropped and its float weight freed as it goes. The lm_head and
+        the embedding stay in the model's dtype. Returns how many projections were quantized."""
+        count = 0
+        for module in self.modules():
+            if isinstance(module, Linear) and not module.is_lm_head and module.int8 is None:
+                if module.weight is None:
+                    raise RuntimeError("quantize_w8a8 runs after the weights load and before use_kernels")
+                module.int8 = quantize_weight(module.weight)
+                module.quant = None
+                module.weight = None  # type: ignore[assignment]
+                count += 1
+        return count
+
+    def load_int8(self, weights: Iterable[tuple[str, Int8Weight]]) -> int:
+        """Gives projections a checkpoint's own int8 weights (named and sharded as in ``load_weights``, which must
+        have loaded the same values dequantized); the parts of a fused projection (q/k/v, gate/up) are stacked, rows
+        and scales. Frees the float weights they replace. Raises ValueError when only some parts of a fused
+        projection come as int8, or for an int8 embedding or lm_head. Returns how many projections got one."""
+        shards: dict[str, dict[int, Int8Weight]] = {}
+        for hf_name, weight in weights:
+            target = self._target(hf_name)
+            if target is None:
+                continue
+            if target[0] in _VOCAB_TABLES:
+                raise ValueError(f"{hf_name}: an int8 embedding or lm_head is not supported (a W8A8 checkpoint "
+                                 "lists them in quantization_config.ignore)")
+            shards.setdefault(target[0], {})[target[1]] = weight
+        for name, parts in shards.items():
+            module = self.get_submodule(name.removesuffix(".weight"))
+            if len(parts) != _num_parts(name) or not isinstance(module, Linear):
+                raise ValueError(f"{name}: the parts of a fused projection must all be int8 or all float (got int8 "
+                                 f"for {len(parts)} of {_num_parts(name)})")
+            fused = Int8Weight(torch.cat([parts[i].qweight for i in range(len(parts))]),
+                               torch.cat([parts[i].scale for i in range(len(parts))]))
+            if fused.shape != (module.out_features, module.in_features):
+                raise ValueError(f"{name}: int8 weight shape {fused.shape} != expected "
+                                 f"{(module.out_features, module.in_features)}")
+            module.int8 = Int8Weight(fused.qweight.to(module.weight.device), fused.scale.to(module.weight.device))
+            module.quant = None
+            module.weight = None  # type: ignore[assignment]
+        return len(shards)
+
+    @property
+    def int8_linears(self) -> int:
+        """How many linears hold W8A8 int8 weights waiting for ``use_kernels`` to hand them to their method."""
+        return sum(1 for m in self.modules() if isinstance(m, Linear) and m.int8 is not None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies tensors named as in a Hugging Face checkpoint into this model's fused layout: each this rank's

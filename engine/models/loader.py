@@ -1,5 +1,6 @@
 """``load_model``: a Hugging Face directory (config.json + safetensors) or a GGUF file -> CausalLM (the whole model,
-or one rank's shard of its pipeline stage, read alone from the files)."""
+or one rank's shard of its pipeline stage, read alone from the files), with W8A8 int8 projections when asked
+(``quantization``) or when the directory is a compressed-tensors W8A8 checkpoint."""
 from __future__ import annotations
 
 import json
@@ -11,25 +12,55 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from common.errors import InvalidRequestError
 from engine.distributed import ParallelContext
+from engine.models import compressed_tensors
 from engine.models.config import ModelConfig, config_from_hf
 from engine.models.llama import CausalLM, build_model
 from engine.models.sharding import Shard
+from engine.models.w8a8 import Int8Weight
+
+# EngineConfig.quantization's values: None (the checkpoint's own weights), W8A8 (quantize float weights at load),
+# COMPRESSED_TENSORS (require a compressed-tensors W8A8 int8 checkpoint).
+W8A8 = "w8a8"
+COMPRESSED_TENSORS = compressed_tensors.QUANT_METHOD
+QUANTIZATIONS = (W8A8, COMPRESSED_TENSORS)
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
-               parallel: ParallelContext = ParallelContext()) -> CausalLM:
+               parallel: ParallelContext = ParallelContext(), quantization: str | None = None) -> CausalLM:
     """Loads a model from a Hugging Face directory or a ``.gguf`` file, in ``dtype`` on ``device``: the shard of
     ``parallel``'s rank of its stage (the whole model by default). Raises ValueError naming the sizes when the model
-    does not split that way, before reading any weight."""
+    does not split that way, before reading any weight.
+
+    ``quantization``: ``"w8a8"`` quantizes every projection (not the lm_head or the embedding) to W8A8 int8 once
+    the float weights are in (a GGUF file's dequantized ones: its blocks are dropped); a compressed-tensors W8A8
+    checkpoint is read as it is, whatever this says; ``"compressed-tensors"`` requires one (InvalidRequestError
+    naming ``quantization`` otherwise).
+    The projections then hold ``Linear.int8`` for ``use_kernels``."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise InvalidRequestError("quantization", f"{quantization!r} is not supported; expected one of "
+                                                  f"{', '.join(QUANTIZATIONS)}")
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
         from engine.models.gguf_loader import load_gguf_model
 
-        return load_gguf_model(p, dtype, device, parallel)
-    if p.is_dir():
-        return load_hf_model(p, dtype, device, parallel)
-    raise FileNotFoundError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+        if quantization == COMPRESSED_TENSORS:
+            raise InvalidRequestError("quantization", _not_compressed(path, "a GGUF file"))
+        model = load_gguf_model(p, dtype, device, parallel)
+    elif p.is_dir():
+        model = load_hf_model(p, dtype, device, parallel, quantization)
+    else:
+        raise FileNotFoundError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+    if quantization == W8A8 and model.int8_linears == 0:
+        model.quantize_w8a8()
+    return model
+
+
+def _not_compressed(path: str, what: str) -> str:
+    return (f"{COMPRESSED_TENSORS!r} needs a compressed-tensors W8A8 int8 checkpoint (config.json's "
+            f"quantization_config); {path} is {what} of float weights: use --quantization {W8A8} to quantize it at "
+            "load")
 
 
 def read_model_config(path: str) -> ModelConfig:
@@ -57,8 +88,11 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 
 def load_hf_model(directory: Path, dtype: torch.dtype, device: torch.device | str = "cpu",
-                  parallel: ParallelContext = ParallelContext()) -> CausalLM:
+                  parallel: ParallelContext = ParallelContext(), quantization: str | None = None) -> CausalLM:
     cfg = json.loads((directory / "config.json").read_text())
+    scheme = compressed_tensors.read_scheme(cfg)
+    if scheme is None and quantization == COMPRESSED_TENSORS:
+        raise InvalidRequestError("quantization", _not_compressed(str(directory), "a directory"))
     gen_path = directory / "generation_config.json"
     gen_cfg = json.loads(gen_path.read_text()) if gen_path.exists() else None
     files = safetensors_files(directory)
@@ -69,7 +103,14 @@ def load_hf_model(directory: Path, dtype: torch.dtype, device: torch.device | st
                 names[name] = file
     config = config_from_hf(cfg, gen_cfg, has_lm_head="lm_head.weight" in names)
     model = build_model(config, dtype, device, parallel)
-    model.load_weights(iter_safetensors(names, model.weight_shard))
+    if scheme is None:
+        model.load_weights(iter_safetensors(names, model.weight_shard))
+        return model
+    compressed_tensors.check_tensor_names(names)
+    int8: list[tuple[str, Int8Weight]] = []
+    tensors = iter_safetensors(names, compressed_tensors.shard_of(model.weight_shard))
+    model.load_weights(compressed_tensors.split_int8(tensors, scheme, dtype, int8))
+    model.load_int8(int8)
     return model
 
 

@@ -76,7 +76,13 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
                                else resolve_dtype(config.kv_cache_dtype, config.device))
-        self.model = load_model(config.model_path, self.dtype, self.device.torch_device, parallel=parallel)
+        self.model = load_model(config.model_path, self.dtype, self.device.torch_device, parallel=parallel,
+                                quantization=config.quantization)
+        if (int8 := self.model.int8_linears) or config.quantization is not None:
+            # A compressed-tensors checkpoint brings its own int8 weights; w8a8 quantized the float ones at load.
+            logger.info("W8A8 int8: %d projections of this rank (quantization %s); the lm_head and embeddings stay "
+                        "%s", int8, config.quantization or "from the checkpoint",
+                        str(self.dtype).removeprefix("torch."))
         prepare_model(self.model, self.device, self.dtype)
         # LoRA wraps the projections' chosen methods; off (None), the model carries no trace of it.
         lora = config.lora_config
