@@ -9,7 +9,7 @@ Backends with another layout (NPU: block size 128, its own operators) override w
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,6 +44,8 @@ class AttentionMetadata:
     num_decodes: int
     block_size: int
     backend: AttentionBackend
+    # What a backend derives from these once per step for all layers (e.g. per-row block tables), by its own key.
+    derived: dict[object, object] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.attention.backend import kv_cache_shape
-from engine.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from engine.attention.torch_backend import ROWS_MAX_QUERY, TorchAttentionBackend, write_kv_cache
 from engine.kernels import cpu_ops, portable_cpu_ops
 from tests.engine.paged_factory import PagedKV
 
@@ -458,3 +458,50 @@ def test_backend_takes_a_steps_prefills_to_the_amx_kernel_in_one_call() -> None:
         assert calls == ([[0, 300, 320, 337]] if taken else [])
         torch.testing.assert_close(out.float(), torch.cat([_reference(s, d ** -0.5) for s in seqs]),
                                    rtol=2.0 ** -6, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_chunks_after_cached_context_run_as_decode_rows_in_one_call(dtype: torch.dtype) -> None:
+    # The shared-prefix shape in small: chunks after cached context (two side by side, then a fresh prompt, then
+    # another), decodes first. Each run of context chunks is one decode-kernel call with a row per new token.
+    kernel = _kernel("paged_decode_attention")
+    assert kernel is not None, "the CPU kernels did not build (see the warning logged)"
+    calls: list[int] = []
+
+    def counting(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return kernel(q, *args)
+
+    backend = TorchAttentionBackend(decode_kernel=counting)
+    seqs = _make_seqs(random.Random(7), 2, [(20, 7), (33, 5), (0, 6), (17, 9)], 6, 3, 64)
+    if dtype == torch.bfloat16:   # the inputs as bfloat16 holds them; the reference stays float64
+        for s in seqs:
+            s.q, s.k, s.v = s.q.bfloat16().float(), s.k.bfloat16().float(), s.v.bfloat16().float()
+    if dtype == torch.float32:
+        _check(backend, seqs, 2, 6, 3, 64, block_size=16)
+    else:
+        kv = PagedKV(num_layers=1, num_kv_heads=3, head_dim=64, num_blocks=96, block_size=16, seed=3,
+                     dtype=torch.bfloat16)
+        cache = kv.kv_caches[0]
+        ctx = [s for s in seqs if s.context]
+        write_kv_cache(torch.cat([s.k[:s.context] for s in ctx]), torch.cat([s.v[:s.context] for s in ctx]), cache,
+                       kv.step([(s.name, [0] * s.context) for s in ctx], num_decodes=0).meta.slot_mapping)
+        meta = kv.step([(s.name, [0] * s.new) for s in seqs], num_decodes=2).meta
+        new_k = torch.cat([s.k[s.context:] for s in seqs]).bfloat16()
+        new_v = torch.cat([s.v[s.context:] for s in seqs]).bfloat16()
+        out = backend.forward(torch.cat([s.q for s in seqs]).bfloat16(), new_k, new_v, cache, meta, 0.125)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), torch.cat([_reference(s, 0.125) for s in seqs]), atol=2e-2, rtol=2e-2)
+    assert calls == [2, 7 + 5, 9]   # the decodes, the two context chunks together, the last one
+
+
+def test_long_chunks_after_context_keep_the_sdpa_path() -> None:
+    # Past ROWS_MAX_QUERY new tokens a chunk after context goes through gather + SDPA; the short one beside it
+    # still runs as decode rows.
+    kernel = _kernel("paged_decode_attention")
+    assert kernel is not None, "the CPU kernels did not build (see the warning logged)"
+    calls: list[int] = []
+    backend = TorchAttentionBackend(decode_kernel=lambda q, *a: calls.append(q.shape[0]) or kernel(q, *a))
+    seqs = _make_seqs(random.Random(8), 0, [(5, ROWS_MAX_QUERY + 1), (9, 4)], 2, 1, 16)
+    _check(backend, seqs, 0, 2, 1, 16, block_size=16)
+    assert calls == [4]
