@@ -55,7 +55,7 @@ def _cpu_digest() -> str:
 def _build(name: str, cflags: list[str]) -> Any:
     from torch.utils.cpp_extension import load
 
-    sources = [str(_SOURCES / name) for name in ("cpu_ops.cpp", "quant_linear.cpp", "amx_linear.cpp")]
+    sources = [str(_SOURCES / name) for name in ("cpu_ops.cpp", "quant_linear.cpp", "amx_linear.cpp", "int8_ops.cpp")]
     return load(name=name, sources=sources, extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
