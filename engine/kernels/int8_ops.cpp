@@ -105,8 +105,8 @@ inline uint16_t bf16_bits(float f) {
 }
 
 // out[n] = float(acc[n]) * xs * ws[n] (+ bias[n]), stored as O.
-template <typename A, typename O>
-void scale_row(const A* acc, float xs, const float* ws, const float* bias, int64_t n, O* out) {
+template <typename A, typename B, typename O>
+void scale_row(const A* acc, float xs, const float* ws, const B* bias, int64_t n, O* out) {
   int64_t j = 0;
 #ifdef SLUICE_INT8_AVX512
   const __m512 vxs = _mm512_set1_ps(xs);
@@ -119,7 +119,7 @@ void scale_row(const A* acc, float xs, const float* ws, const float* bias, int64
       a = _mm512_maskz_loadu_ps(m, acc + j);
     }
     __m512 v = _mm512_mul_ps(_mm512_mul_ps(a, vxs), _mm512_maskz_loadu_ps(m, ws + j));
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + j));
+    if (bias != nullptr) v = _mm512_add_ps(v, load16(bias + j, m));
     if constexpr (std::is_same<O, float>::value) {
       _mm512_mask_storeu_ps(out + j, m, v);
     } else {
@@ -135,7 +135,7 @@ void scale_row(const A* acc, float xs, const float* ws, const float* bias, int64
   for (; j < n; ++j) {
     float v = static_cast<float>(acc[j]) * xs;
     v = v * ws[j];
-    if (bias != nullptr) v = v + bias[j];
+    if (bias != nullptr) v = v + to_float(bias[j]);
     if constexpr (std::is_same<O, float>::value) {
       out[j] = v;
     } else {
@@ -198,12 +198,25 @@ torch::Tensor int8_scale_rows(const torch::Tensor& acc, const torch::Tensor& x_s
   const int64_t m = acc.size(0), n = acc.size(1);
   const float* xs = optional_floats(x_scale, m, "int8_scale_rows: x_scale");
   const float* ws = optional_floats(w_scale, n, "int8_scale_rows: w_scale");
-  const float* b = optional_floats(bias, n, "int8_scale_rows: bias");
+  // the bias in float32 or bfloat16 (a bfloat16 model's own, widened exactly as bias.float() does)
+  const bool bf16_bias = bias.has_value() && bias->scalar_type() == at::kBFloat16;
+  const float* b = bf16_bias ? nullptr : optional_floats(bias, n, "int8_scale_rows: bias");
+  const c10::BFloat16* bb = nullptr;
+  if (bf16_bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "int8_scale_rows: bias: contiguous, ", n, " values");
+    bb = bias->data_ptr<c10::BFloat16>();
+  }
   const bool in_place = dtype == at::kFloat && acc.scalar_type() == at::kFloat;
   torch::Tensor out = in_place ? acc : torch::empty({m, n}, acc.options().dtype(dtype));
   auto run = [&](auto* ap, auto* op) {
     at::parallel_for(0, m, row_grain(n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) scale_row(ap + r * n, xs[r], ws, b, n, op + r * n);
+      for (int64_t r = begin; r < end; ++r) {
+        if (bb != nullptr) {
+          scale_row(ap + r * n, xs[r], ws, bb, n, op + r * n);
+        } else {
+          scale_row(ap + r * n, xs[r], ws, b, n, op + r * n);
+        }
+      }
     });
   };
   if (acc.scalar_type() == at::kInt) {
