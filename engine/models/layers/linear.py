@@ -9,6 +9,7 @@ ranks' products and adds its bias after its method.
 """
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections import Counter
 from typing import Any
@@ -272,10 +273,11 @@ def choose_linear_method(layer: Linear, choice: KernelChoice) -> LinearMethod:
 def w8a8_method(weight: Int8Weight, choice: KernelChoice) -> LinearMethod:
     """A W8A8 layer's method: the NPU's, oneDNN's int8 GEMM, or the portable one (``KernelChoice.int8``)."""
     if choice.npu_ops is not None:
-        # imported here until the NPU method is on main (engine/models/layers/npu_w8a8.py)
-        from engine.models.layers.npu_w8a8 import NpuW8A8LinearMethod  # type: ignore[import-not-found,unused-ignore]
-
-        return NpuW8A8LinearMethod(choice.npu_ops, weight)  # type: ignore[no-any-return,unused-ignore]
+        # Looked up here until engine/models/layers/npu_w8a8.py is on main (a plain import of a module that is not
+        # there yet breaks import-linter's graph); then a top-level import.
+        npu_w8a8 = importlib.import_module("engine.models.layers.npu_w8a8")
+        method: LinearMethod = npu_w8a8.NpuW8A8LinearMethod(choice.npu_ops, weight)
+        return method
     if choice.int8 == "onednn" and choice.ops is not None and weight.qweight.device.type == "cpu":
         return W8A8LinearMethod(choice.ops, weight)
     return PortableW8A8LinearMethod(choice.ops, weight)
