@@ -171,7 +171,7 @@ class CpuDevice(Device):
                 why = "the compiled CPU kernels or oneDNN are unavailable"
             else:
                 why = "this CPU has no AVX512-VNNI, AVX-VNNI or AMX-INT8"
-            logger.warning("W8A8 int8 linears: %s; they run the portable path (torch._int_mm, int32 accumulation), "
+            logger.warning("W8A8 int8 linears: %s; they run the portable path (exact float32 GEMMs of the int8 codes), "
                            "slower than oneDNN's int8 GEMM", why)
         return "portable"
 

@@ -7,8 +7,9 @@ from typing import Any, Literal
 import torch
 
 # How W8A8 int8 layers multiply: "onednn" = ``ops.w8a8_linear`` (rows quantized per token by our kernel, oneDNN's
-# int8 GEMM on VNNI or AMX-INT8, our scaling epilogue); "portable" = ``torch._int_mm`` (int32 accumulation) between
-# the same quantization and epilogue (PyTorch ops without ``ops``): any CPU, same results.
+# int8 GEMM on VNNI or AMX-INT8, our scaling epilogue); "portable" = float32 GEMMs of the int8 codes (exact: see
+# ``linear.int8_matmul``) between the same quantization and epilogue (PyTorch ops without ``ops``): any CPU, same
+# results.
 Int8Path = Literal["onednn", "portable"]
 
 # In a bfloat16 model, steps of up to this many rows read a layer's GGUF blocks (where amx_linear does not run):

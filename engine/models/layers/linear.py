@@ -137,12 +137,25 @@ class AmxLinearMethod(LinearMethod):
         return self.fallback.apply(layer, x)
 
 
-def int8_matmul(q: torch.Tensor, qweight_t: torch.Tensor) -> torch.Tensor:
-    """int8 [M, K] @ int8 [K, N] with exact integer sums: int32 on CPU (``torch._int_mm``), else float64 (exact
-    up to 2^53, which any int8 product of K < 2^38 stays under)."""
-    if q.device.type == "cpu":
-        return torch._int_mm(q, qweight_t)
-    return q.double() @ qweight_t.double()
+# Up to this many int8 products per sum, a float32 GEMM of the codes is exact in any summation order: every partial
+# sum is an integer of magnitude <= 1040 * 127 * 127 = 16,774,160 < 2^24.
+EXACT_FLOAT32_DEPTH = 1040
+
+
+def int8_matmul(q: torch.Tensor, codes_t: torch.Tensor) -> torch.Tensor:
+    """int8 codes [M, K] @ ``codes_t`` (the weight's codes as float32, [K, N]) with exact integer sums: float32 GEMMs
+    over slices of at most ``EXACT_FLOAT32_DEPTH`` of K (float32 out), their results summed in int32 (int32 out).
+    Not ``torch._int_mm``: on CPU it runs oneDNN's int8 GEMM, whose u8 x s8 pair sums saturate in int16 without
+    VNNI (tests/engine/models/layers/test_w8a8_linear.py shows it with ONEDNN_MAX_CPU_ISA=AVX512_CORE)."""
+    k = q.shape[1]
+    xf = q.float()
+    if k <= EXACT_FLOAT32_DEPTH:
+        return xf @ codes_t
+    acc = (xf[:, :EXACT_FLOAT32_DEPTH] @ codes_t[:EXACT_FLOAT32_DEPTH]).to(torch.int32)
+    for start in range(EXACT_FLOAT32_DEPTH, k, EXACT_FLOAT32_DEPTH):
+        end = start + EXACT_FLOAT32_DEPTH
+        acc += (xf[:, start:end] @ codes_t[start:end]).to(torch.int32)
+    return acc
 
 
 class W8A8LinearMethod(LinearMethod):
@@ -170,20 +183,22 @@ class W8A8LinearMethod(LinearMethod):
 class PortableW8A8LinearMethod(LinearMethod):
     """W8A8 where oneDNN's int8 GEMM is not used (no VNNI, switched off, no compiled kernels, another device):
     ``int8_matmul``'s exact sums between the same per-token quantization and scaling (``ops``' kernels when there
-    are some and ``x`` is float32 or bfloat16, PyTorch's ops otherwise); equal to ``w8a8_reference``."""
+    are some and ``x`` is float32 or bfloat16, PyTorch's ops otherwise); equal to ``w8a8_reference``. It keeps the
+    codes as float32 (4 bytes a weight: twice a bfloat16 model), what a float32 GEMM needs without a copy per step."""
 
     def __init__(self, ops: Any | None, weight: Int8Weight) -> None:
         self.ops = ops
-        self.weight = weight
-        self.qweight_t = weight.qweight.t()
+        self.scale = weight.scale
+        self.smooth = weight.smooth
+        self.codes_t = weight.qweight.float().t()
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        w, bias = self.weight, layer.method_bias
+        bias = layer.method_bias
         if self.ops is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            q, x_scale = self.ops.int8_quantize_rows(x if x.stride(-1) == 1 else x.contiguous(), w.smooth, False)
-            return self.ops.int8_scale_rows(int8_matmul(q, self.qweight_t), x_scale, w.scale, bias, x.dtype)
-        q, x_scale = quantize_tokens(x, w.smooth)
-        out = int8_matmul(q, self.qweight_t).float() * x_scale.unsqueeze(1) * w.scale.unsqueeze(0)
+            q, x_scale = self.ops.int8_quantize_rows(x if x.stride(-1) == 1 else x.contiguous(), self.smooth, False)
+            return self.ops.int8_scale_rows(int8_matmul(q, self.codes_t), x_scale, self.scale, bias, x.dtype)
+        q, x_scale = quantize_tokens(x, self.smooth)
+        out = int8_matmul(q, self.codes_t).float() * x_scale.unsqueeze(1) * self.scale.unsqueeze(0)
         if bias is not None:
             out = out + bias.float()
         return out.to(x.dtype)

@@ -3,8 +3,12 @@ the NPU hook), what each frees, and that every path gives w8a8_reference's resul
 from __future__ import annotations
 
 import logging
+import os
+import platform
+import subprocess
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -184,3 +188,51 @@ def test_the_device_falls_back_with_one_warning(native_ops: Any, monkeypatch: py
     layer.use_kernels(choices[0])
     x = _x(17, 96, torch.bfloat16)
     assert torch.equal(layer(x), w8a8_reference(x, int8, layer.bias))
+
+
+def _worst_case(k: int) -> tuple[torch.Tensor, Int8Weight]:
+    """Codes of +-127 everywhere: sums of up to k * 16129, past 2^24 for k > 1040, and u8 x s8 pairs of 255 x 127
+    (with zero point 128), which overflow int16."""
+    weight = Int8Weight(torch.full((8, k), 127, dtype=torch.int8), torch.rand(8) + 0.1)
+    weight.qweight[1] = -127
+    weight.qweight[2, 1::2] = -127
+    x = torch.full((4, k), 127.0)
+    x[1] = -127.0
+    x[2, ::2] = -127.0
+    return x, weight
+
+
+@pytest.mark.parametrize("k", [1040, 1041, 3001])
+def test_the_portable_sums_are_exact_past_float32s_integers(k: int) -> None:
+    x, weight = _worst_case(k)
+    method = PortableW8A8LinearMethod(None, weight)
+    layer = Linear(k, 8, bias=False)
+    out = method.apply(layer, x)
+    assert out.abs().max() > 2**24 * 0.1
+    assert torch.equal(out, w8a8_reference(x, weight))
+
+
+_NO_VNNI_CHECK = """
+import torch
+from engine.models.layers.linear import Linear, PortableW8A8LinearMethod
+from engine.models.w8a8 import w8a8_reference
+from tests.engine.models.layers.test_w8a8_linear import _worst_case
+x, weight = _worst_case(576)
+codes = torch.round(x / (x.abs().amax(1, keepdim=True) / 127)).to(torch.int8)
+exact = codes.long() @ weight.qweight.long().t()
+print("int_mm", torch.equal(torch._int_mm(codes, weight.qweight.t()).long(), exact))
+out = PortableW8A8LinearMethod(None, weight).apply(Linear(576, 8, bias=False), x)
+print("portable", torch.equal(out, w8a8_reference(x, weight)))
+"""
+
+
+def test_without_vnni_onednn_int8_saturates_and_the_portable_path_does_not() -> None:
+    """Why a CPU without VNNI runs the portable path: oneDNN limited to AVX-512 without VNNI (as on such a CPU)
+    gets int8 products wrong (torch._int_mm runs it), while the portable path's float32 sums stay exact."""
+    root = str(Path(__file__).resolve().parents[4])
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", _NO_VNNI_CHECK], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "portable True" in out
+    if torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64"):
+        assert "int_mm False" in out
