@@ -141,7 +141,8 @@ class CpuDevice(Device):
         they build): fused norms and activations, in-place rotary, linears on the checkpoint's GGUF blocks (every
         step of a float32 model, the smallest steps of a bfloat16 one), and on CPUs with AMX bfloat16 decode-sized
         linears on tile-packed copies, when those take at most ``AMX_LINEAR_MAX_MEMORY_SHARE`` of the memory
-        available now. float16 models (and ``cpu_kernels`` off) run PyTorch's ops."""
+        available now; W8A8 layers on oneDNN's int8 GEMM where the CPU has VNNI (``int8_path``). float16 models (and
+        ``cpu_kernels`` off) run PyTorch's ops (W8A8 layers: the portable path)."""
         if dtype not in KERNEL_DTYPES or not self.kernels.cpu_kernels:
             return KernelChoice.torch()
         ops = self.ops()
