@@ -11,6 +11,7 @@ SLUICE_AMX_PREFILL    0: SDPA instead of the AMX prefill kernel      ``KernelSet
 SLUICE_QUANT_MAX_ROWS most rows a step runs on GGUF blocks           ``KernelSettings.quant_max_rows``
 SLUICE_KV_HUGE_PAGES  0: no MADV_HUGEPAGE on the CPU KV cache         ``KernelSettings.kv_huge_pages``
 SLUICE_MALLOC_TUNING  0: glibc's malloc thresholds left alone        ``KernelSettings.malloc_tuning``
+SLUICE_INT8_VNNI      0: W8A8 layers run the portable int8 path      ``KernelSettings.int8_vnni``
 SLUICE_API_KEY        the bearer key the REST API requires           ``--api-key``
 SLUICE_PARENT_PID     set by ``sluice serve`` for its children only  (process plumbing, not user-facing)
 ====================  =============================================  ==========================================
@@ -66,7 +67,8 @@ def kernel_switches(environ: Mapping[str, str] | None = None) -> dict[str, bool 
             "amx_prefill": switched_on("SLUICE_AMX_PREFILL", environ),
             "quant_max_rows": row_limit("SLUICE_QUANT_MAX_ROWS", environ),
             "kv_huge_pages": switched_on("SLUICE_KV_HUGE_PAGES", environ),
-            "malloc_tuning": switched_on("SLUICE_MALLOC_TUNING", environ)}
+            "malloc_tuning": switched_on("SLUICE_MALLOC_TUNING", environ),
+            "int8_vnni": switched_on("SLUICE_INT8_VNNI", environ)}
 
 
 def runtime_lora_updating(environ: Mapping[str, str] | None = None) -> bool:

@@ -78,6 +78,7 @@ class KernelSettings:
     quant_max_rows    SLUICE_QUANT_MAX_ROWS     most rows a step runs on GGUF blocks (0: never; unset: dtype's)
     kv_huge_pages     SLUICE_KV_HUGE_PAGES      0: no MADV_HUGEPAGE on the CPU KV cache
     malloc_tuning     SLUICE_MALLOC_TUNING      0: leave glibc's malloc thresholds as they are
+    int8_vnni         SLUICE_INT8_VNNI          0: W8A8 layers run the portable int8 path, not oneDNN's VNNI/AMX GEMM
     ================  ========================  ==============================================================
     """
 
@@ -87,6 +88,7 @@ class KernelSettings:
     quant_max_rows: int | None = None
     kv_huge_pages: bool = True
     malloc_tuning: bool = True
+    int8_vnni: bool = True
 
     def __post_init__(self) -> None:
         if self.quant_max_rows is not None and self.quant_max_rows < 0:

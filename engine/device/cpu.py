@@ -13,7 +13,7 @@ import torch
 
 from engine.config import KernelSettings
 from engine.device.base import Device
-from engine.device.kernel_choice import KernelChoice, default_quant_max_rows
+from engine.device.kernel_choice import Int8Path, KernelChoice, default_quant_max_rows
 from engine.kernels import KERNEL_DTYPES, cpu_ops
 
 if TYPE_CHECKING:
@@ -107,6 +107,7 @@ class CpuDevice(Device):
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.malloc_tuned = tune_malloc(self.kernels.malloc_tuning)
+        self._int8_warned = False
 
     @property
     def torch_device(self) -> torch.device:
@@ -140,7 +141,8 @@ class CpuDevice(Device):
         they build): fused norms and activations, in-place rotary, linears on the checkpoint's GGUF blocks (every
         step of a float32 model, the smallest steps of a bfloat16 one), and on CPUs with AMX bfloat16 decode-sized
         linears on tile-packed copies, when those take at most ``AMX_LINEAR_MAX_MEMORY_SHARE`` of the memory
-        available now. float16 models (and ``cpu_kernels`` off) run PyTorch's ops."""
+        available now; W8A8 layers on oneDNN's int8 GEMM where the CPU has VNNI (``int8_path``). float16 models (and
+        ``cpu_kernels`` off) run PyTorch's ops (W8A8 layers: the portable path)."""
         if dtype not in KERNEL_DTYPES or not self.kernels.cpu_kernels:
             return KernelChoice.torch()
         ops = self.ops()
@@ -150,9 +152,29 @@ class CpuDevice(Device):
                         "available; decode steps' linears stay on oneDNN", amx_pack_bytes / 2**20,
                         100 * AMX_LINEAR_MAX_MEMORY_SHARE)
             amx = False
-        return KernelChoice(ops=ops, onednn=torch.backends.mkldnn.is_available(),
+        onednn = torch.backends.mkldnn.is_available()
+        return KernelChoice(ops=ops, onednn=onednn,
                             quant_max_rows=default_quant_max_rows(dtype, self.kernels.quant_max_rows),
-                            amx_linear=amx)
+                            amx_linear=amx, int8=self.int8_path(ops, onednn))
+
+    def int8_path(self, ops: Any | None, onednn: bool) -> Int8Path:
+        """oneDNN's int8 GEMM for W8A8 layers where this CPU has int8 dot products (AVX512-VNNI, AVX-VNNI or
+        AMX-INT8; without them its u8 x s8 pair sums saturate in int16) and the switch is on
+        (``KernelSettings.int8_vnni``); else the portable path, with one warning per device saying why."""
+        isa = ops.int8_isa() if ops is not None else ""
+        if ops is not None and onednn and isa and self.kernels.int8_vnni:
+            return "onednn"
+        if not self._int8_warned:
+            self._int8_warned = True
+            if not self.kernels.int8_vnni:
+                why = "SLUICE_INT8_VNNI=0 (KernelSettings.int8_vnni off)"
+            elif ops is None or not onednn:
+                why = "the compiled CPU kernels or oneDNN are unavailable"
+            else:
+                why = "this CPU has no AVX512-VNNI, AVX-VNNI or AMX-INT8"
+            logger.warning("W8A8 int8 linears: %s; they run the portable path (exact float32 GEMMs of the int8 codes), "
+                           "slower than oneDNN's int8 GEMM", why)
+        return "portable"
 
     def row_argmax(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         ops = self.ops()

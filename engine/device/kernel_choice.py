@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+# How W8A8 int8 layers multiply: "onednn" = ``ops.w8a8_linear`` (rows quantized per token by our kernel, oneDNN's
+# int8 GEMM on VNNI or AMX-INT8, our scaling epilogue); "portable" = float32 GEMMs of the int8 codes (exact: see
+# ``linear.int8_matmul``) between the same quantization and epilogue (PyTorch ops without ``ops``): any CPU, same
+# results.
+Int8Path = Literal["onednn", "portable"]
 
 # In a bfloat16 model, steps of up to this many rows read a layer's GGUF blocks (where amx_linear does not run):
 # reading a third of the bytes wins at 1-2 rows (the default model's 120 projections: 7.3 ms on the blocks against
@@ -23,12 +29,16 @@ class KernelChoice:
     ``quant_max_rows``: steps of at most this many rows run a layer's GGUF blocks (``ops`` needed); None = every
     step (the dense weight is then freed).
     ``amx_linear``: bfloat16 linears whose sides are multiples of 32 run steps of up to ``AMX_LINEAR_MAX_ROWS``
-    rows on a tile-packed copy of their weight (replacing their blocks)."""
+    rows on a tile-packed copy of their weight (replacing their blocks).
+    ``int8``: how W8A8 layers (``Linear.int8``) multiply (see ``Int8Path``).
+    ``npu_ops``: the ``torch_npu`` module on an NPU device (W8A8 layers then run ``npu_quant_matmul``)."""
 
     ops: Any = None
     onednn: bool = False
     quant_max_rows: int | None = None
     amx_linear: bool = False
+    int8: Int8Path = "portable"
+    npu_ops: Any = None
 
     @classmethod
     def torch(cls) -> KernelChoice:

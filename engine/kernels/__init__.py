@@ -1,7 +1,8 @@
 """Native CPU kernels for float32 and bfloat16 models: oneDNN prepacked linears (AMX on CPUs that have it,
 for bfloat16), and ``cpu_ops.cpp`` (paged decode attention, RMSNorm with the residual add, SiLU-and-mul,
-rotary embedding, the block-quantized linear, which computes in float32, and ``amx_linear.cpp``: bfloat16
-linears of decode-sized steps on AMX tiles) compiled on first use with ``torch.utils.cpp_extension`` (g++ and
+rotary embedding, the block-quantized linear, which computes in float32, ``amx_linear.cpp``: bfloat16
+linears of decode-sized steps on AMX tiles, and ``int8_ops.cpp``: W8A8 int8 linears around oneDNN's int8 GEMM)
+compiled on first use with ``torch.utils.cpp_extension`` (g++ and
 ninja).
 
 The build lands in torch's extension cache (``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``)
@@ -12,7 +13,8 @@ one. When anything fails (no compiler, no ninja), the engine logs why and runs t
 
 This package is a leaf: it builds and loads the kernels and imports nothing else of the engine. Whether they are
 used is decided once per engine by the CPU device from ``KernelSettings`` (``SLUICE_CPU_KERNELS=0`` turns all
-of it off, ``SLUICE_AMX_LINEAR=0`` / ``SLUICE_AMX_PREFILL=0`` the AMX kernels).
+of it off, ``SLUICE_AMX_LINEAR=0`` / ``SLUICE_AMX_PREFILL=0`` the AMX kernels, ``SLUICE_INT8_VNNI=0`` oneDNN's int8
+GEMM).
 """
 from __future__ import annotations
 
@@ -55,15 +57,16 @@ def _cpu_digest() -> str:
 def _build(name: str, cflags: list[str]) -> Any:
     from torch.utils.cpp_extension import load
 
-    sources = [str(_SOURCES / name) for name in ("cpu_ops.cpp", "quant_linear.cpp", "amx_linear.cpp")]
+    sources = [str(_SOURCES / name) for name in ("cpu_ops.cpp", "quant_linear.cpp", "amx_linear.cpp", "int8_ops.cpp")]
     return load(name=name, sources=sources, extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 @functools.cache
 def cpu_ops() -> Any | None:
-    """The compiled ``cpu_ops.cpp`` + ``quant_linear.cpp`` + ``amx_linear.cpp`` extension (``paged_decode_attention``,
-    ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_``, ``argmax_rows``, ``quant_linear``, ``amx_linear``),
-    or None when it cannot be built."""
+    """The compiled ``cpu_ops.cpp`` + ``quant_linear.cpp`` + ``amx_linear.cpp`` + ``int8_ops.cpp`` extension
+    (``paged_decode_attention``, ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_``, ``argmax_rows``,
+    ``quant_linear``, ``amx_linear``, ``w8a8_linear``, ``int8_quantize_rows``, ``int8_scale_rows``, ``int8_isa``), or
+    None when it cannot be built."""
     try:
         return _build(f"sluice_cpu_ops_{_cpu_digest()}", ["-O3", "-march=native", "-fopenmp"])
     except Exception as e:  # compiler, ninja or headers missing: the PyTorch path still works

@@ -1446,6 +1446,16 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes, c
 bool has_amx_linear();
 torch::Tensor amx_pack_linear(const torch::Tensor& weight);
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
+// int8_ops.cpp
+std::tuple<torch::Tensor, torch::Tensor> int8_quantize_rows(const torch::Tensor& x,
+                                                            const c10::optional<torch::Tensor>& smooth,
+                                                            bool zero_point_128);
+torch::Tensor int8_scale_rows(const torch::Tensor& acc, const torch::Tensor& x_scale, const torch::Tensor& w_scale,
+                              const c10::optional<torch::Tensor>& bias, at::ScalarType dtype);
+torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& smooth,
+                          const torch::Tensor& ones, const torch::Tensor& zeros);
+std::string int8_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs (arguments are converted before, results after): the
@@ -1471,4 +1481,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ bias) for bfloat16 x of a few rows, W packed by amx_pack_linear (CPU, AMX)");
   m.def("quant_linear", &quant_linear, release(),
         "x @ dequant(W).T over llama.cpp-style block-quantized weights ('u4': Q4_0/Q4_1, 's8': Q8_0), float32 CPU");
+  m.def("int8_quantize_rows", &int8_quantize_rows, release(), py::arg("x"), py::arg("smooth") = py::none(),
+        py::arg("zero_point_128") = true,
+        "Per-token symmetric int8 of float32/bfloat16 [M, K] rows: (uint8 q + 128 or int8 q, float32 scales [M])");
+  m.def("int8_scale_rows", &int8_scale_rows, release(), py::arg("acc"), py::arg("x_scale"), py::arg("w_scale"),
+        py::arg("bias") = py::none(), py::arg("dtype") = at::kFloat,
+        "acc [M, N] (int32 sums, as float32 or int32) * x_scale[m] * w_scale[n] (+ bias[n]) as float32/bfloat16");
+  m.def("w8a8_linear", &w8a8_linear, release(), py::arg("x"), py::arg("packed"), py::arg("w_scale"),
+        py::arg("bias"), py::arg("smooth"), py::arg("ones"), py::arg("zeros"),
+        "W8A8 x @ W.T (+ bias): rows quantized per token, oneDNN's int8 GEMM on a qlinear_prepack'd weight, scaled");
+  m.def("int8_isa", &int8_isa, "This CPU's int8 dot-product instructions: amx-int8, avx512-vnni, avx-vnni or ''");
 }
