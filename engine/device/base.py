@@ -75,9 +75,10 @@ class Device(ABC):
     def attention_backend(self) -> AttentionBackend:
         """The attention kernels: KV write by slot mapping, prefill and paged decode attention."""
 
-    def kernel_choice(self, dtype: torch.dtype, amx_pack_bytes: int = 0) -> KernelChoice:
+    def kernel_choice(self, dtype: torch.dtype, amx_pack_bytes: int = 0, int8_layers: int = 0) -> KernelChoice:
         """The kernels this device offers a ``dtype`` model's layers (they pick theirs once, at load);
-        ``amx_pack_bytes``: what tile-packed weight copies would cost. Default: PyTorch ops."""
+        ``amx_pack_bytes``: what tile-packed weight copies would cost; ``int8_layers``: how many W8A8 layers the
+        model has (none: the int8 path is not looked at). Default: PyTorch ops."""
         return KernelChoice.torch()
 
     def row_argmax(self) -> Callable[[torch.Tensor], torch.Tensor] | None:

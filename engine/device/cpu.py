@@ -136,12 +136,13 @@ class CpuDevice(Device):
 
         return CpuAttentionBackend(self.ops(), prefill_kernel=self.kernels.amx_prefill)
 
-    def kernel_choice(self, dtype: torch.dtype, amx_pack_bytes: int = 0) -> KernelChoice:
+    def kernel_choice(self, dtype: torch.dtype, amx_pack_bytes: int = 0, int8_layers: int = 0) -> KernelChoice:
         """float32 and bfloat16 models: oneDNN prepacked linears (when torch has it) and the compiled kernels (when
         they build): fused norms and activations, in-place rotary, linears on the checkpoint's GGUF blocks (every
         step of a float32 model, the smallest steps of a bfloat16 one), and on CPUs with AMX bfloat16 decode-sized
         linears on tile-packed copies, when those take at most ``AMX_LINEAR_MAX_MEMORY_SHARE`` of the memory
-        available now; W8A8 layers on oneDNN's int8 GEMM where the CPU has VNNI (``int8_path``). float16 models (and
+        available now; W8A8 layers (when the model has ``int8_layers``) on oneDNN's int8 GEMM where the CPU has VNNI
+        (``int8_path``). float16 models (and
         ``cpu_kernels`` off) run PyTorch's ops (W8A8 layers: the portable path)."""
         if dtype not in KERNEL_DTYPES or not self.kernels.cpu_kernels:
             return KernelChoice.torch()
@@ -155,7 +156,7 @@ class CpuDevice(Device):
         onednn = torch.backends.mkldnn.is_available()
         return KernelChoice(ops=ops, onednn=onednn,
                             quant_max_rows=default_quant_max_rows(dtype, self.kernels.quant_max_rows),
-                            amx_linear=amx, int8=self.int8_path(ops, onednn))
+                            amx_linear=amx, int8=self.int8_path(ops, onednn) if int8_layers else "portable")
 
     def int8_path(self, ops: Any | None, onednn: bool) -> Int8Path:
         """oneDNN's int8 GEMM for W8A8 layers where this CPU has int8 dot products (AVX512-VNNI, AVX-VNNI or

@@ -34,7 +34,7 @@ _DEFAULT_CPU_KV_BYTES = 2 * 2**30
 
 def prepare_model(model: CausalLM, device: Device, dtype: torch.dtype) -> None:
     """Every layer of a loaded model picks its kernel, once, from what ``device`` offers a ``dtype`` model."""
-    choice = device.kernel_choice(dtype, model.amx_pack_bytes())
+    choice = device.kernel_choice(dtype, model.amx_pack_bytes(), model.int8_linears)
     model.use_kernels(choice)
     methods = linear_methods(model)
     logger.info("linear layers: %s; fused norms and activations: %s",

@@ -9,7 +9,6 @@ ranks' products and adds its bias after its method.
 """
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections import Counter
 from typing import Any
@@ -239,7 +238,7 @@ class Linear(nn.Linear):
 
     def amx_pack_bytes(self) -> int:
         """What a tile-packed copy of this layer's weight would take (0 when it cannot have one)."""
-        if self.weight is None or self.out_features % 32 or self.in_features % 32:
+        if self.weight is None or self.int8 is not None or self.out_features % 32 or self.in_features % 32:
             return 0
         return 2 * self.out_features * self.in_features
 
@@ -267,6 +266,42 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out.add_(self.bias)
 
 
+# The output dtypes npu_quant_matmul writes with a per-token scale (and npu_dynamic_quant reads).
+NPU_W8A8_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class NpuW8A8LinearMethod(LinearMethod):
+    """W8A8 on an Ascend NPU, mapped to torch-npu's operators as vLLM-Ascend runs dynamic W8A8
+    (``quantization/w8a8_dynamic.py``): per step, ``npu_dynamic_quant`` quantizes the rows per token (int8 codes and a
+    float32 scale per row), then ``npu_quant_matmul`` multiplies them by the int8 weight, stored transposed ([in, out]:
+    the operator's ``x2`` is [K, N]), scales the int32 products by the per-channel weight scale (``scale``, float32)
+    and the per-token one (``pertoken_scale``), adds the bias and writes the model's dtype (``output_dtype``: bfloat16
+    or float16, the only dtypes either operator takes; a float32 model cannot run it). A SmoothQuant factor
+    (``Int8Weight.smooth``, by which activations are divided) goes in as ``smooth_scales``, by which
+    ``npu_dynamic_quant`` multiplies: its reciprocal, in the activations' dtype as the operator requires.
+
+    ``npu_ops`` is the ``torch_npu`` module the NPU device hands over (``KernelChoice.npu_ops``). No hardware has run
+    this: the calls are checked against a test-only twin of the two operators written from torch-npu's documentation
+    (tests/engine/npu_twin/torch_npu.py)."""
+
+    def __init__(self, npu_ops: Any, weight: Int8Weight) -> None:
+        self.ops = npu_ops
+        self.weight_t = weight.qweight.t().contiguous()    # int8 [in, out]
+        self.scale = weight.scale.float().contiguous()      # float32 [out]
+        self.inverse_smooth = None if weight.smooth is None else (1.0 / weight.smooth.float())
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in NPU_W8A8_DTYPES:
+            raise TypeError(f"W8A8 on the NPU runs bfloat16 or float16 models, not {x.dtype}")
+        if self.inverse_smooth is None:
+            q, pertoken_scale = self.ops.npu_dynamic_quant(x)
+        else:
+            q, pertoken_scale = self.ops.npu_dynamic_quant(x, smooth_scales=self.inverse_smooth.to(x.dtype))
+        bias = layer.method_bias
+        return self.ops.npu_quant_matmul(q, self.weight_t, self.scale, pertoken_scale=pertoken_scale,
+                                         bias=None if bias is None else bias.to(x.dtype), output_dtype=x.dtype)
+
+
 def choose_linear_method(layer: Linear, choice: KernelChoice) -> LinearMethod:
     """The method of one layer, from its weights and the device's choice (see :class:`KernelChoice`)."""
     weight = layer.weight
@@ -288,11 +323,7 @@ def choose_linear_method(layer: Linear, choice: KernelChoice) -> LinearMethod:
 def w8a8_method(weight: Int8Weight, choice: KernelChoice) -> LinearMethod:
     """A W8A8 layer's method: the NPU's, oneDNN's int8 GEMM, or the portable one (``KernelChoice.int8``)."""
     if choice.npu_ops is not None:
-        # Looked up here until engine/models/layers/npu_w8a8.py is on main (a plain import of a module that is not
-        # there yet breaks import-linter's graph); then a top-level import.
-        npu_w8a8 = importlib.import_module("engine.models.layers.npu_w8a8")
-        method: LinearMethod = npu_w8a8.NpuW8A8LinearMethod(choice.npu_ops, weight)
-        return method
+        return NpuW8A8LinearMethod(choice.npu_ops, weight)
     if choice.int8 == "onednn" and choice.ops is not None and weight.qweight.device.type == "cpu":
         return W8A8LinearMethod(choice.ops, weight)
     return PortableW8A8LinearMethod(choice.ops, weight)

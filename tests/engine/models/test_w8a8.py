@@ -10,10 +10,10 @@ import torch
 
 from common.errors import InvalidRequestError
 from engine.device import CpuDevice
+from engine.device.kernel_choice import KernelChoice
 from engine.distributed import ParallelContext
 from engine.models import CausalLM, load_model
-from engine.models.layers.linear import Linear, LinearMethod, linear_methods
-from engine.models.layers.npu_w8a8 import NpuW8A8LinearMethod
+from engine.models.layers.linear import Linear, LinearMethod, NpuW8A8LinearMethod, linear_methods
 from engine.models.w8a8 import Int8Weight, quantize_weight, w8a8_reference
 from tests.engine.executor.checkpoints import write_checkpoint
 from tests.engine.kernel_probe import prepare
@@ -151,7 +151,9 @@ def test_npu_method_calls_the_documented_operators_and_gives_the_reference(dtype
         layer.bias.copy_(torch.randn(40, generator=gen))
     factor = torch.rand(96, generator=gen) + 0.5 if smooth else None
     weight = quantize_weight(layer.weight, factor)
-    layer.method = NpuW8A8LinearMethod(torch_npu, weight)
+    layer.int8 = weight
+    layer.use_kernels(KernelChoice(npu_ops=torch_npu, int8="onednn"))   # what an NPU device's choice holds
+    assert isinstance(layer.method, NpuW8A8LinearMethod) and layer.weight is None
     x = torch.randn(7, 96, generator=gen).to(dtype)
     out = layer(x)
     assert out.dtype == dtype and out.shape == (7, 40)

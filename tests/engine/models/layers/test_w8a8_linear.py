@@ -7,7 +7,6 @@ import os
 import platform
 import subprocess
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -142,22 +141,6 @@ def test_lora_wraps_the_int8_method(native_ops: Any) -> None:
     assert not torch.equal(layer(x), w8a8_reference(x, int8))
 
 
-def test_an_npu_choice_gets_the_npu_method(monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[tuple[Any, Int8Weight]] = []
-
-    class NpuW8A8LinearMethod:
-        def __init__(self, npu_ops: Any, weight: Int8Weight) -> None:
-            made.append((npu_ops, weight))
-
-    module = types.ModuleType("engine.models.layers.npu_w8a8")
-    module.NpuW8A8LinearMethod = NpuW8A8LinearMethod  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "engine.models.layers.npu_w8a8", module)
-    layer = _layer(torch.float32)
-    npu = object()
-    method = choose_linear_method(layer, KernelChoice(npu_ops=npu, int8="onednn"))
-    assert isinstance(method, NpuW8A8LinearMethod) and made == [(npu, layer.int8)]
-
-
 def test_the_int8_switch_is_read_from_its_variable() -> None:
     assert kernel_switches({"SLUICE_INT8_VNNI": "0"})["int8_vnni"] is False
     assert not KernelSettings.from_env({"SLUICE_INT8_VNNI": "0"}).int8_vnni
@@ -172,7 +155,8 @@ def test_the_device_falls_back_with_one_warning(native_ops: Any, monkeypatch: py
     ops = NoVnniOps(native_ops) if case == "no vnni" else native_ops
     monkeypatch.setattr(device, "ops", lambda: ops)
     with caplog.at_level(logging.WARNING, logger="engine.device.cpu"):
-        choices = [device.kernel_choice(torch.bfloat16) for _ in range(2)]
+        assert device.kernel_choice(torch.bfloat16).int8 == "portable"   # a model without W8A8 layers: no check
+        choices = [device.kernel_choice(torch.bfloat16, int8_layers=3) for _ in range(2)]
     warnings = [r.getMessage() for r in caplog.records if "W8A8" in r.getMessage()]
     if case == "vnni":
         assert choices[0].int8 == "onednn" and warnings == []
