@@ -33,7 +33,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu"
     ``parallel``'s rank of its stage (the whole model by default). Raises ValueError naming the sizes when the model
     does not split that way, before reading any weight.
 
-    ``quantization``: ``"w8a8"`` quantizes every projection (not the lm_head or the embedding) to W8A8 int8 once
+    ``quantization``: ``"w8a8"`` quantizes every projection and the lm_head (not the embedding) to W8A8 int8 once
     the float weights are in (a GGUF file's dequantized ones: its blocks are dropped); a compressed-tensors W8A8
     checkpoint is read as it is, whatever this says; ``"compressed-tensors"`` requires one (InvalidRequestError
     naming ``quantization`` otherwise).

@@ -80,9 +80,8 @@ class Worker:
                                 quantization=config.quantization)
         if (int8 := self.model.int8_linears) or config.quantization is not None:
             # A compressed-tensors checkpoint brings its own int8 weights; w8a8 quantized the float ones at load.
-            logger.info("W8A8 int8: %d projections of this rank (quantization %s); the lm_head and embeddings stay "
-                        "%s", int8, config.quantization or "from the checkpoint",
-                        str(self.dtype).removeprefix("torch."))
+            logger.info("W8A8 int8: %d linears of this rank (quantization %s); the embedding stays %s",
+                        int8, config.quantization or "from the checkpoint", str(self.dtype).removeprefix("torch."))
         prepare_model(self.model, self.device, self.dtype)
         # LoRA wraps the projections' chosen methods; off (None), the model carries no trace of it.
         lora = config.lora_config

@@ -41,11 +41,14 @@ W8A8_CONFIG: dict[str, Any] = {
 
 def write_w8a8(float_dir: Path, out: Path, scale_dtype: torch.dtype = torch.float32,
                config: dict[str, Any] | None = None, zero_points: bool = False) -> Path:
-    """``float_dir``'s checkpoint with every projection as int8 codes and per-channel scales (quantize_weight)."""
+    """``float_dir``'s checkpoint with every projection (and an untied lm_head the config does not ignore) as int8
+    codes and per-channel scales (quantize_weight)."""
     shutil.copytree(float_dir, out)
     tensors = load_file(str(out / "model.safetensors"))
+    cfg_ignore = (W8A8_CONFIG if config is None else config).get("ignore") or []
     for name in list(tensors):
-        if name.endswith(".weight") and name.split(".")[-2] in _PROJ:
+        quantized = name.split(".")[-2] in _PROJ or (name == "lm_head.weight" and "lm_head" not in cfg_ignore)
+        if name.endswith(".weight") and quantized:
             weight = quantize_weight(tensors[name])
             tensors[name] = weight.qweight
             tensors[name + "_scale"] = weight.scale.to(scale_dtype).unsqueeze(1)
@@ -76,6 +79,7 @@ def test_checkpoint_loads_its_int8_weights_exactly_as_w8a8_quantizes_the_floats(
     loaded = load_model(str(w8a8_dir), torch.float32)   # detected: no quantization given
     dynamic = _int8(load_model(str(float_dir), torch.float32, quantization="w8a8"))
     got = _int8(loaded)
+    del dynamic["lm_head"]   # --quantization w8a8 quantizes the lm_head too; this checkpoint's ignores it
     assert len(got) == 16 and got.keys() == dynamic.keys()
     for name, weight in got.items():
         assert torch.equal(weight.qweight, dynamic[name].qweight) and torch.equal(weight.scale, dynamic[name].scale)
@@ -114,8 +118,12 @@ def test_tensor_parallel_ranks_read_their_shard_of_weights_and_scales(tmp_path: 
         assert torch.equal(got["layers.0.self_attn.o_proj"].scale, stored[o + "_scale"][:, 0])
 
 
-def test_greedy_tokens_through_llm_match_the_dynamic_path(checkpoints: tuple[Path, Path]) -> None:
-    float_dir, w8a8_dir = checkpoints
+def test_greedy_tokens_through_llm_match_the_dynamic_path(tmp_path: Path) -> None:
+    # Untied Llama with an int8 lm_head in the file: the layers --quantization w8a8 quantizes. (A tied lm_head is the
+    # embedding table, which a compressed-tensors checkpoint keeps float while w8a8 gives it an int8 copy.)
+    float_dir = write_checkpoint("llama", tmp_path / "float")
+    w8a8_dir = write_w8a8(float_dir, tmp_path / "w8a8", config={**W8A8_CONFIG, "ignore": []})
+    assert load_model(str(w8a8_dir), torch.float32).int8_linears == 17
     prompts = [[5, 9, 17, 33, 65], [7, 3, 101, 44]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = []

@@ -62,23 +62,22 @@ def _int8_of(model: CausalLM) -> dict[str, Int8Weight]:
     return {name: m.int8 for name, m in model.named_modules() if isinstance(m, Linear) and m.int8 is not None}
 
 
-def test_w8a8_quantizes_every_projection_and_keeps_lm_head_and_embeddings(checkpoint: Path) -> None:
+def test_w8a8_quantizes_every_projection_and_the_lm_head_not_the_embedding(checkpoint: Path) -> None:
     float_model = load_model(str(checkpoint), torch.float32)
     model = load_model(str(checkpoint), torch.float32, quantization="w8a8")
     int8 = _int8_of(model)
-    assert model.int8_linears == PROJECTIONS == len(int8)
-    assert all(".self_attn." in n or ".mlp." in n for n in int8)
+    assert model.int8_linears == PROJECTIONS + 1 == len(int8)
+    assert all(".self_attn." in n or ".mlp." in n or n == "lm_head" for n in int8)
     for name, weight in int8.items():   # each is quantize_weight of the float weight, the fused layout included
         expected = quantize_weight(float_model.get_submodule(name).weight)
         assert torch.equal(weight.qweight, expected.qweight) and torch.equal(weight.scale, expected.scale)
-        assert model.get_submodule(name).weight is None   # freed as it went
+        layer = model.get_submodule(name)
+        assert (layer.weight is None) != layer.shares_weight   # freed as it went, unless the embedding's (tied)
     assert model.lm_head is not None and model.embed_tokens is not None
-    assert model.lm_head.int8 is None and model.lm_head.weight.dtype == torch.float32
     torch.testing.assert_close(model.embed_tokens.weight, float_model.embed_tokens.weight, rtol=0, atol=0)
     prepare(model, torch.float32)
     methods = linear_methods(model)
-    assert sum(n for name, n in methods.items() if "W8A8" in name) == PROJECTIONS
-    assert sum(methods.values()) == PROJECTIONS + 1   # and the lm_head, in float
+    assert sum(n for name, n in methods.items() if "W8A8" in name) == sum(methods.values()) == PROJECTIONS + 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -115,12 +114,17 @@ def test_w8a8_model_equals_a_forward_on_the_reference_arithmetic(checkpoint: Pat
 def test_each_tensor_parallel_rank_quantizes_its_shard(tmp_path: Path) -> None:
     path = write_checkpoint("llama", tmp_path)
     whole = _int8_of(load_model(str(path), torch.float32, quantization="w8a8"))
-    ranks = [_int8_of(load_model(str(path), torch.float32, "cpu", ParallelContext(tp_size=2, rank=r),
-                                       quantization="w8a8"))
-             for r in range(2)]
+    models = [load_model(str(path), torch.float32, "cpu", ParallelContext(tp_size=2, rank=r), quantization="w8a8")
+              for r in range(2)]
+    ranks = [_int8_of(m) for m in models]
     float_model = load_model(str(path), torch.float32)
     for r, shard in enumerate(ranks):
-        assert len(shard) == PROJECTIONS
+        assert len(shard) == PROJECTIONS + 1
+        # The vocabulary-parallel lm_head: its rows, quantized as in the whole model.
+        plan = models[r].plan
+        held = slice(plan.vocab_start, plan.vocab_start + plan.vocab_held)
+        assert torch.equal(shard["lm_head"].qweight[:plan.vocab_held], whole["lm_head"].qweight[held])
+        assert torch.equal(shard["lm_head"].scale[:plan.vocab_held], whole["lm_head"].scale[held])
         # A column-parallel shard's rows are quantized as in the whole model (one scale per row either way).
         gate_up = shard["layers.0.mlp.gate_up_proj"]
         rows = torch.cat([torch.arange(r * 64, r * 64 + 64), torch.arange(128 + r * 64, 128 + r * 64 + 64)])
