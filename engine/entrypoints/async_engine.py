@@ -15,9 +15,10 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -77,6 +78,9 @@ class _Add:
     group: OutputGroup
     done: Future[None]
     lora_request: LoRARequest | None = None
+    # When the request reached the engine (time.monotonic), not when its thread took it after the step running
+    # then: the metrics' queue time and TTFT start here, as vLLM's start at its frontend.
+    arrival_time: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -294,7 +298,7 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
-                                      lora_request=cmd.lora_request)
+                                      lora_request=cmd.lora_request, arrival_time=cmd.arrival_time)
             except BaseException as e:
                 cmd.done.set_exception(e)
             else:

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,27 @@ def test_stream_ends_with_one_terminal_output_and_early_exit_aborts(engine: Asyn
     reasons, free_minus_total = asyncio.run(run())
     assert reasons[-1] is FinishReason.LENGTH and all(r is None for r in reasons[:-1])
     assert free_minus_total == 0
+
+
+def test_a_request_arrives_when_submitted_not_when_the_busy_engine_thread_takes_it(engine: AsyncEngine) -> None:
+    # The engine thread is busy (a 0.3 s call standing in for a long step) when the request comes: its queue time
+    # and TTFT count that wait, as a client sees it (vLLM's clocks start at its frontend too).
+    async def run() -> tuple[float, float, Any]:
+        busy = asyncio.ensure_future(engine.call(lambda core: time.sleep(0.3)))
+        await asyncio.sleep(0.05)   # the call is running on the engine thread
+        submitted = time.monotonic()
+        times = None
+        async for out in engine.generate("late", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2,
+                                                                            ignore_eos=True)):
+            times = out.times if out.times is not None else times
+        await busy
+        return submitted, time.monotonic(), times
+
+    submitted, ended, times = asyncio.run(run())
+    assert times is not None and times.first_scheduled is not None and times.first_token is not None
+    assert submitted <= times.arrival < submitted + 0.05          # stamped when submitted
+    assert times.first_scheduled - times.arrival >= 0.2          # then waited for the busy thread
+    assert times.first_token <= ended
 
 
 def test_a_step_reaches_the_event_loop_once_for_all_its_requests(engine: AsyncEngine,
