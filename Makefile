@@ -61,7 +61,7 @@ kernels: $(STAMP)
 # Lint and the kernel builds in parallel (each mypy run holds one core), then the tests alone.
 test: $(STAMP) $(NODE_DEPS)
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint kernels
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 
 clean:
 	rm -rf $(VENV)
