@@ -15,9 +15,11 @@ kernel's output and SDPA's is reported too. Needs a CPU with one of the kernels.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,14 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         keys = cache[0][tables].reshape(n, per_seq * bs, hkv, d)[:, :length].transpose(1, 2).contiguous()
         values = cache[1][tables].reshape(n, per_seq * bs, hkv, d)[:, :length].transpose(1, 2).contiguous()
         q4 = query.view(n, length, hq, d).transpose(1, 2)
-        paths = {
+        paths: dict[str, Callable[[], torch.Tensor]] = {
             "sdpa": lambda q4=q4, keys=keys, values=values, query=query: F.scaled_dot_product_attention(
                 q4, keys, values, is_causal=True, scale=d ** -0.5,
                 enable_gqa=True).transpose(1, 2).reshape(query.shape),
         }
         for name, kernel in kernels.items():
-            paths[name] = lambda kernel=kernel, query=query, cache=cache, tables=tables, starts=starts, lens=lens: (
-                kernel(query, cache, tables, starts, lens, d ** -0.5))
+            paths[name] = functools.partial(kernel, query, cache, tables, starts, lens, d ** -0.5)
         expected = paths["sdpa"]().float()
         diffs = {name: (paths[name]().float() - expected).abs().max().item() for name in kernels}
         times = alternate(paths, ns.rounds)

@@ -1,4 +1,5 @@
-"""benchmarks/prefill_attention.py end to end on small shapes (AMX or AVX512-BF16 CPUs; elsewhere it says it cannot run)."""
+"""benchmarks/prefill_attention.py end to end on small shapes (AMX or AVX512-BF16 CPUs; elsewhere it says it
+cannot run)."""
 from __future__ import annotations
 
 import json
