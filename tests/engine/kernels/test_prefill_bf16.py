@@ -9,7 +9,7 @@ import torch
 
 from engine.attention.backend import kv_cache_shape
 from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.kernels import cpu_ops
+from engine.kernels import cpu_ops, portable_cpu_ops
 
 
 def _bf16_ops() -> Any:  # the -march=native build on an AVX512-BF16 CPU, or skip
@@ -112,3 +112,14 @@ def test_cpu_backend_picks_the_bf16_prefill_kernel_without_amx() -> None:
         pytest.skip("an AMX CPU takes the AMX prefill kernel")
     assert CpuAttentionBackend(ops).prefill_kernel is ops.bf16_prefill_attention
     assert CpuAttentionBackend(ops, prefill_kernel=False).prefill_kernel is None
+
+
+def test_portable_build_has_no_bf16_prefill_kernel() -> None:
+    # Built without AVX512-BF16 (-march=x86-64): it says so, refuses to run, and the backend keeps SDPA.
+    ops = portable_cpu_ops()
+    assert not ops.has_bf16_attention() and not ops.has_amx_attention()
+    assert CpuAttentionBackend(ops).prefill_kernel is None
+    with pytest.raises(RuntimeError, match="built without AVX512-BF16"):
+        ops.bf16_prefill_attention(torch.zeros(3, 2, 64, dtype=torch.bfloat16),
+                                   torch.zeros(kv_cache_shape(4, 16, 1, 64), dtype=torch.bfloat16),
+                                   torch.tensor([[0, 1]]), torch.tensor([0, 3]), torch.tensor([3]), 0.125)
