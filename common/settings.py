@@ -7,7 +7,7 @@ variable              meaning                                        the setting
 ====================  =============================================  ==========================================
 SLUICE_CPU_KERNELS    0: no compiled kernels, no oneDNN packing      ``engine.config.KernelSettings.cpu_kernels``
 SLUICE_AMX_LINEAR     0: bfloat16 decode linears stay on oneDNN      ``KernelSettings.amx_linear``
-SLUICE_AMX_PREFILL    0: SDPA instead of the AMX prefill kernel      ``KernelSettings.amx_prefill``
+SLUICE_AMX_PREFILL    0: SDPA, no prefill kernel (AMX/AVX512-BF16)   ``KernelSettings.amx_prefill``
 SLUICE_QUANT_MAX_ROWS most rows a step runs on GGUF blocks           ``KernelSettings.quant_max_rows``
 SLUICE_KV_HUGE_PAGES  0: no MADV_HUGEPAGE on the CPU KV cache         ``KernelSettings.kv_huge_pages``
 SLUICE_MALLOC_TUNING  0: glibc's malloc thresholds left alone        ``KernelSettings.malloc_tuning``

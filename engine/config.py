@@ -74,7 +74,7 @@ class KernelSettings:
     ================  ========================  ==============================================================
     cpu_kernels       SLUICE_CPU_KERNELS        0: no compiled kernels, no oneDNN packing (F.linear, SDPA)
     amx_linear        SLUICE_AMX_LINEAR         0: bfloat16 decode-sized linears stay on oneDNN (no tile copies)
-    amx_prefill       SLUICE_AMX_PREFILL        0: bfloat16 prefills run SDPA instead of the AMX kernel
+    amx_prefill       SLUICE_AMX_PREFILL        0: SDPA, not the prefill kernel (AMX or AVX512-BF16)
     quant_max_rows    SLUICE_QUANT_MAX_ROWS     most rows a step runs on GGUF blocks (0: never; unset: dtype's)
     kv_huge_pages     SLUICE_KV_HUGE_PAGES      0: no MADV_HUGEPAGE on the CPU KV cache
     malloc_tuning     SLUICE_MALLOC_TUNING      0: leave glibc's malloc thresholds as they are

@@ -50,7 +50,8 @@ class TorchAttentionBackend(AttentionBackend):
     decode row per token, where no prefill kernel takes them; ``kv_writer`` (``cpu_ops.write_kv_cache``)
     replaces ``write_kv_cache``'s two ``index_copy_`` calls with row copies when keys and values already have
     the cache's dtype; ``prefill_kernel``
-    (``cpu_ops.paged_prefill_attention``, CPUs with AMX) runs every prefill sequence of a step, with or
+    (``cpu_ops.paged_prefill_attention`` on CPUs with AMX, ``bf16_prefill_attention`` on AVX512-BF16 without it)
+    runs every prefill sequence of a step, with or
     without cached context, in one call over the cache when query and cache are bfloat16 and blocks hold whole
     16-row tiles.
     """

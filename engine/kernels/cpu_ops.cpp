@@ -1086,6 +1086,295 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& query, const torch::T
 #endif
 }
 
+// bf16_prefill_attention: paged_prefill_attention's operator for CPUs with AVX512-BF16 but no AMX (AMD Zen 4/5).
+// A flash-attention loop per work item (a sequence, a kv head, the `group` query heads of that kv head at up to
+// kBf16Positions consecutive positions: rows r = position * group + head): 64 keys at a time, scores by
+// vdpbf16ps (query dimension pairs broadcast against 16 keys' pairs, packed once per sequence and kv head, so
+// no horizontal sums), an online softmax in float32 (exp_clamped16), and P V by float32 FMAs of the exact
+// probabilities with the values widened from the cache rows (as many instructions as the two bfloat16 halves of
+// P that the AMX kernel multiplies, and no rounding of P).
+namespace {
+
+#if defined(SLUICE_AVX512) && defined(__AVX512BF16__)
+#define SLUICE_BF16_PREFILL 1
+
+constexpr int64_t kBf16KeyChunk = 64;  // keys per flash step
+constexpr int64_t kBf16Rows = 48;      // query rows per work item (positions x group), before padding
+constexpr int64_t kBf16RowPad = 24;    // rows are padded to a multiple: the score (8) and value (6, 3) blocks
+
+// s[r * s_stride + t] = scale * q_r . k_t for NR rows and the 32 keys of two packed 16-key chunks: kp holds
+// [pair][16 keys] 32-bit lanes (dimensions 2p, 2p + 1 of each key), q[r] a query row's dimension pairs.
+template <int NR>
+inline void bf16_scores32(const uint32_t* const* q, const uint32_t* kp, int64_t pairs, float* s, int64_t s_stride,
+                          __m512 scale) {
+  __m512 a0[NR], a1[NR];
+  for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  const uint32_t* kp1 = kp + pairs * 16;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + p * 16);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp1 + p * 16);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][p]));
+      a0[r] = _mm512_dpbf16_ps(a0[r], qb, k0);
+      a1[r] = _mm512_dpbf16_ps(a1[r], qb, k1);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    _mm512_storeu_ps(s + r * s_stride, _mm512_mul_ps(a0[r], scale));
+    _mm512_storeu_ps(s + r * s_stride + 16, _mm512_mul_ps(a1[r], scale));
+  }
+}
+
+// o[r] = o[r] * alpha[r] + sum_t p[r][t] v_t for RV rows (o rows `head_dim` floats apart, p rows `p_stride`)
+// over n keys whose value rows (bfloat16, NV x 16 dimensions) are at v[t].
+template <int RV, int NV>
+inline void bf16_values(const float* p, int64_t p_stride, const at::BFloat16* const* v, int64_t n,
+                        const float* alpha, float* o, int64_t head_dim) {
+  __m512 acc[RV][NV];
+  for (int r = 0; r < RV; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + r * head_dim + 16 * j), a);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load16(v[t] + 16 * j);
+    for (int r = 0; r < RV; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * p_stride + t]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(w, vv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < RV; ++r)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + r * head_dim + 16 * j, acc[r][j]);
+}
+
+// P V over all `rows` (a multiple of kBf16RowPad) for head_dim 32, 64, 96 or 128.
+inline void bf16_values_rows(const float* p, int64_t p_stride, const at::BFloat16* const* v, int64_t n,
+                             const float* alpha, float* o, int64_t rows, int64_t head_dim) {
+  for (int64_t r = 0; r < rows;) {
+    switch (head_dim) {
+      case 32: bf16_values<8, 2>(p + r * p_stride, p_stride, v, n, alpha + r, o + r * head_dim, head_dim); r += 8; break;
+      case 64: bf16_values<6, 4>(p + r * p_stride, p_stride, v, n, alpha + r, o + r * head_dim, head_dim); r += 6; break;
+      case 96: bf16_values<4, 6>(p + r * p_stride, p_stride, v, n, alpha + r, o + r * head_dim, head_dim); r += 4; break;
+      default: bf16_values<3, 8>(p + r * p_stride, p_stride, v, n, alpha + r, o + r * head_dim, head_dim); r += 3; break;
+    }
+  }
+}
+
+struct Bf16PrefillScratch {
+  std::vector<float> s, o, m, l, alpha;
+  std::vector<const uint32_t*> q;
+  std::vector<const at::BFloat16*> v;
+  std::vector<uint32_t> zeros;  // the padding rows' query
+};
+
+// Packs the keys 0..len of one sequence and kv head as [16-key chunk][pair][16] 32-bit lanes (dimensions 2p,
+// 2p + 1 of each key), zero past len, chunks up to a multiple of 32 keys. 16 keys never straddle a block.
+void bf16_pack_keys(const at::BFloat16* keys, const int64_t* table, int64_t len, int64_t h, int64_t head_dim,
+                    int64_t block_size, int64_t token_stride, int64_t block_stride, uint32_t* kp) {
+  const int64_t pairs = head_dim / 2, chunks = (len + 31) / 32 * 2;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int32_t>(token_stride / 2)));
+  for (int64_t c = 0; c < chunks; ++c, kp += pairs * 16) {
+    const int64_t key = 16 * c, count = std::clamp<int64_t>(len - key, 0, 16);
+    if (count == 0) {
+      std::memset(kp, 0, pairs * 16 * sizeof(uint32_t));
+      continue;
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << count) - 1);
+    const auto* row = reinterpret_cast<const int*>(keys + table[key / block_size] * block_stride +
+                                                   (key % block_size) * token_stride + h * head_dim);
+    for (int64_t p = 0; p < pairs; ++p)
+      _mm512_storeu_si512(kp + p * 16, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, row + p, 4));
+  }
+}
+
+// One work item: query rows r = j * group + g (position p0 + j, query head h * group + g) for j < positions,
+// over keys 0..p0 + positions - 1 of kv head h. out rows as the query's.
+void bf16_prefill_item(const at::BFloat16* query, int64_t q_row0, int64_t n_heads, const uint32_t* kp,
+                       const at::BFloat16* values, const int64_t* table, int64_t p0, int64_t positions, int64_t h,
+                       int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride,
+                       int64_t block_stride, float scale, at::BFloat16* out, Bf16PrefillScratch& s) {
+  const int64_t real = positions * group, rows = (real + kBf16RowPad - 1) / kBf16RowPad * kBf16RowPad;
+  const int64_t last = p0 + positions - 1, pairs = head_dim / 2;
+  s.s.resize(rows * kBf16KeyChunk);
+  s.o.assign(rows * head_dim, 0.f);
+  s.m.assign(rows, -std::numeric_limits<float>::infinity());
+  s.l.assign(rows, 0.f);
+  s.alpha.resize(rows);
+  s.q.resize(rows);
+  s.v.resize(kBf16KeyChunk);
+  s.zeros.assign(pairs, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    s.q[r] = r < real ? reinterpret_cast<const uint32_t*>(
+                            query + ((q_row0 + r / group) * n_heads + h * group + r % group) * head_dim)
+                      : s.zeros.data();
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  float* sc = s.s.data();
+  for (int64_t k0 = 0; k0 <= last; k0 += kBf16KeyChunk) {
+    const int64_t n = std::min<int64_t>(kBf16KeyChunk, last + 1 - k0);  // keys of this step
+    const int64_t n32 = (n + 31) / 32 * 32;
+    for (int64_t c = 0; c < n32; c += 32) {
+      const uint32_t* k = kp + (k0 + c) / 16 * pairs * 16;
+      for (int64_t r = 0; r < rows; r += 8)
+        bf16_scores32<8>(s.q.data() + r, k, pairs, sc + r * kBf16KeyChunk + c, kBf16KeyChunk, vscale);
+    }
+    // The online softmax: each row's keys past its position (and past the step's n) masked out.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = r < real ? p0 + r / group : last;
+      float* row = sc + r * kBf16KeyChunk;
+      __m512 mx = minus_inf;
+      __mmask16 vis[kBf16KeyChunk / 16];
+      for (int64_t c = 0; c < n32; c += 16) {
+        vis[c / 16] = _mm512_cmp_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(k0 + c))),
+                                            _mm512_set1_epi32(static_cast<int32_t>(pos)), _MM_CMPINT_LE);
+        mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(minus_inf, vis[c / 16], _mm512_loadu_ps(row + c)));
+      }
+      const float m_old = s.m[r], m_new = std::max(m_old, _mm512_reduce_max_ps(mx));
+      if (m_new == -std::numeric_limits<float>::infinity()) {  // sees none of these keys (nor earlier: never)
+        s.alpha[r] = 1.f;
+        for (int64_t c = 0; c < n32; c += 16) _mm512_storeu_ps(row + c, _mm512_setzero_ps());
+        continue;
+      }
+      const __m512 shift = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < n32; c += 16) {
+        const __m512 e = _mm512_maskz_mov_ps(vis[c / 16], exp_clamped16(_mm512_sub_ps(_mm512_loadu_ps(row + c), shift)));
+        _mm512_storeu_ps(row + c, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m_old - m_new);
+      s.alpha[r] = alpha;
+      s.m[r] = m_new;
+      s.l[r] = s.l[r] * alpha + _mm512_reduce_add_ps(sum);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t key = k0 + t;
+      s.v[t] = values + table[key / block_size] * block_stride + (key % block_size) * token_stride + h * head_dim;
+    }
+    bf16_values_rows(sc, kBf16KeyChunk, s.v.data(), n, s.alpha.data(), s.o.data(), rows, head_dim);
+  }
+  for (int64_t r = 0; r < real; ++r) {
+    const float inv = 1.f / s.l[r];
+    float* o = s.o.data() + r * head_dim;
+    for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(inv)));
+    store_row(o, out + ((q_row0 + r / group) * n_heads + h * group + r % group) * head_dim, head_dim);
+  }
+}
+#endif
+
+}  // namespace
+
+// Whether this build and CPU run bf16_prefill_attention: built with AVX512-BF16 (-march=native on such a CPU)
+// and the CPU reports it.
+bool has_bf16_attention() {
+#ifdef SLUICE_BF16_PREFILL
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// paged_prefill_attention's operator and arguments on AVX512-BF16 (see bf16_prefill_item): query [T, Hq, D]
+// bfloat16, the tokens of sequence i at rows query_start[i]..query_start[i + 1] and positions seq_lens[i] - n_i..,
+// their keys and values already in the cache (block_tables[i]). Returns [T, Hq, D]. Needs has_bf16_attention(),
+// block_size % 16 == 0 and head_dim a multiple of 32 up to 128.
+torch::Tensor bf16_prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache,
+                                     const torch::Tensor& block_tables, const torch::Tensor& query_start,
+                                     const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "bf16_prefill_attention: CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16,
+              "bf16_prefill_attention: bfloat16 query and KV cache");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong, "bf16_prefill_attention: int64 tables, starts and lengths");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 && block_tables.dim() == 2 &&
+                  query_start.dim() == 1 && seq_lens.dim() == 1, "bf16_prefill_attention: bad ranks");
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
+                  query_start.is_contiguous() && seq_lens.is_contiguous(),
+              "bf16_prefill_attention: contiguous tensors only");
+  const int64_t tokens = query.size(0), n_heads = query.size(1), head_dim = query.size(2);
+  const int64_t n_blocks = kv_cache.size(1), block_size = kv_cache.size(2), n_kv_heads = kv_cache.size(3);
+  const int64_t n_seqs = seq_lens.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(kv_cache.size(4) == head_dim, "bf16_prefill_attention: head_dim differs");
+  TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "bf16_prefill_attention: Hq % Hkv != 0");
+  TORCH_CHECK(block_size % 16 == 0 && head_dim % 32 == 0 && head_dim <= 128,
+              "bf16_prefill_attention: block_size % 16 == 0 and head_dim a multiple of 32 up to 128");
+  TORCH_CHECK(block_tables.size(0) == n_seqs && query_start.size(0) == n_seqs + 1,
+              "bf16_prefill_attention: one block table and length per sequence, n + 1 starts");
+#ifdef SLUICE_BF16_PREFILL
+  TORCH_CHECK(has_bf16_attention(), "bf16_prefill_attention: this CPU lacks AVX512-BF16");
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[n_seqs] == tokens, "bf16_prefill_attention: starts must run 0..tokens");
+  const int64_t group = n_heads / n_kv_heads;
+  std::vector<int64_t> kp_offset(n_seqs + 1, 0);
+  for (int64_t i = 0; i < n_seqs; ++i) {  // validate before any thread reads through them
+    const int64_t n = starts[i + 1] - starts[i];
+    TORCH_CHECK(n >= 1 && lens[i] >= n && lens[i] <= max_blocks * block_size,
+                "bf16_prefill_attention: bad query_start or seq_len");
+    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
+      const int64_t id = tables[i * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < n_blocks, "bf16_prefill_attention: block id out of range");
+    }
+  }
+  const auto per_head = [&](int64_t i) { return (lens[i] + 31) / 32 * 32 * (head_dim / 2); };
+  for (int64_t i = 0; i < n_seqs; ++i) kp_offset[i + 1] = kp_offset[i] + n_kv_heads * per_head(i);
+  const int64_t token_stride = n_kv_heads * head_dim, block_stride = block_size * token_stride;
+  const auto* keys = kv_cache.data_ptr<at::BFloat16>();
+  const at::BFloat16* values = keys + n_blocks * block_stride;
+  std::vector<uint32_t> kp(kp_offset[n_seqs]);
+  // The keys of every (sequence, kv head) packed once: every query row of the group and every tile reads them.
+  at::parallel_for(0, n_seqs * n_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / n_kv_heads, h = item % n_kv_heads;
+      bf16_pack_keys(keys, tables + i * max_blocks, lens[i], h, head_dim, block_size, token_stride, block_stride,
+                     kp.data() + kp_offset[i] + h * per_head(i));
+    }
+  });
+  // Work items: kBf16Rows query rows (positions x group) of one kv head; the last tiles of a sequence (the most
+  // keys) first, taken from a shared counter so that threads even out when one is slowed.
+  const int64_t positions = std::max<int64_t>(1, kBf16Rows / group);
+  struct Item {
+    int64_t seq, head, tile;
+  };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < n_seqs; ++i) {
+    const int64_t tiles = (starts[i + 1] - starts[i] + positions - 1) / positions;
+    for (int64_t t = tiles - 1; t >= 0; --t)
+      for (int64_t h = 0; h < n_kv_heads; ++h) items.push_back({i, h, t});
+  }
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    return lens[a.seq] - (starts[a.seq + 1] - starts[a.seq]) + a.tile * positions >
+           lens[b.seq] - (starts[b.seq + 1] - starts[b.seq]) + b.tile * positions;
+  });
+  auto out = torch::empty_like(query);
+  auto* o = out.data_ptr<at::BFloat16>();
+  const auto* q = query.data_ptr<at::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t, int64_t) {
+    Bf16PrefillScratch scratch;
+    for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < n_items;
+         k = next.fetch_add(1, std::memory_order_relaxed)) {
+      const Item& it = items[k];
+      const int64_t n = starts[it.seq + 1] - starts[it.seq], ctx = lens[it.seq] - n;
+      const int64_t first = starts[it.seq] + positions * it.tile;
+      const int64_t valid = std::min<int64_t>(positions, n - positions * it.tile);
+      bf16_prefill_item(q, first, n_heads, kp.data() + kp_offset[it.seq] + it.head * per_head(it.seq), values,
+                        tables + it.seq * max_blocks, ctx + positions * it.tile, valid, it.head, group, head_dim,
+                        block_size, token_stride, block_stride, fscale, o, scratch);
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "bf16_prefill_attention: built without AVX512-BF16");
+#endif
+}
+
 namespace {
 
 void check_rows(const torch::Tensor& x, const char* name) {
@@ -1465,6 +1754,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged decode attention over a [2, blocks, block_size, kv_heads, head_dim] KV cache (CPU)");
   m.def("paged_prefill_attention", &paged_prefill_attention, release(),
         "Causal prefill attention over a bfloat16 [2, blocks, block_size, kv_heads, head_dim] KV cache (CPU, AMX)");
+  m.def("bf16_prefill_attention", &bf16_prefill_attention, release(),
+        "paged_prefill_attention on AVX512-BF16 without AMX: causal prefill attention over the paged cache");
+  m.def("has_bf16_attention", &has_bf16_attention, "Whether bf16_prefill_attention runs here (AVX512-BF16 build and CPU)");
   m.def("has_amx_attention", &has_amx_attention, "Whether bfloat16 decode attention can use AMX tiles here");
   m.def("set_amx_attention", &set_amx_attention,
         "Allow (default) or forbid AMX in bfloat16 decode attention; returns the previous setting");

@@ -50,5 +50,10 @@ def test_cpu_backend_takes_the_kernels_it_is_given() -> None:
     assert ops is not None
     backend = CpuAttentionBackend(ops)
     assert backend.decode_kernel is ops.paged_decode_attention and backend.kv_writer is ops.write_kv_cache
-    assert (backend.prefill_kernel is not None) == bool(ops.has_amx_attention())
+    if ops.has_amx_attention():
+        assert backend.prefill_kernel is ops.paged_prefill_attention
+    elif ops.has_bf16_attention():  # AVX512-BF16 without AMX
+        assert backend.prefill_kernel is ops.bf16_prefill_attention
+    else:
+        assert backend.prefill_kernel is None
     assert CpuAttentionBackend(ops, prefill_kernel=False).prefill_kernel is None  # SLUICE_AMX_PREFILL=0

@@ -213,12 +213,12 @@ def test_bfloat16_cpu_kernels_stay_as_close_to_float32_as_transformers_bfloat16(
 
 
 def test_long_bfloat16_prefills_on_the_amx_kernel_stay_as_close_as_transformers_bfloat16(tmp_path: Path) -> None:
-    # Prefills that see >= 256 keys on average run the AMX prefill kernel (CPUs with AMX): a fresh 300-token
+    # Prefills that see >= 256 keys on average run the prefill kernel (AMX, or AVX512-BF16): a fresh 300-token
     # prompt beside a 280-token one, then 40 more tokens after each (a chunk over 300 / 280 cached keys). The
     # last positions' logits stay as close to transformers' float32 as transformers' own bfloat16 run.
     from engine.kernels import cpu_ops
-    if cpu_ops() is None or not cpu_ops().has_amx_attention():
-        pytest.skip("needs a CPU with AMX-BF16 (and the CPU kernels built)")
+    if cpu_ops() is None or not (cpu_ops().has_amx_attention() or cpu_ops().has_bf16_attention()):
+        pytest.skip("needs a CPU with AMX-BF16 or AVX512-BF16 (and the CPU kernels built)")
     torch.manual_seed(0)
     config = LlamaConfig(**{**_COMMON, "hidden_size": 128, "max_position_embeddings": 512},
                          tie_word_embeddings=False)  # 4 heads of 32, 2 kv heads
