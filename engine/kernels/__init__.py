@@ -13,8 +13,8 @@ one. When anything fails (no compiler, no ninja), the engine logs why and runs t
 
 This package is a leaf: it builds and loads the kernels and imports nothing else of the engine. Whether they are
 used is decided once per engine by the CPU device from ``KernelSettings`` (``SLUICE_CPU_KERNELS=0`` turns all
-of it off, ``SLUICE_AMX_LINEAR=0`` / ``SLUICE_AMX_PREFILL=0`` the AMX kernels, ``SLUICE_INT8_VNNI=0`` oneDNN's int8
-GEMM).
+of it off, ``SLUICE_AMX_LINEAR=0`` the AMX linears, ``SLUICE_AMX_PREFILL=0`` the prefill attention kernels (AMX
+and AVX512-BF16), ``SLUICE_INT8_VNNI=0`` oneDNN's int8 GEMM).
 """
 from __future__ import annotations
 
