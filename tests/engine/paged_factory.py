@@ -84,3 +84,32 @@ class PagedKV:
             backend=self.backend,
         )
         return Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), meta)
+
+
+def nan_padded_cache(gen: torch.Generator, lens: list[int], n_blocks: int, block_size: int, hkv: int,
+                     d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random bfloat16 cache and block tables (blocks scattered at random) for sequences of ``lens`` tokens;
+    every slot no sequence owns is NaN, so a kernel that reads past a sequence's end shows it."""
+    per_seq = (max(lens) + block_size - 1) // block_size
+    cache = torch.randn(kv_cache_shape(n_blocks, block_size, hkv, d), generator=gen).bfloat16()
+    tables = torch.randperm(n_blocks, generator=gen)[:len(lens) * per_seq].view(len(lens), per_seq)
+    used = torch.zeros(n_blocks, block_size, dtype=torch.bool)
+    for n, length in enumerate(lens):
+        for t in range(length):
+            used[tables[n, t // block_size], t % block_size] = True
+    cache[:, ~used] = float("nan")
+    return cache, tables
+
+
+def dense_causal_attention(query: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, context: int, new: int,
+                           group: int, dtype: torch.dtype) -> torch.Tensor:
+    """One sequence's prefill attention computed densely in ``dtype``: its ``new`` query rows [new, H, d] at
+    positions ``context``.. over its ``context + new`` keys read through ``table`` (H = KV heads × ``group``)."""
+    length = context + new
+    hkv, d = cache.shape[-2], cache.shape[-1]
+    keys = cache[0][table].reshape(-1, hkv, d)[:length].to(dtype).repeat_interleave(group, dim=1)
+    values = cache[1][table].reshape(-1, hkv, d)[:length].to(dtype).repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,lhd->hql", query.to(dtype), keys) * d ** -0.5
+    visible = torch.arange(length)[None, :] <= torch.arange(context, length)[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hql,lhd->qhd", probs, values)

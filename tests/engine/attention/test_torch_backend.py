@@ -12,7 +12,7 @@ import torch
 from engine.attention.backend import kv_cache_shape
 from engine.attention.torch_backend import ROWS_MAX_QUERY, TorchAttentionBackend, write_kv_cache
 from engine.kernels import cpu_ops, portable_cpu_ops
-from tests.engine.paged_factory import PagedKV
+from tests.engine.paged_factory import PagedKV, dense_causal_attention, nan_padded_cache
 
 
 @pytest.fixture(params=["torch", "kernel", "portable-kernel"])
@@ -327,21 +327,6 @@ def _native_ops():  # the -march=native build, or skip
     return ops
 
 
-def _nan_padded_cache(gen: torch.Generator, lens: list[int], n_blocks: int, block_size: int, hkv: int,
-                      d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random bfloat16 cache and block tables (blocks scattered at random) for sequences of ``lens`` tokens;
-    every slot no sequence owns is NaN, so a kernel that reads past a sequence's end shows it."""
-    per_seq = (max(lens) + block_size - 1) // block_size
-    cache = torch.randn(kv_cache_shape(n_blocks, block_size, hkv, d), generator=gen).bfloat16()
-    tables = torch.randperm(n_blocks, generator=gen)[:len(lens) * per_seq].view(len(lens), per_seq)
-    used = torch.zeros(n_blocks, block_size, dtype=torch.bool)
-    for n, length in enumerate(lens):
-        for t in range(length):
-            used[tables[n, t // block_size], t % block_size] = True
-    cache[:, ~used] = float("nan")
-    return cache, tables
-
-
 @pytest.mark.parametrize("lens", [[1, 17, 70], [1, 15, 16, 17, 31, 33, 64, 70, 100]], ids=["per-head", "per-seq"])
 @pytest.mark.parametrize("hkv, group, d, block_size", [(3, 3, 64, 16), (5, 3, 64, 16), (4, 2, 128, 16),
                                                        (9, 1, 64, 32), (2, 4, 128, 32), (1, 8, 64, 16),
@@ -355,7 +340,7 @@ def test_amx_decode_matches_the_vector_loops(hkv: int, group: int, d: int, block
     # (SmolLM2's shape), 3 + 2 of 5, 2 + 2 of 4 at head_dim 128, 8 + 1 of 9; the other shapes per kv head.
     ops = _native_ops()
     gen = torch.Generator().manual_seed(hkv * 1000 + group * 10 + d)
-    cache, tables = _nan_padded_cache(gen, lens, 64, block_size, hkv, d)
+    cache, tables = nan_padded_cache(gen, lens, 64, block_size, hkv, d)
     query = torch.randn(len(lens), hkv * group, d, generator=gen).bfloat16()
     seq_lens = torch.tensor(lens)
     assert ops.set_amx_attention(False) is True  # on by default
@@ -386,21 +371,15 @@ def test_amx_prefill_matches_dense_causal_attention(hkv: int, group: int, d: int
     gen = torch.Generator().manual_seed(hkv * 1000 + group * 10 + d)
     chunks = [(0, 1), (0, 15), (0, 16), (0, 17), (5, 20), (33, 31), (0, 100), (17, 1), (3, 45)]  # (context, new)
     lens = [c + n for c, n in chunks]
-    cache, tables = _nan_padded_cache(gen, lens, 128, block_size, hkv, d)
+    cache, tables = nan_padded_cache(gen, lens, 128, block_size, hkv, d)
     tokens = sum(n for _, n in chunks)
     query = (torch.randn(tokens, hkv * group, d, generator=gen) * 2).bfloat16()
     starts = torch.tensor([0] + [sum(n for _, n in chunks[:i + 1]) for i in range(len(chunks))])
     out = ops.paged_prefill_attention(query, cache, tables, starts, torch.tensor(lens), d ** -0.5)
     assert out.dtype == torch.bfloat16 and out.shape == query.shape and torch.isfinite(out).all()
     for i, (context, new) in enumerate(chunks):
-        length = context + new
-        keys = cache[0][tables[i]].reshape(-1, hkv, d)[:length].float().repeat_interleave(group, dim=1)
-        values = cache[1][tables[i]].reshape(-1, hkv, d)[:length].float().repeat_interleave(group, dim=1)
-        q = query[starts[i]:starts[i + 1]].float()
-        scores = torch.einsum("qhd,lhd->hql", q, keys) * d ** -0.5
-        visible = torch.arange(length)[None, :] <= torch.arange(context, length)[:, None]
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        dense = torch.einsum("hql,lhd->qhd", probs, values)
+        dense = dense_causal_attention(query[starts[i]:starts[i + 1]], cache, tables[i], context, new, group,
+                                       torch.float32)
         torch.testing.assert_close(out[starts[i]:starts[i + 1]].float(), dense, rtol=2.0 ** -6, atol=1e-2)
 
 

@@ -10,6 +10,7 @@ import torch
 from engine.attention.backend import kv_cache_shape
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels import cpu_ops, portable_cpu_ops
+from tests.engine.paged_factory import dense_causal_attention, nan_padded_cache
 
 
 def _bf16_ops() -> Any:  # the -march=native build on an AVX512-BF16 CPU, or skip
@@ -18,21 +19,6 @@ def _bf16_ops() -> Any:  # the -march=native build on an AVX512-BF16 CPU, or ski
     if not ops.has_bf16_attention():
         pytest.skip("needs a CPU with AVX512-BF16")
     return ops
-
-
-def _nan_padded_cache(gen: torch.Generator, lens: list[int], n_blocks: int, block_size: int, hkv: int,
-                      d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random bfloat16 cache and block tables (blocks scattered at random) for sequences of ``lens`` tokens;
-    every slot no sequence owns is NaN, so a kernel that reads past a sequence's end shows it."""
-    per_seq = (max(lens) + block_size - 1) // block_size
-    cache = torch.randn(kv_cache_shape(n_blocks, block_size, hkv, d), generator=gen).bfloat16()
-    tables = torch.randperm(n_blocks, generator=gen)[:len(lens) * per_seq].view(len(lens), per_seq)
-    used = torch.zeros(n_blocks, block_size, dtype=torch.bool)
-    for n, length in enumerate(lens):
-        for t in range(length):
-            used[tables[n, t // block_size], t % block_size] = True
-    cache[:, ~used] = float("nan")
-    return cache, tables
 
 
 @pytest.mark.parametrize("hkv, group, d, block_size", [(3, 3, 64, 16), (2, 4, 128, 32), (1, 8, 32, 64),
@@ -47,21 +33,15 @@ def test_bf16_prefill_matches_dense_causal_attention(hkv: int, group: int, d: in
     chunks = [(0, 1), (0, 15), (0, 16), (0, 17), (5, 20), (33, 31), (0, 100), (17, 1), (3, 45), (70, 60),
               (0, 130)]  # (context, new)
     lens = [c + n for c, n in chunks]
-    cache, tables = _nan_padded_cache(gen, lens, 160, block_size, hkv, d)
+    cache, tables = nan_padded_cache(gen, lens, 160, block_size, hkv, d)
     tokens = sum(n for _, n in chunks)
     query = (torch.randn(tokens, hkv * group, d, generator=gen) * 2).bfloat16()
     starts = torch.tensor([0] + [sum(n for _, n in chunks[:i + 1]) for i in range(len(chunks))])
     out = ops.bf16_prefill_attention(query, cache, tables, starts, torch.tensor(lens), d ** -0.5)
     assert out.dtype == torch.bfloat16 and out.shape == query.shape and torch.isfinite(out).all()
     for i, (context, new) in enumerate(chunks):
-        length = context + new
-        keys = cache[0][tables[i]].reshape(-1, hkv, d)[:length].double().repeat_interleave(group, dim=1)
-        values = cache[1][tables[i]].reshape(-1, hkv, d)[:length].double().repeat_interleave(group, dim=1)
-        q = query[starts[i]:starts[i + 1]].double()
-        scores = torch.einsum("qhd,lhd->hql", q, keys) * d ** -0.5
-        visible = torch.arange(length)[None, :] <= torch.arange(context, length)[:, None]
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        dense = torch.einsum("hql,lhd->qhd", probs, values)
+        dense = dense_causal_attention(query[starts[i]:starts[i + 1]], cache, tables[i], context, new, group,
+                                       torch.float64)
         # bfloat16 output (relative 2^-9) of float32 sums of exact bfloat16 products
         torch.testing.assert_close(out[starts[i]:starts[i + 1]].double(), dense, rtol=2.0 ** -7, atol=4e-3)
 
