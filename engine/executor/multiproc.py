@@ -276,12 +276,16 @@ class MultiprocExecutor(DistributedExecutor):
         logger.info("started ranks 1-%d: pids %s", self.config.world_size - 1, self.worker_pids)
 
     def _dead_worker(self) -> str | None:
-        for rank, proc in sorted(self._procs.items()):
-            code = proc.poll()
-            if code is not None:
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                return f"rank {rank} (pid {proc.pid}) {how}"
-        return None
+        # A rank killed by a signal is named first: the ranks it was talking to fail their collectives and exit with
+        # code 1 a moment later, and one poll may find them all ended.
+        dead = [(rank, proc.pid, code) for rank, proc in sorted(self._procs.items())
+                if (code := proc.poll()) is not None]
+        if not dead:
+            return None
+        dead.sort(key=lambda d: (d[2] >= 0, d[0]))
+        names = [f"rank {rank} (pid {pid}) " + (f"was killed by {signal.Signals(-code).name}" if code < 0
+                                                 else f"exited with code {code}") for rank, pid, code in dead]
+        return names[0] + (f" (also ended: {'; '.join(names[1:])})" if len(names) > 1 else "")
 
     def _kill_workers(self) -> None:
         for proc in self._procs.values():

@@ -115,3 +115,24 @@ def test_the_engine_server_ends_its_streams_with_an_error_stops_serving_and_exit
             proc.wait()
     log = (tmp_path / "engine.log").read_text()
     assert "engine failed, exiting: rank 1" in log
+
+
+class _Ended:
+    def __init__(self, pid: int, code: int | None) -> None:
+        self.pid, self.code = pid, code
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+def test_the_rank_killed_by_a_signal_is_named_before_the_peers_that_exited_after_it() -> None:
+    # One poll can find the killed rank and the peers whose collectives then failed (exit code 1) all ended: the
+    # cause is the signal, whatever the ranks' order.
+    executor = object.__new__(MultiprocExecutor)
+    executor._procs = {1: _Ended(11, None), 2: _Ended(12, 1), 3: _Ended(13, -signal.SIGKILL)}  # noqa: SLF001
+    assert executor._dead_worker() == ("rank 3 (pid 13) was killed by SIGKILL (also ended: rank 2 (pid 12) exited "  # noqa: SLF001
+                                       "with code 1)")
+    executor._procs = {1: _Ended(11, None), 2: _Ended(12, 1)}  # noqa: SLF001
+    assert executor._dead_worker() == "rank 2 (pid 12) exited with code 1"  # noqa: SLF001
+    executor._procs = {1: _Ended(11, None)}  # noqa: SLF001
+    assert executor._dead_worker() is None  # noqa: SLF001
