@@ -27,6 +27,8 @@ def _case(m: int, k: int, n: int, dtype: torch.dtype, smooth: bool = False, seed
 
 
 def _linear(ops: Any, x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    if not ops.int8_isa():   # without them oneDNN's u8 x s8 pair sums saturate (the device then runs the portable path)
+        pytest.skip("oneDNN's int8 GEMM is exact only on a CPU with AVX512-VNNI, AVX-VNNI or AMX-INT8")
     n, k = weight.shape
     packed = torch.ops.onednn.qlinear_prepack(weight.qweight, [1, k])
     return ops.w8a8_linear(x, packed, weight.scale, bias, weight.smooth, torch.ones(n),
