@@ -14,15 +14,21 @@ from __future__ import annotations
 import torch
 
 from engine.device.accelerator import AcceleratorDevice
+from engine.device.kernel_choice import KernelChoice
 
 
 class NpuDevice(AcceleratorDevice):
     def __init__(self, index: int = 0) -> None:
         try:
-            import torch_npu  # noqa: F401  (registers torch.npu)
+            import torch_npu  # (registers torch.npu)
         except ImportError as e:
             raise RuntimeError("device 'npu' needs torch_npu (Ascend CANN + torch-npu) installed") from e
         npu = torch.npu  # type: ignore[attr-defined]
         if not npu.is_available():
             raise RuntimeError("device 'npu' was chosen but torch_npu sees no NPU")
         super().__init__("npu", npu, index)
+        self.torch_npu = torch_npu
+
+    def kernel_choice(self, dtype: torch.dtype, amx_pack_bytes: int = 0, int8_layers: int = 0) -> KernelChoice:
+        """PyTorch ops, except W8A8 layers: ``npu_dynamic_quant`` + ``npu_quant_matmul`` (NpuW8A8LinearMethod)."""
+        return KernelChoice(npu_ops=self.torch_npu)
