@@ -355,6 +355,9 @@ class EngineConfig:
               "checkpoint's own weights)")
         check(self.quantization is None or self.device != "cuda", "quantization",
               "W8A8 runs on cpu and npu: no CUDA int8 kernel is wired")
+        check(self.quantization is None or self.device != "npu" or self.dtype not in ("float32", "fp32", "float"),
+              "quantization", "W8A8 on the NPU runs bfloat16 or float16 models (npu_quant_matmul has no float32 "
+                              "output): give --dtype bfloat16, float16 or auto")
         check(isinstance(self.stream_interval, int) and self.stream_interval >= 1, "stream_interval",
               "must be an integer >= 1")
         check(isinstance(self.max_logprobs, int) and self.max_logprobs >= 0, "max_logprobs",

@@ -67,3 +67,9 @@ def test_sluice_serve_passes_the_quantization_to_its_engines() -> None:
 def test_w8a8_on_cuda_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="no CUDA int8 kernel"):
         EngineConfig(quantization="w8a8", device="cuda")
+
+
+def test_w8a8_on_the_npu_needs_a_16_bit_dtype() -> None:
+    with pytest.raises(InvalidRequestError, match="bfloat16 or float16"):
+        EngineConfig(quantization="w8a8", device="npu", dtype="float32")
+    assert EngineConfig(quantization="w8a8", device="npu", dtype="auto").quantization == "w8a8"   # float16 there
