@@ -115,7 +115,9 @@ def test_a_huge_prompt_is_refused_unread_naming_its_field_and_the_limit(tokenize
     field, length = ("messages", len(text) + len("user")) if "chat" in case else ("prompt", len(text))
     assert (err.field, err.message) == (field, f"is {length} characters; at most {MAX_CHARS} can fit in the "
                                                "model's context (max_model_len × the longest token's bytes)")
-    assert elapsed < 0.1
+    # Unread: tokenizing even the 20 MB prompt takes seconds here; the refusal only reads the field's
+    # length (upb builds the Python str, tens of ms for 60 MB, more on a loaded machine).
+    assert elapsed < 1.0
     assert grown < 100 * 2**20
 
 
@@ -177,7 +179,7 @@ def test_a_request_chat_template_is_refused_by_default(tokenizer: Tokenizer) -> 
     err, elapsed = served(tokenizer, body)
     assert (err.field, err.message) == ("chat_template", "request chat templates are not allowed on this server; "
                                                          "start it with --trust-request-chat-template to allow them")
-    assert elapsed < 0.1
+    assert elapsed < 1.0  # the template (an endless loop) was never rendered
 
 
 def test_trusted_request_templates_render_and_are_stopped_by_their_bounds(tokenizer: Tokenizer) -> None:
