@@ -303,7 +303,16 @@ class EngineConfig:
     # API's default; the servers' flag defaults to default_max_queued_requests(max_num_seqs)).
     max_queued_requests: int | None = None
     scheduling_policy: str = "fcfs"          # fcfs | priority
-    enforce_eager: bool = True
+    # Accelerator graphs (CUDA graphs of decode steps, per batch-size bucket): False captures them at warm-up;
+    # True runs every step eagerly. CPU runs eagerly whatever it says.
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192       # longer contexts run their decode steps eagerly (vLLM's name)
+    cuda_graph_sizes: tuple[int, ...] | None = None   # decode batch sizes captured; None = 1, 2, 4, 8, 16, ... 512
+    # Schedule step N + 1 while step N runs (vLLM's --async-scheduling): None = on where it helps (accelerators;
+    # docs/benchmarks.md has the CPU figures that decided), True/False forces it.
+    async_scheduling: bool | None = None
+    num_scheduler_steps: int = 1             # decode steps per schedule (vLLM's multi-step scheduling)
+    multi_step_stream_outputs: bool = True   # stream each of the N steps' tokens as it comes (False: per N)
     # None: the checkpoint's own weights (a compressed-tensors int8 checkpoint is detected from its config.json);
     # "w8a8": int8 weights per output channel and int8 activations per token (engine.models.w8a8), quantized at
     # load from a float or GGUF checkpoint; "compressed-tensors": require the checkpoint's own int8 W8A8 weights.
@@ -358,6 +367,13 @@ class EngineConfig:
         check(self.quantization is None or self.device != "npu" or self.dtype not in ("float32", "fp32", "float"),
               "quantization", "W8A8 on the NPU runs bfloat16 or float16 models (npu_quant_matmul has no float32 "
                               "output): give --dtype bfloat16, float16 or auto")
+        check(isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1, "num_scheduler_steps",
+              "must be an integer >= 1")
+        check(isinstance(self.max_seq_len_to_capture, int) and self.max_seq_len_to_capture >= 1,
+              "max_seq_len_to_capture", "must be an integer >= 1")
+        check(self.cuda_graph_sizes is None or (len(self.cuda_graph_sizes) > 0 and all(
+            isinstance(n, int) and n >= 1 for n in self.cuda_graph_sizes)), "cuda_graph_sizes",
+              "must be a list of batch sizes >= 1")
         check(isinstance(self.stream_interval, int) and self.stream_interval >= 1, "stream_interval",
               "must be an integer >= 1")
         check(isinstance(self.max_logprobs, int) and self.max_logprobs >= 0, "max_logprobs",

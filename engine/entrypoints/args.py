@@ -104,7 +104,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "get 429 / RESOURCE_EXHAUSTED (default: 4 x --max-num-seqs, at least 256: a burst of "
                         "four batches waits, more is sent elsewhere); 'unbounded' for no limit")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--enforce-eager", action="store_true", default=True)
+    g.add_argument("--enforce-eager", action="store_true", default=False,
+                   help="run every step eagerly: no CUDA graphs of decode steps are captured (CPU always runs "
+                        "eagerly)")
+    g.add_argument("--max-seq-len-to-capture", type=int, default=8192,
+                   help="decode steps whose longest context exceeds this run eagerly")
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs (default 1 2 4 8 16 24 32 ... 512, up to "
+                        "--max-num-seqs); a step runs the smallest one that holds it")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and prepare step N + 1 while step N runs (default: on where it helps; "
+                        "outputs are the same either way)")
+    g.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps per schedule (multi-step scheduling): sequences that cannot finish "
+                        "within them run N forward passes per step")
+    g.add_argument("--multi-step-stream-outputs", type=_bool_value, nargs="?", const=True, default=True,
+                   metavar="BOOL", help="with --num-scheduler-steps N: stream each token as its step ends (true, "
+                                        "the default) or the N tokens together (false)")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on CPU")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="stream each sequence's tokens in groups of N (the first token and the last group at "
@@ -169,6 +185,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_vllm_compat_args(parser)
 
 
+def _bool_value(value: str) -> bool:
+    """vLLM's spelling of a boolean flag's value: true/false (any case), 1/0, yes/no."""
+    v = value.strip().lower()
+    if v in ("true", "1", "yes"):
+        return True
+    if v in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values = {name: getattr(ns, name) for name in EngineConfig.field_names() if hasattr(ns, name)}
     values["max_queued_requests"] = queue_bound(values.get("max_queued_requests"),
@@ -180,6 +206,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values["num_kv_blocks"] = kv_blocks(ns)
     if values.get("quantization") == "gguf":   # what a GGUF file always runs (vllm_compat notes it)
         values["quantization"] = None
+    if isinstance(values.get("cuda_graph_sizes"), list):
+        values["cuda_graph_sizes"] = tuple(values["cuda_graph_sizes"])
     if isinstance(values.get("served_model_name"), list):
         values["served_model_name"] = values["served_model_name"][0]
     return EngineConfig(**values)

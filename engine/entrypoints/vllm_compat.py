@@ -135,8 +135,6 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--disable-async-output-proc",), "output processing (detokenization, stop strings) already runs "
                                                  "in the tokenizer service, apart from the engine's step loop",
                kind="switch"),
-    CompatFlag(("--async-scheduling",), "not implemented yet: each step is scheduled after the previous one "
-                                        "ends (the outputs are the same)", kind="switch"),
     CompatFlag(("--disable-sliding-window",), "Sluice's attention always covers the whole context (no sliding "
                                               "window)", kind="switch"),
     CompatFlag(("--use-v2-block-manager",), "Sluice has one block manager", kind="switch"),
@@ -144,7 +142,6 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
                                                  "HCCL)", kind="switch"),
     CompatFlag(("--enable-expert-parallel",), "Sluice serves dense models: there are no experts to place",
                kind="switch"),
-    CompatFlag(("--max-seq-len-to-capture",), "Sluice runs eagerly: no graphs are captured", type=_positive_int),
     CompatFlag(("--compilation-config",), "Sluice runs eagerly and compiles nothing; its kernels are chosen when "
                                           "the model loads"),
     CompatFlag(("--additional-config",), "vLLM-Ascend's plugin options (graph mode, its scheduler) have no "
@@ -153,8 +150,6 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
                type=_positive_int),
     CompatFlag(("--tokenizer-pool-size",), "tokenization runs on the tokenizer service's threads (scale it with "
                                            "--tokenizers)", type=int),
-    CompatFlag(("--num-scheduler-steps",), "1 step per schedule is how Sluice runs", type=_positive_int,
-               refuse=refuse_unless(lambda v: v == 1, "multi-step scheduling is not implemented yet")),
     CompatFlag(("--speculative-model",), None, refuse_always(_SPEC_V0.format(
         json='{"model": ..., "num_speculative_tokens": ...}'))),
     CompatFlag(("--num-speculative-tokens",), None, refuse_always(_SPEC_V0.format(

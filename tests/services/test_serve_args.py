@@ -73,13 +73,21 @@ SAME_NAME: list[tuple[str, str, object]] = [
     ("--distributed-executor-backend mp", "distributed_executor_backend", "mp"),
     ("--distributed-executor-backend uni", "distributed_executor_backend", "uni"),
     ("--num-gpu-blocks-override 96", "num_kv_blocks", 96),   # vLLM's name for --num-kv-blocks
+    ("--enforce-eager", "enforce_eager", True),
+    ("--max-seq-len-to-capture 4096", "max_seq_len_to_capture", 4096),
+    ("--cuda-graph-sizes 1 2 4", "cuda_graph_sizes", (1, 2, 4)),
+    ("--async-scheduling", "async_scheduling", True),
+    ("--no-async-scheduling", "async_scheduling", False),
+    ("--num-scheduler-steps 8", "num_scheduler_steps", 8),
+    ("--multi-step-stream-outputs false", "multi_step_stream_outputs", False),
+    ("--multi-step-stream-outputs", "multi_step_stream_outputs", True),
 ]
 
 # Every flag of the compatibility tables, with a command line fragment and what must happen.
 REFUSED = [
     "--revision main", "--code-revision v1", "--tokenizer-revision v1", "--load-format pt",
     "--quantization awq", "--tokenizer-mode slow", "--no-enable-chunked-prefill", "--preemption-mode swap",
-    "--cpu-offload-gb 4", "--distributed-executor-backend external_launcher", "--num-scheduler-steps 8",
+    "--cpu-offload-gb 4", "--distributed-executor-backend external_launcher",
     "--speculative-model m",
     "--num-speculative-tokens 3", "--ngram-prompt-lookup-max 4", "--ngram-prompt-lookup-min 1",
     "--generation-config auto",
@@ -92,10 +100,10 @@ REFUSED = [
 NO_EFFECT = [
     "--trust-remote-code", "--download-dir /d", "--hf-token t", "--load-format auto", "--load-format gguf",
     "--quantization gguf", "--tokenizer-mode auto", "--enable-chunked-prefill", "--swap-space 4",
-    "--preemption-mode recompute", "--cpu-offload-gb 0", "--disable-async-output-proc", "--async-scheduling",
+    "--preemption-mode recompute", "--cpu-offload-gb 0", "--disable-async-output-proc",
     "--disable-sliding-window", "--use-v2-block-manager", "--disable-custom-all-reduce", "--enable-expert-parallel",
-    "--max-seq-len-to-capture 8192", "--compilation-config 3", "--additional-config {}",
-    "--max-parallel-loading-workers 2", "--tokenizer-pool-size 4", "--num-scheduler-steps 1",
+    "--compilation-config 3", "--additional-config {}",
+    "--max-parallel-loading-workers 2", "--tokenizer-pool-size 4",
     "--generation-config vllm", "--task generate", "--response-role assistant", "--api-server-count 1",
     "--disable-frontend-multiprocessing",
 ]
