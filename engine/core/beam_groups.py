@@ -59,7 +59,7 @@ class BeamGroups:
     def plan(unit: list[Request], budget: int, num_pending_decodes: int) -> list[tuple[Request, int]]:
         """(sequence, tokens to compute) of a running unit this step; prefill chunks leave one token of
         ``budget`` for each of the ``num_pending_decodes`` queued behind it."""
-        remaining = [r.num_tokens - r.num_computed_tokens for r in unit]
+        remaining = [r.num_planned_tokens - r.num_computed_tokens for r in unit]
         if all(n == 1 for n in remaining):   # the beams of a search sample together, or wait
             return [(r, 1) for r in unit] if len(unit) == 1 or budget >= len(unit) else []
         if len(unit) == 1:

@@ -10,19 +10,25 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.errors import InvalidRequestError
 from engine.config import EngineConfig
+from engine.core.async_steps import AsyncSteps
 from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, Request, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 from engine.core.spec_stats import SpecDecodingStats
 from engine.executor.base import make_executor
 from engine.worker.structured_output import GrammarVocabulary
+
+if TYPE_CHECKING:
+    from engine.worker.model_runner import RunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +86,13 @@ class EngineCore:
         self.total_steps = 0
         spec = config.speculative_config
         self.spec_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
-        logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%s), max_model_len %d",
-                    config.model_name, self.executor.dtype_name, num_blocks, config.block_size,
-                    self.executor.kv_cache_dtype_name,
-                    self.max_model_len)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else config.device != "cpu")
+        self._async = (AsyncSteps(self.scheduler, self.executor, config, self._apply) if self.async_scheduling
+                       else None)
+        logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%s), max_model_len %d, async "
+                    "scheduling %s", config.model_name, self.executor.dtype_name, num_blocks, config.block_size,
+                    self.executor.kv_cache_dtype_name, self.max_model_len, "on" if self.async_scheduling else "off")
 
     def check_health(self) -> None:
         """Raises WorkerFailedError once a rank of the replica has died, between steps too (a step raises it
@@ -92,6 +101,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Stops the replica's other ranks (nothing to stop with the uniproc executor); idempotent."""
+        if self._async is not None:
+            self._async.close()
         self.executor.shutdown()
 
     # -- sizing -------------------------------------------------------------------------------------------
@@ -235,25 +246,51 @@ class EngineCore:
                 self._end_lora_uses([request_id])
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+        return (bool(self._pending) or self.scheduler.has_unfinished_requests()
+                or (self._async is not None and self._async.busy))
 
     # -- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        """One step's outputs. Under async scheduling these are the outputs of the step that was running when it
+        was called, and the next step is left running (``engine.core.async_steps``)."""
         outputs, self._pending = self._pending, []
+        if self._async is None:
+            return outputs + self._step_sync()
+        t0 = time.perf_counter()
+        try:
+            step_outputs = self._async.step()
+        except BaseException:
+            self._pending = outputs + self._pending  # outputs taken above are not lost with the step
+            raise
+        sched = self._async.last_sched
+        if sched is not None:
+            st = self._async.stats
+            self.last_step = StepStats(sched.num_scheduled_tokens, sched.num_batched_tokens,
+                                       time.perf_counter() - t0, schedule_s=st.schedule_s, prepare_s=st.prepare_s,
+                                       update_s=st.update_s)
+        return outputs + step_outputs
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
-            return outputs
+            return []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         prepare_s = 0.0
+        run = None
         if sched.scheduled or sched.block_copies:
-            try:
-                run = self.executor.execute_model(sched)
-            except BaseException:
-                self._pending = outputs + self._pending  # outputs taken above are not lost with the step
-                raise
+            run = self.executor.execute_model(sched)
             prepare_s = self.executor.last_prepare_s
-            t2 = time.perf_counter()
+        t2 = time.perf_counter()
+        step_outputs = self._apply(sched, run)
+        t3 = time.perf_counter()
+        self.last_step = StepStats(sched.num_scheduled_tokens, sched.num_batched_tokens, time.perf_counter() - t0,
+                                   schedule_s=t1 - t0, prepare_s=prepare_s, update_s=t3 - t2)
+        return step_outputs
+
+    def _apply(self, sched: SchedulerOutput, run: RunnerOutput | None) -> list[EngineCoreOutput]:
+        """A step's result into the scheduler (None: nothing ran); its outputs. Ended sequences are released."""
+        if run is not None:
             ended = {seq_id: FinishReason.EOS for seq_id in run.grammar_complete}
             ended.update({seq_id: FinishReason.ERROR for seq_id in run.grammar_failed})
             step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs, run.beam_candidates,
@@ -262,18 +299,14 @@ class EngineCore:
                 for seq_id, num_drafts in run.num_draft_tokens.items():
                     self.spec_stats.observe(num_drafts, len(run.sampled[seq_id]) - 1)
         else:
-            t2 = time.perf_counter()
             step_outputs = self.scheduler.update_from_output(sched, {}, {})
-        t3 = time.perf_counter()
         finished = self.scheduler.ended   # best_of reports n of its sequences, but every one ended
         if finished:
             self.executor.release(finished)
             if self._lora_of_request:
                 self._end_lora_uses({seq_id.request_id for seq_id in finished})
         self.total_steps += 1
-        self.last_step = StepStats(sched.num_scheduled_tokens, sched.num_batched_tokens, time.perf_counter() - t0,
-                                   schedule_s=t1 - t0, prepare_s=prepare_s, update_s=t3 - t2)
-        return outputs + step_outputs
+        return step_outputs
 
     def scheduler_stats(self) -> dict[str, int]:
         """Cumulative counters (for GetInfo and Prometheus)."""

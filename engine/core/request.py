@@ -141,6 +141,9 @@ class Request:
             self._join_prompt_logprobs()   # one token: nothing precedes it, nothing to compute
         self.num_reported_tokens = 0         # output tokens already in an EngineCoreOutput (stream interval)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens a step still in flight samples for this sequence. The next step is scheduled
+        # as if they were known (``num_planned_tokens``); the runner feeds them from that step's output.
+        self.num_pending = 0
         self.num_cached_tokens = 0           # prompt tokens served from the prefix cache (first schedule)
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []    # chained hashes of full blocks, filled by the block manager
@@ -179,6 +182,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self._num_tokens
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """``num_tokens`` and the pending ones: what the scheduler plans with (``num_pending``)."""
+        return self._num_tokens + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:

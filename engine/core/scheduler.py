@@ -212,12 +212,14 @@ class Scheduler:
         # A unit is a request's sequence, or all the beams of a beam search: scheduled and preempted as one.
         units = self.beam_groups.units(self.running)
         # A prefill chunk ahead of decodes in the queue (priority policy) leaves one token for each of them.
-        num_pending_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        num_pending_decodes = sum(1 for r in self.running if r.num_planned_tokens - r.num_computed_tokens == 1)
         u = 0
         while u < len(units) and budget > 0:
             unit = units[u]
             u += 1
-            num_pending_decodes -= sum(1 for r in unit if r.num_tokens - r.num_computed_tokens == 1)
+            num_pending_decodes -= sum(1 for r in unit if r.num_planned_tokens - r.num_computed_tokens == 1)
+            if any(r.num_pending and self._ends_by_length(r) for r in unit):
+                continue   # the step in flight gives it its last token: nothing to compute after it
             plan = self.beam_groups.plan(unit, budget, num_pending_decodes)
             if not plan:
                 continue
@@ -235,7 +237,8 @@ class Scheduler:
                         continue
                     victims = units.pop()
                     if victims is not unit:
-                        num_pending_decodes -= sum(1 for r in victims if r.num_tokens - r.num_computed_tokens == 1)
+                        num_pending_decodes -= sum(1 for r in victims
+                                                   if r.num_planned_tokens - r.num_computed_tokens == 1)
                     preempted_self = victims is unit
                     for victim in victims:
                         self.running.remove(victim)
@@ -324,13 +327,21 @@ class Scheduler:
         for s in out.scheduled:
             request = s.request
             if request.status is not RequestStatus.RUNNING:
+                if request.num_pending and s.sample and request.status is not RequestStatus.FINISHED:
+                    # Preempted while this step ran (async scheduling): its token stands, and is recomputed.
+                    request.num_pending -= 1
+                    self._append(request, sampled[request.seq_id], logprobs.get(request.seq_id) if logprobs else None)
+                    if (report := delta_output(request, self.config.stream_interval)) is not None:
+                        outputs.append(report)
                 continue   # aborted after it was scheduled
             if s.num_spec_tokens:
                 outputs += self._update_speculated(s, sampled, logprobs)
                 continue
-            request.num_computed_tokens = s.start + s.num_new_tokens
-            self.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens) - s.start)
-            self.block_manager.cache_blocks(request, request.num_computed_tokens)
+            end = s.start + s.num_new_tokens
+            # (async scheduling: the next step may already have advanced it further)
+            request.num_computed_tokens = max(request.num_computed_tokens, end)
+            self.num_prompt_tokens += max(0, min(end, request.num_prompt_tokens) - s.start)
+            self.block_manager.cache_blocks(request, end)
             if prompt_logprobs and (chunk := prompt_logprobs.get(request.seq_id)) is not None:
                 request.add_prompt_logprobs(chunk)   # before a fork below copies them
             seq_ids = s.sample_seq_ids
@@ -348,6 +359,8 @@ class Scheduler:
                 seqs += [self.fork_request(request, seq_id.index) for seq_id in seq_ids[1:]]
                 request.sampling_params = request.sampling_params.clone(n=1, best_of=None)
             aborted, request.aborted_before_fork = request.aborted_before_fork, set()
+            if request.num_pending:
+                request.num_pending -= 1   # now known
             for seq in seqs:
                 if seq.index in aborted:
                     self._finish(seq, FinishReason.ABORT)
@@ -365,6 +378,26 @@ class Scheduler:
             self.num_generation_tokens += len(group)   # its live beams: each got a token
         self.ended = self._finished_ids[num_finished:]
         return outputs
+
+    # ----- async scheduling ------------------------------------------------------------
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Async scheduling: ``out`` is running, and the next step is scheduled before its tokens are known. Each
+        row's chunk counts as computed, and each sampling row (one sequence, one token: the caller runs only such
+        steps ahead) holds one pending token that the next step may already compute (the runner feeds it from
+        this step's output); ``update_from_output(out, ...)`` makes it known."""
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens = s.start + s.num_new_tokens
+            if s.sample:
+                request.num_pending += 1
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """Whether the pending token ends ``request`` whatever it is (max_tokens, max_model_len, the cache)."""
+        num_tokens = request.num_planned_tokens
+        max_tokens = request.sampling_params.max_tokens
+        return ((max_tokens is not None and request.num_output_tokens + request.num_pending >= max_tokens)
+                or num_tokens >= self.max_model_len or num_tokens > self.capacity_tokens)
 
     # ----- speculative decoding --------------------------------------------------------
 
@@ -499,6 +532,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.block_manager.free(request)
+        request.num_pending = 0   # a step in flight may still sample for it: that token is dropped
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._arrival_seq[request.seq_id]

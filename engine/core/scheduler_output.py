@@ -30,7 +30,7 @@ class ScheduledRequest:
     @classmethod
     def of(cls, request: Request, num_new: int) -> ScheduledRequest:
         """``request`` computing its next ``num_new`` tokens this step."""
-        sample = request.num_computed_tokens + num_new == request.num_tokens
+        sample = request.num_computed_tokens + num_new == request.num_planned_tokens
         # n > 1 only until the fork: the forked sequences, and the first one after it, have n = 1.
         n = request.sampling_params.num_forked if sample else 1
         num_candidates = request.beam.num_candidates if sample and request.beam is not None else 0

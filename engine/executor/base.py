@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from engine.core.sampling_params import StructuredOutputsParams
     from engine.core.scheduler_output import SchedulerOutput
     from engine.models import ModelConfig
-    from engine.worker.model_runner import RunnerOutput
+    from engine.worker.model_runner import PreparedStep, RunnerOutput
     from engine.worker.structured_output import GrammarVocabulary
 
 
@@ -45,6 +45,12 @@ class Executor(Protocol):
     def add_lora(self, lora: LoRARequest) -> None: ...
     def remove_lora(self, lora_id: int) -> None: ...
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
+    def prepare_model(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """The step's host side, on the caller's thread (``execute_model`` = both halves)."""
+        ...
+    def execute_prepared(self, prepared: PreparedStep) -> RunnerOutput:
+        """The device side of a prepared step; steps run in the order they were prepared."""
+        ...
     def release(self, seq_ids: list[SequenceId]) -> None: ...
     def check_health(self) -> None:
         """Raises WorkerFailedError once a rank of the replica has died (between steps too)."""

@@ -36,12 +36,11 @@ from engine.executor.uniproc import UniprocExecutor
 from engine.executor.worker_main import COLLECTIVE_TIMEOUT_S
 from engine.models import check_parallel_sizes
 from engine.models.loader import read_model_config
-from engine.worker.model_runner import RunnerOutput
+from engine.worker.model_runner import PreparedStep, RunnerOutput
 from engine.worker.step_inputs import StepInputs
 from engine.worker.worker import Worker
 
 if TYPE_CHECKING:
-    from engine.core.scheduler_output import SchedulerOutput
     from engine.worker.structured_output import GrammarVocabulary
 
 logger = logging.getLogger(__name__)
@@ -200,10 +199,10 @@ class DistributedExecutor(UniprocExecutor, ABC):
             raise self._failed_step(e) from e
         return self.num_blocks
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute_prepared(self, prepared: PreparedStep) -> RunnerOutput:
         self.check_health()
         try:
-            return super().execute_model(scheduler_output)
+            return super().execute_prepared(prepared)
         except Exception as e:
             if self._world_size == 1:   # nothing else is in the step: the engine goes on, as with uniproc
                 raise

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 from common.errors import InvalidRequestError
 from engine.config import EngineConfig
 from engine.models import ModelConfig
-from engine.worker.model_runner import RunnerOutput
+from engine.worker.model_runner import PreparedStep, RunnerOutput
 from engine.worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -72,8 +72,17 @@ class UniprocExecutor:
         self.worker.remove_lora(lora_id)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.execute_prepared(self.prepare_model(scheduler_output))
+
+    def prepare_model(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """A step's host side (inputs, sampling rows), on the caller's thread."""
         assert self.worker.runner is not None, "initialize_cache first"
-        return self.worker.runner.execute(scheduler_output)
+        return self.worker.runner.prepare(scheduler_output)
+
+    def execute_prepared(self, prepared: PreparedStep) -> RunnerOutput:
+        """A prepared step's device side; under async scheduling on the core's worker thread, in step order."""
+        assert self.worker.runner is not None, "initialize_cache first"
+        return self.worker.runner.run(prepared)
 
     @property
     def last_prepare_s(self) -> float:

@@ -22,7 +22,7 @@ from engine.worker.sampling_ops import compute_logprobs
 from engine.worker.spec_decode import Proposer
 from engine.worker.stage_runner import StageRunner
 from engine.worker.step_inputs import MicroBatch, StepInputs
-from engine.worker.structured_output import StructuredOutputs
+from engine.worker.structured_output import PendingMasks, StructuredOutputs
 
 if TYPE_CHECKING:  # the core's step types, handed down by the executor: annotations only
     from engine.core.request import PromptLogprobsChunk, SequenceId
@@ -55,6 +55,30 @@ class RunnerOutput:
     num_draft_tokens: dict[SequenceId, int] = field(default_factory=dict)
 
 
+# Flat input positions whose ids the previous step samples (async scheduling), and the sequence of each.
+FedInputs = tuple[np.ndarray, list["SequenceId"]]
+
+
+@dataclass
+class PreparedStep:
+    """A step whose host side is done (``ModelRunner.prepare``), ready for ``ModelRunner.run``."""
+
+    out: SchedulerOutput
+    inputs: StepInputs
+    buffer: int                        # the staging half its flat arrays live in
+    row_tokens: list[int] = field(default_factory=list)
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)   # prompt-logprob logits calls
+    draft_of: dict[int, np.ndarray] = field(default_factory=dict)
+    counts: list[int] = field(default_factory=list)
+    sampling: list[ScheduledRequest] = field(default_factory=list)
+    sampled: list[ScheduledRequest] = field(default_factory=list)
+    row_of: list[int] = field(default_factory=list)
+    rows: list[SamplingRow] = field(default_factory=list)
+    owners: list[SequenceId] = field(default_factory=list)
+    masks: PendingMasks | None = None
+    fed: FedInputs | None = None
+
+
 class ModelRunner:
     """The driver's runner (rank 0): lays out each step's inputs, hands them to the other ranks (``publish``),
     runs its own stage (:class:`StageRunner`) and samples. Speculative proposals, structured outputs, beams and
@@ -84,13 +108,23 @@ class ModelRunner:
         self.copy_stream = device.new_stream()
         self.compute_stream = device.new_stream()
         self.d2h_stream = device.new_stream()
-        self.inputs_ready = device.new_event()
+        self.inputs_ready = device.new_event()   # a step's inputs are on the device (copy -> compute stream)
+        self.step_done = device.new_event()      # a step's forward pass has run (compute -> next step's copies)
+        self.sampled_ready = device.new_event()  # its ids are sampled (compute -> d2h stream)
+        self.copied = device.new_event()         # they are on the host (d2h stream -> the runner's thread)
         self.generators: dict[SequenceId, torch.Generator] = {}  # seeded sequences' own, until they end
         self.last_prepare_s = 0.0  # host time spent building the last step's inputs
         pin = device.pin_memory
-        self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
-        self._positions = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
-        self._slots = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
+        # Double-buffered host staging (ids, positions, slots): a step is prepared into one half while the step
+        # before it, staged in the other, may still be copying to the device (async scheduling).
+        self._buffers = [tuple(torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
+                               for _ in range(3)) for _ in range(2)]
+        self._buffer = 0
+        self._d2h_buffer = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
+        # The last step's sampled ids on the device, and each sequence's row in them.
+        self._last_sampled: tuple[torch.Tensor, dict[SequenceId, int]] = (torch.empty(0, dtype=torch.int64), {})
+        if device.torch_device.type != "cpu":
+            sampler.to_host = self._to_host
 
     def release(self, seq_ids: list[SequenceId]) -> None:
         """Forget the per-sequence state (seeded generators, grammar matchers) of sequences that ended."""
@@ -106,8 +140,16 @@ class ModelRunner:
         if self.structured is not None:
             self.structured.fork(parent, child)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """One step, start to end: ``run(prepare(out))``."""
+        return self.run(self.prepare(out))
+
+    @torch.inference_mode()
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        """The host side of a step, on the caller's thread: proposals, the flat inputs (into the staging buffers
+        the previous step is not using), the logits plan, the sampling rows and their grammar masks. A decode
+        row whose token the step before samples (async scheduling: ``Request.num_pending``) gets it in ``run``,
+        from that step's output on the device."""
         if self.proposer is not None:
             if out.block_copies:
                 self.proposer.copy_blocks(out.block_copies)
@@ -115,21 +157,15 @@ class ModelRunner:
                 self.proposer.forget(out.preempted)
         scheduled = out.scheduled  # decodes first: the scheduler's order, which the attention metadata relies on
         if not scheduled:
-            if out.block_copies:   # every rank copies them in its layers
-                none = np.empty(0, dtype=np.int64)
-                self._run(StepInputs(none, none, none, self.block_size, [], out.block_copies))
-            return RunnerOutput()
-        dev = self.device
+            none = np.empty(0, dtype=np.int64)
+            return PreparedStep(out, StepInputs(none, none, none, self.block_size, [], out.block_copies), self._buffer)
         t0 = time.perf_counter()
         # Speculative decoding: each row with lookahead slots gets its proposal, verified in this forward pass.
         # (A draft model runs every step: its cache follows the target's.)
         drafts = self.proposer.propose(scheduled) if self.proposer is not None else None
-        with dev.use_stream(self.copy_stream):
-            inputs, sample_idx, row_tokens = self._prepare(scheduled, drafts, out.block_copies)
-            chunks = self._plan_logits(scheduled, row_tokens, sample_idx, inputs)
-            if self.lora is not None:
-                self.lora.activate([(s.request.lora_request, n) for s, n in zip(scheduled, row_tokens)])
-            self.last_prepare_s = time.perf_counter() - t0
+        self._buffer ^= 1
+        inputs, sample_idx, row_tokens, fed = self._prepare(scheduled, drafts, out.block_copies, self._buffer)
+        chunks = self._plan_logits(scheduled, row_tokens, sample_idx, inputs)
         sampling = [s for s in scheduled if s.sample]
         # Logits rows of each sampling row: its last token's, or each token's of a row verifying a proposal.
         draft_of = ({id(s): d for s, d in zip(scheduled, drafts) if len(d)} if drafts is not None else {})
@@ -138,27 +174,47 @@ class ModelRunner:
         row_of, rows, owners = self._sampling_rows(sampled, draft_of)
         # The grammar masks of this step's constrained rows depend only on tokens already sampled: they are
         # filled on the mask thread while the model runs.
-        pending = (self.structured.start_masks(owners, [row.params.structured_outputs for row in rows])
-                   if self.structured is not None else None)
+        masks = (self.structured.start_masks(owners, [row.params.structured_outputs for row in rows])
+                 if self.structured is not None else None)
+        self.last_prepare_s = time.perf_counter() - t0
+        return PreparedStep(out, inputs, self._buffer, row_tokens, chunks, draft_of, counts, sampling, sampled,
+                            row_of, rows, owners, masks, fed)
+
+    @torch.inference_mode()
+    def run(self, step: PreparedStep) -> RunnerOutput:
+        """The device side of a prepared step (async scheduling: on the core's worker thread, in step order):
+        adapters, inputs to the device, the forward pass, logits, sampling, the ids back to the host."""
+        scheduled = step.out.scheduled
+        if not scheduled:
+            if step.inputs.block_copies:   # every rank copies them in its layers
+                self._run(step.inputs, step.buffer, None)
+            return RunnerOutput()
+        if self.lora is not None:
+            self.lora.activate([(s.request.lora_request, n) for s, n in zip(scheduled, step.row_tokens)])
+        inputs, sampling, sampled, rows, owners = step.inputs, step.sampling, step.sampled, step.rows, step.owners
+        dev = self.device
         with dev.use_stream(self.compute_stream):
-            hidden, needed = self._run(inputs)
+            hidden, needed = self._run(inputs, step.buffer, step.fed)
             assert hidden is not None, "the driver is on pipeline stage 0"
             # One compute_logits call per entry of inputs.logits_rows, in its order: the other tensor ranks of
             # stage 0 make the same calls to gather the vocabulary.
-            prompt_logprobs = self._prompt_logprobs(scheduled, chunks, hidden, needed, inputs)
+            prompt_logprobs = self._prompt_logprobs(scheduled, step.chunks, hidden, needed, inputs)
             if not sampling:
                 return RunnerOutput(prompt_logprobs=prompt_logprobs)
             logits = self.stage.logits(hidden, needed, inputs.logits_rows[-1])
             runner_out = RunnerOutput(prompt_logprobs=prompt_logprobs)
             beams = [i for i, s in enumerate(sampling) if s.num_beam_candidates]
             if beams:   # their proposals, not samples; the other rows' logits stay, in order
-                logits = self._propose(sampling, logits, beams, counts, runner_out)
+                logits = self._propose(sampling, logits, beams, step.counts, runner_out)
                 if not sampled:
                     return runner_out
-            if row_of != list(range(logits.shape[0])):
-                logits = logits.index_select(0, torch.tensor(row_of, device=logits.device))
-            result = self.sampler(logits, rows, pending.result() if pending is not None else None)
-        # The sampler hands back host lists; on accelerators that read is the copy back.
+            if step.row_of != list(range(logits.shape[0])):
+                logits = logits.index_select(0, torch.tensor(step.row_of, device=logits.device))
+            result = self.sampler(logits, rows, step.masks.result() if step.masks is not None else None)
+        # The next step's pending decode inputs are these ids, on the device (only plain one-token rows are fed).
+        if result.token_tensor is not None:
+            self._last_sampled = (result.token_tensor, {seq_id: j for j, seq_id in enumerate(owners)})
+        draft_of = step.draft_of
         j = 0
         for s in sampled:
             draft = draft_of.get(id(s))
@@ -183,25 +239,56 @@ class ModelRunner:
                 if lp is not None:
                     runner_out.logprobs[owners[j]] = [lp]
                 j += 1
-        if pending is not None and self.structured is not None:
+        if step.masks is not None and self.structured is not None:
             # Constrained rows never speculate: one token each, the first of its sequence's list.
             firsts = list(runner_out.sampled)
             runner_out.grammar_complete, runner_out.grammar_failed = self.structured.advance(
                 firsts, [runner_out.sampled[seq_id][0] for seq_id in firsts])
         return runner_out
 
-    def _run(self, inputs: StepInputs) -> tuple[torch.Tensor | None, np.ndarray]:
-        """Hand the step to the other ranks, then run this rank's part of it (``StageRunner.run``)."""
+    def _run(self, inputs: StepInputs, buffer: int, fed: FedInputs | None) -> tuple[torch.Tensor | None, np.ndarray]:
+        """Hand the step to the other ranks, then run this rank's part of it (``StageRunner.run``). ``fed``: the
+        flat positions whose ids the previous step sampled, and where in its output they are."""
         dev = self.device
+        n = inputs.num_tokens
+        ids, pos, slots = self._buffers[buffer]
+        src: torch.Tensor | None = None
+        if fed is not None:
+            last, row_of = self._last_sampled
+            src = torch.tensor([row_of[seq_id] for seq_id in fed[1]], device=last.device)
+            if self.publish is not None:   # the other ranks read the ids from the message: fill them on the host
+                inputs.input_ids[fed[0]] = last.index_select(0, src).cpu().numpy()
         if self.publish is not None:
             self.publish(inputs)
-        n = inputs.num_tokens
         with dev.use_stream(self.copy_stream):
-            tensors = self.stage.prepare(inputs, self._input_ids[:n], self._positions[:n], self._slots[:n])
+            # Ordered after the previous step's work: copy-on-write copies and the forward read what it wrote.
+            dev.wait_event(self.copy_stream, self.step_done)
+            tensors = self.stage.prepare(inputs, ids[:n], pos[:n], slots[:n])
+            if fed is not None and src is not None and self.publish is None:
+                input_ids = tensors[0]
+                input_ids.index_copy_(0, torch.from_numpy(fed[0]).to(input_ids.device, non_blocking=True),
+                                      self._last_sampled[0].index_select(0, src.to(input_ids.device)))
             dev.record_event(self.inputs_ready, self.copy_stream)
         dev.wait_event(self.compute_stream, self.inputs_ready)
         with dev.use_stream(self.compute_stream):
-            return self.stage.run(inputs, tensors)
+            result = self.stage.run(inputs, tensors)
+            dev.record_event(self.step_done, self.compute_stream)
+            return result
+
+    def _to_host(self, ids: torch.Tensor) -> list[int]:
+        """Sampled ids to the host: on an accelerator, copied on the d2h stream into pinned memory after the
+        compute stream's sampling, then waited for by this (the runner's) thread alone."""
+        dev = self.device
+        if ids.device.type == "cpu":
+            return ids.tolist()
+        host = self._d2h_buffer[:len(ids)]
+        dev.record_event(self.sampled_ready, self.compute_stream)
+        dev.wait_event(self.d2h_stream, self.sampled_ready)
+        with dev.use_stream(self.d2h_stream):
+            host.copy_(ids, non_blocking=True)
+            dev.record_event(self.copied, self.d2h_stream)
+        dev.synchronize_event(self.copied)
+        return host.tolist()
 
     @staticmethod
     def _rewind(row: SamplingRow, num_kept: int) -> None:
@@ -250,21 +337,34 @@ class ModelRunner:
         return logits
 
     def _prepare(self, scheduled: list[ScheduledRequest], drafts: list[np.ndarray] | None,
-                 block_copies: list[tuple[int, int]]) -> tuple[StepInputs, list[int], list[int]]:
+                 block_copies: list[tuple[int, int]], buffer: int
+                 ) -> tuple[StepInputs, list[int], list[int], FedInputs | None]:
         """The step's flat inputs: each row's known tokens, then its proposed ones (``drafts``), in up to one
         micro-batch per pipeline stage. A row verifying a proposal is laid out for attention as one single-token
         row per token, each seeing the cache up to its own position (the keys of all of them are written first),
-        so it runs with the decodes. Returns (the inputs, flat logits rows to sample from, tokens of each row)."""
+        so it runs with the decodes. A decode row whose token is pending (async scheduling) gets a 0 there, to be
+        fed from the previous step's output. Returns (the inputs, flat logits rows to sample from, tokens of each
+        row, the fed positions and their sequences or None)."""
         rows = [(s.request, s.start, s.request.all_token_ids[s.start:s.start + s.num_new_tokens]
                  if drafts is None or not len(drafts[i]) else
                  np.concatenate([s.request.all_token_ids[s.start:s.start + s.num_new_tokens], drafts[i]]),
                  drafts is not None and len(drafts[i]) > 0) for i, s in enumerate(scheduled)]
+        fed_at: list[int] = []
+        fed_seqs: list[SequenceId] = []
+        offset = 0
+        for i, s in enumerate(scheduled):
+            if s.start + s.num_new_tokens > s.request.num_tokens:   # its last token is the pending one
+                request, start, tokens, split = rows[i]
+                rows[i] = (request, start, np.append(tokens, 0).astype(tokens.dtype), split)
+                fed_at.append(offset + len(tokens))
+                fed_seqs.append(request.seq_id)
+            offset += len(rows[i][2])
+        input_ids, positions, slots = self._buffers[buffer]
         micro_batches: list[MicroBatch] = []
         num_tokens = 0
         for part in split_rows(rows, self.num_micro_batches):
             start = num_tokens
-            n, layout, _ = lay_out(part, self.block_size, self._input_ids[start:], self._positions[start:],
-                                   self._slots[start:])
+            n, layout, _ = lay_out(part, self.block_size, input_ids[start:], positions[start:], slots[start:])
             num_tokens += n
             micro_batches.append(MicroBatch(start, num_tokens, layout.query_lens, layout.seq_lens,
                                             layout.num_decodes, layout.block_tables))
@@ -277,9 +377,10 @@ class ModelRunner:
             end += n
             if s.sample:  # the scheduler decided: this chunk ends the known tokens
                 sample_idx += range(end - n, end) if rows[i][3] else [end - 1]
-        inputs = StepInputs(self._input_ids[:num_tokens].numpy(), self._positions[:num_tokens].numpy(),
-                            self._slots[:num_tokens].numpy(), self.block_size, micro_batches, block_copies)
-        return inputs, sample_idx, row_tokens
+        inputs = StepInputs(input_ids[:num_tokens].numpy(), positions[:num_tokens].numpy(),
+                            slots[:num_tokens].numpy(), self.block_size, micro_batches, block_copies)
+        fed = (np.asarray(fed_at, dtype=np.int64), fed_seqs) if fed_at else None
+        return inputs, sample_idx, row_tokens, fed
 
     @staticmethod
     def _plan_logits(scheduled: list[ScheduledRequest], row_tokens: list[int], sample_idx: list[int],

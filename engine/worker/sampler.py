@@ -58,6 +58,8 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]               # one per row
     logprobs: list[Logprobs | None]    # per row; None where params.logprobs is None and not row.cumulative
+    # The same ids on the device (int64 [rows]): async scheduling feeds them to the next step's inputs there.
+    token_tensor: torch.Tensor | None = None
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
@@ -86,7 +88,11 @@ class Sampler:
     """Turns a step's logits into tokens; holds only the shared generator(s) between steps."""
 
     def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int = 0,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 to_host: Callable[[torch.Tensor], list[int]] | None = None) -> None:
+        """``to_host``: how the sampled ids reach the host (the runner's copy on its d2h stream); default
+        ``tolist``."""
+        self.to_host = to_host if to_host is not None else torch.Tensor.tolist
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
@@ -107,7 +113,8 @@ class Sampler:
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows")
         logits = self._trim(logits)
         if masks is None and all(_is_plain_greedy(row) for row in rows):
-            return SamplerOutput(self._argmax(logits).tolist(), [None] * len(rows))
+            ids = self._argmax(logits)
+            return SamplerOutput(self.to_host(ids), [None] * len(rows), ids)
 
         processed = self.process_logits(logits, rows, masks)
         sampled = [i for i, row in enumerate(rows) if not is_greedy(row.params)]
@@ -119,7 +126,7 @@ class Sampler:
                 index = torch.tensor(sampled, device=logits.device)
                 chosen = self._sample(processed.index_select(0, index), [rows[i] for i in sampled])
                 token_ids.index_copy_(0, index, chosen)
-        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, rows))
+        return SamplerOutput(self.to_host(token_ids), self._logprobs(logits, token_ids, rows), token_ids)
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
                        masks: TokenMasks | None = None) -> torch.Tensor:
