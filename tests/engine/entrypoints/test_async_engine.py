@@ -49,9 +49,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, default_hf_tokenizer: Any) ->
     return EngineConfig(model=str(path), dtype="float32", kv_cache_memory=64 * 2**20, num_threads=1)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny: EngineConfig) -> AsyncEngine:
-    eng = AsyncEngine(EngineCore(tiny))
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def engine(tiny: EngineConfig, request: pytest.FixtureRequest) -> AsyncEngine:
+    """The served engine's thread, with steps scheduled one after another and with async scheduling."""
+    eng = AsyncEngine(EngineCore(tiny.with_changes(async_scheduling=request.param)))
     yield eng
     eng.shutdown()
 
