@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from engine.core.outputs import EngineCoreOutput
 from engine.core.sampling_params import SamplingParams
 from tests.engine.executor.checkpoints import write_checkpoint
 from tests.engine.npu_twin import npu_device_twin, torch_npu_twin  # noqa: F401  (fixtures)
+from tests.engine.npu_twin import torch_npu as twin
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 rng = np.random.default_rng(11)
@@ -61,10 +61,11 @@ def _referenced_operators(*files: str) -> set[str]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_engine_on_the_twin_matches_the_cpu_backend(kind: str, tmp_path: Path, npu_device_twin: ModuleType) -> None:
+@pytest.mark.usefixtures("npu_device_twin")
+def test_engine_on_the_twin_matches_the_cpu_backend(kind: str, tmp_path: Path) -> None:
     path = write_checkpoint(kind, tmp_path / kind)
     expected, expected_cached = _generate(path, "cpu")
-    npu_device_twin.CALLED.clear()
+    twin.CALLED.clear()
     got, cached = _generate(path, "npu")
     assert got == expected
     assert all(len(t) == MAX_TOKENS for t in got.values()) and set(got) == {"first", "second", "short"}
@@ -74,15 +75,15 @@ def test_engine_on_the_twin_matches_the_cpu_backend(kind: str, tmp_path: Path, n
                                  "models/layers/rotary.py")
     assert used == {"_npu_reshape_and_cache", "_npu_paged_attention", "npu_fused_infer_attention_score",
                     "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul"}
-    assert npu_device_twin.CALLED == used
+    assert twin.CALLED == used
 
 
-def test_every_operator_the_engine_names_is_in_the_twin(torch_npu_twin: ModuleType) -> None:
+def test_every_operator_the_engine_names_is_in_the_twin() -> None:
     named: set[str] = set()
     for source in ENGINE.rglob("*.py"):
         named |= set(re.findall(r"\.(_?npu_(?!ops\b|backend\b)\w+)", source.read_text()))
     assert {"npu_dynamic_quant", "npu_quant_matmul", "_npu_paged_attention"} <= named   # the scan sees them
-    assert named <= set(torch_npu_twin.OPERATORS)
+    assert named <= set(twin.OPERATORS)
 
 
 def test_npu_block_size_is_128() -> None:

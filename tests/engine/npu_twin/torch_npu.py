@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from tests.engine.npu_twin import device as npu
 from tests.engine.npu_twin._ops import CALLED, OPERATORS
-from tests.engine.npu_twin.attention import _npu_paged_attention, _npu_reshape_and_cache, npu_fused_infer_attention_score
+from tests.engine.npu_twin.attention import (
+    _npu_paged_attention,
+    _npu_reshape_and_cache,
+    npu_fused_infer_attention_score,
+)
 from tests.engine.npu_twin.layers import npu_add_rms_norm, npu_rms_norm, npu_rotary_mul, npu_swiglu
 from tests.engine.npu_twin.quant import npu_dynamic_quant, npu_quant_matmul
 
