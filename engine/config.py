@@ -357,6 +357,9 @@ class EngineConfig:
               "must be a power of two")
         check(self.device != "npu" or self.block_size == 128, "block_size",
               f"--device npu runs blocks of 128 tokens (torch-npu's paged-attention operators); got {self.block_size}")
+        check(self.device != "npu" or self.dtype not in ("float32", "fp32", "float"), "dtype",
+              "--device npu runs float16 or bfloat16 models (torch-npu's attention operators take no float32): give "
+              "--dtype float16, bfloat16 or auto")
         check(self.device != "npu" or self.kv_cache_dtype == "auto", "kv_cache_dtype",
               "--device npu keeps the KV cache in the model's dtype (the attention operators read no other): leave "
               "it auto")

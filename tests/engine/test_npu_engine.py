@@ -86,7 +86,7 @@ def test_every_operator_the_engine_names_is_in_the_twin() -> None:
     assert named <= set(twin.OPERATORS)
 
 
-def test_npu_block_size_is_128() -> None:
+def test_npu_config_takes_block_size_128_and_half_precision() -> None:
     assert EngineConfig(device="npu").block_size == 128          # the default 16 becomes the operators' 128
     assert EngineConfig(device="npu", block_size=128).block_size == 128
     assert EngineConfig(device="cpu").block_size == 16
@@ -94,3 +94,5 @@ def test_npu_block_size_is_128() -> None:
         EngineConfig(device="npu", block_size=32)
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype.*model's dtype"):
         EngineConfig(device="npu", kv_cache_dtype="bfloat16")
+    with pytest.raises(InvalidRequestError, match="dtype.*no float32"):
+        EngineConfig(device="npu", dtype="float32")
