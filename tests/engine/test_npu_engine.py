@@ -1,7 +1,8 @@
 """The whole engine with ``--device npu`` on the torch-npu operator twin (tests/engine/npu_twin), against the CPU
 backend: the same greedy tokens on tiny random Llama and Qwen2 checkpoints in float16, through fresh prefill,
 chunked prefill (a 64-token budget), a prefix hit (two prompts sharing 150 tokens: one full 128-token block) and
-decode; every torch-npu operator the engine names is called, and only those."""
+decode; every torch-npu operator the engine names is called, and only those. Also: the NPU device on the twin, and
+the config rules of --device npu (block size 128, half precision)."""
 from __future__ import annotations
 
 import re
@@ -9,12 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from common.errors import InvalidRequestError
+from engine.attention.npu_backend import NpuAttentionBackend
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.outputs import EngineCoreOutput
 from engine.core.sampling_params import SamplingParams
+from engine.device import get_device
 from tests.engine.executor.checkpoints import write_checkpoint
 from tests.engine.npu_twin import npu_device_twin, torch_npu_twin  # noqa: F401  (fixtures)
 from tests.engine.npu_twin import torch_npu as twin
@@ -96,3 +100,21 @@ def test_npu_config_takes_block_size_128_and_half_precision() -> None:
         EngineConfig(device="npu", kv_cache_dtype="bfloat16")
     with pytest.raises(InvalidRequestError, match="dtype.*no float32"):
         EngineConfig(device="npu", dtype="float32")
+
+
+@pytest.mark.usefixtures("npu_device_twin")
+def test_npu_device_drives_torch_npu_and_hands_out_its_operators() -> None:
+    device = get_device("npu", index=0)
+    assert device.name == "npu" and device.torch_device == torch.device("cpu")   # the twin's placement
+    assert not device.pin_memory   # host tensors: nothing to pin
+    assert isinstance(device.attention_backend(), NpuAttentionBackend)
+    assert device.kernel_choice(torch.float16).npu_ops is twin
+    stream, event = device.new_stream(), device.new_event()
+    assert isinstance(stream, twin.npu.Stream) and isinstance(event, twin.npu.Event)
+    with device.use_stream(stream):
+        assert twin.npu.current_stream() is stream
+    device.record_event(event, stream)
+    device.wait_event(stream, event)
+    assert event.recorded
+    free, total = device.memory_info()
+    assert 0 < free <= total
