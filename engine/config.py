@@ -293,7 +293,7 @@ class EngineConfig:
     max_model_len: int | None = None         # None = the model's context length, capped at 8192
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    block_size: int = 16
+    block_size: int = 16                     # tokens per KV block (--device npu: 128, the operators' size)
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None       # bytes of KV cache on CPU; None = 2 GiB
     num_kv_blocks: int | None = None         # exact block count (overrides the two above)
@@ -335,6 +335,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None and not isinstance(self.kv_cache_memory, int):
             object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
+        if self.device == "npu" and self.block_size == 16:   # the default: the NPU's operators run blocks of 128
+            object.__setattr__(self, "block_size", 128)
         self.validate()
 
     def validate(self) -> None:
@@ -353,6 +355,14 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
               "must be a power of two")
+        check(self.device != "npu" or self.block_size == 128, "block_size",
+              f"--device npu runs blocks of 128 tokens (torch-npu's paged-attention operators); got {self.block_size}")
+        check(self.device != "npu" or self.dtype not in ("float32", "fp32", "float"), "dtype",
+              "--device npu runs float16 or bfloat16 models (torch-npu's attention operators take no float32): give "
+              "--dtype float16, bfloat16 or auto")
+        check(self.device != "npu" or self.kv_cache_dtype == "auto", "kv_cache_dtype",
+              "--device npu keeps the KV cache in the model's dtype (the attention operators read no other): leave "
+              "it auto")
         check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         check(0 < self.device_memory_utilization <= 1, "device_memory_utilization", "must be in (0, 1]")

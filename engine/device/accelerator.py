@@ -18,10 +18,11 @@ if TYPE_CHECKING:
 class AcceleratorDevice(Device):
     """A device driven through a torch.cuda-like module (``torch.cuda``, ``torch.npu``)."""
 
-    def __init__(self, name: str, module: Any, index: int = 0) -> None:
+    def __init__(self, name: str, module: Any, index: int = 0, place: torch.device | None = None) -> None:
+        """``place``: where tensors live, when not ``torch.device(name, index)`` (see ``NpuDevice``)."""
         self.name = name
         self._mod = module
-        self._device = torch.device(name, index)
+        self._device = place if place is not None else torch.device(name, index)
         module.set_device(self._device)
 
     @property

@@ -1,4 +1,5 @@
-"""SiLU-and-mul over a fused gate/up projection: PyTorch ops, or the CPU kernels' one pass over memory."""
+"""SiLU-and-mul over a fused gate/up projection: PyTorch ops, the CPU kernels' one pass over memory, or torch-npu's
+``npu_swiglu`` (the same function: silu of the first half times the second)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -23,7 +24,10 @@ class SiluAndMul(nn.Module):
         self.fn: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
 
     def use_kernels(self, choice: KernelChoice) -> None:
-        self.fn = silu_and_mul if choice.ops is None else choice.ops.silu_and_mul
+        if choice.npu_ops is not None:
+            self.fn = choice.npu_ops.npu_swiglu
+        else:
+            self.fn = silu_and_mul if choice.ops is None else choice.ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x)

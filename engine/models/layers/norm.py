@@ -45,6 +45,22 @@ class KernelNorm(TorchNorm):
         return self.ops.add_rms_norm(x, residual, weight, eps), residual
 
 
+class NpuNorm(TorchNorm):
+    """torch-npu's ``npu_rms_norm`` and ``npu_add_rms_norm`` (the add fused into the norm), as vLLM-Ascend's RMSNorm
+    calls them."""
+
+    def __init__(self, npu_ops: Any) -> None:
+        self.ops = npu_ops
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops.npu_rms_norm(x, weight, float(eps))[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        y, _, added = self.ops.npu_add_rms_norm(x, residual, weight, float(eps))
+        return y, added
+
+
 _TORCH = TorchNorm()
 
 
@@ -60,7 +76,14 @@ class RMSNorm(nn.Module):
         self.method: TorchNorm = _TORCH
 
     def use_kernels(self, choice: KernelChoice) -> None:
-        self.method = KernelNorm(choice.ops) if choice.ops is not None and not self.on_heads else _TORCH
+        if self.on_heads:
+            self.method = _TORCH
+        elif choice.npu_ops is not None:
+            self.method = NpuNorm(choice.npu_ops)
+        elif choice.ops is not None:
+            self.method = KernelNorm(choice.ops)
+        else:
+            self.method = _TORCH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.norm(x, self.weight, self.eps)

@@ -50,8 +50,12 @@ class RotaryEmbedding(torch.nn.Module):
                               tuple[torch.Tensor, torch.Tensor]] = _rotate_pair
 
     def use_kernels(self, choice: KernelChoice) -> None:
-        """With the CPU kernels, rotate in place (on the fused projection's output, no copies)."""
-        self.rotate = _rotate_pair if choice.ops is None else _InPlaceRotary(choice.ops)
+        """With the CPU kernels, rotate in place (on the fused projection's output, no copies); on the NPU, with
+        torch-npu's ``npu_rotary_mul``."""
+        if choice.npu_ops is not None:
+            self.rotate = _NpuRotary(choice.npu_ops)
+        else:
+            self.rotate = _rotate_pair if choice.ops is None else _InPlaceRotary(choice.ops)
 
     def build_cache(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """Fills the caches; called once the model is on its device (its buffers start empty)."""
@@ -84,6 +88,23 @@ class _InPlaceRotary:
         self.ops.rotary_(query, positions, cos_cache, sin_cache)
         self.ops.rotary_(key, positions, cos_cache, sin_cache)
         return query, key
+
+
+class _NpuRotary:
+    """``npu_rotary_mul(x, r1, r2)`` = ``x * r1 + rotate_half(x) * r2`` on x [1, T, H, D] (BSND) with r1 = cos and
+    r2 = sin at full width [1, T, 1, D], as vLLM-Ascend's rotary layer calls it."""
+
+    def __init__(self, npu_ops: Any) -> None:
+        self.ops = npu_ops
+
+    def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
+                 sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = cos_cache[positions]
+        sin = sin_cache[positions]
+        r1 = torch.cat((cos, cos), dim=-1)[None, :, None, :]
+        r2 = torch.cat((sin, sin), dim=-1)[None, :, None, :]
+        return (self.ops.npu_rotary_mul(query[None], r1, r2)[0],
+                self.ops.npu_rotary_mul(key[None], r1, r2)[0])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

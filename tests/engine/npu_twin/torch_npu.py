@@ -1,101 +1,24 @@
-"""TEST-ONLY TWIN of torch-npu operators, on the CPU. Written from torch-npu's API reference (Ascend Extension for
-PyTorch, ``torch_npu.npu_dynamic_quant`` and ``torch_npu.npu_quant_matmul``; 6.0.0 / 7.0.0 pages): each function has
-the documented signature (keyword-only arguments where the documentation makes them so), refuses what the
-documentation says the operator refuses (dtypes, ranks, shapes, unsupported combinations) with a ValueError or
-TypeError, and computes the documented arithmetic in plain PyTorch. It proves that Sluice calls the operators as
-documented; it says nothing about the hardware's speed or its rounding (round half to even here).
+"""TEST-ONLY TWIN of the ``torch_npu`` module, on the CPU: every torch-npu operator Sluice calls, each written from
+torch-npu's documentation (Ascend Extension for PyTorch API reference; CANN's ATB reference for the ``_npu_*``
+bindings vLLM-Ascend uses) with the documented signature (keyword-only arguments where the documentation makes them
+so), the documented argument checks (dtypes, ranks, shapes, layouts, masks; ValueError or TypeError) and the
+documented arithmetic in plain PyTorch; plus ``npu``, the twin of ``torch.npu``. It proves that Sluice calls the
+operators as documented; it says nothing about the hardware's speed or rounding.
 
-Add further operators here in the same form: the documented signature, the checks, the CPU math.
+Add an operator in the module of its kind (``quant``, ``attention``, ``layers``) with ``@operator`` and export it here.
 """
 from __future__ import annotations
 
-import torch
+from tests.engine.npu_twin import device as npu
+from tests.engine.npu_twin._ops import CALLED, OPERATORS
+from tests.engine.npu_twin.attention import (
+    _npu_paged_attention,
+    _npu_reshape_and_cache,
+    npu_fused_infer_attention_score,
+)
+from tests.engine.npu_twin.layers import npu_add_rms_norm, npu_rms_norm, npu_rotary_mul, npu_swiglu
+from tests.engine.npu_twin.quant import npu_dynamic_quant, npu_quant_matmul
 
-_FLOAT_INPUTS = (torch.float16, torch.bfloat16)
-
-
-def _require(ok: bool, message: str, error: type[Exception] = ValueError) -> None:
-    if not ok:
-        raise error(message)
-
-
-def npu_dynamic_quant(x: torch.Tensor, *, smooth_scales: torch.Tensor | None = None,
-                      group_index: torch.Tensor | None = None,
-                      dst_type: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-token int8 quantization: ``x`` (float16/bfloat16, rank > 1) times ``smooth_scales`` (1-D, x's
-    last dimension, x's dtype) when given; per row ``scale = rowMax(|x|) / 127`` and ``y = round(x / scale)``.
-    Returns (y int8, x's shape; scale float32, x's shape without its last dimension)."""
-    _require(x.dtype in _FLOAT_INPUTS, f"npu_dynamic_quant: x must be float16 or bfloat16, got {x.dtype}", TypeError)
-    _require(x.dim() > 1, f"npu_dynamic_quant: x must have more than one dimension, got {x.dim()}")
-    _require(group_index is None, "npu_dynamic_quant twin: group_index (the MoE form) is not modelled")
-    _require(dst_type in (None, torch.int8), f"npu_dynamic_quant twin: dst_type {dst_type} (int4) is not modelled")
-    xf = x.float()
-    if smooth_scales is not None:
-        _require(smooth_scales.dim() == 1 and smooth_scales.shape[0] == x.shape[-1],
-                 f"npu_dynamic_quant: smooth_scales must be 1-D of x's last dimension {x.shape[-1]}, got "
-                 f"{tuple(smooth_scales.shape)}")
-        _require(smooth_scales.dtype == x.dtype, f"npu_dynamic_quant: smooth_scales must have x's dtype {x.dtype}, "
-                                                 f"got {smooth_scales.dtype}", TypeError)
-        xf = xf * smooth_scales.float()
-    scale = xf.abs().amax(dim=-1) / 127.0
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = torch.round(xf / divisor.unsqueeze(-1)).clamp_(-128, 127).to(torch.int8)
-    return y, scale
-
-
-def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *, offset: torch.Tensor | None = None,
-                     pertoken_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                     output_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Quantized matmul ``x1 [m, k] @ x2 [k, n]`` (int8, 2 to 6 dimensions), int32 accumulation, then
-    ``* scale [n or 1] (* pertoken_scale [m])``, bias added, written as ``output_dtype`` (int8 when None).
-
-    Modelled here: int8 inputs with a per-token scale, as dynamic W8A8 calls it (the documentation's table: output
-    bfloat16 with scale float32/bfloat16 and bias int32/bfloat16/float32; output float16 with scale float32 and bias
-    int32/float16/float32; no offset), and the per-tensor form without one (int8 or float16 output, float32 scale)."""
-    for name, t in (("x1", x1), ("x2", x2)):
-        _require(t.dtype == torch.int8, f"npu_quant_matmul twin: {name} must be int8 (int32-packed int4 is not "
-                                        f"modelled), got {t.dtype}", TypeError)
-        _require(2 <= t.dim() <= 6, f"npu_quant_matmul: {name} must have 2 to 6 dimensions, got {t.dim()}")
-    k, n = x2.shape[-2], x2.shape[-1]
-    _require(x1.shape[-1] == k, f"npu_quant_matmul: x1's last dimension {x1.shape[-1]} != x2's k {k} (x2 is [k, n])")
-    _require(scale.dim() == 1 and scale.shape[0] in (1, n),
-             f"npu_quant_matmul: scale must be 1-D of size 1 or n={n}, got {tuple(scale.shape)}")
-    _require(output_dtype in (None, torch.int8, torch.float16, torch.bfloat16),
-             f"npu_quant_matmul: output_dtype must be int8, float16 or bfloat16, got {output_dtype}", TypeError)
-    m = x1.shape[-2]
-    if pertoken_scale is not None:
-        _require(pertoken_scale.dtype == torch.float32,
-                 f"npu_quant_matmul: pertoken_scale must be float32, got {pertoken_scale.dtype}", TypeError)
-        _require(pertoken_scale.dim() == 1 and pertoken_scale.shape[0] == m,
-                 f"npu_quant_matmul: pertoken_scale must be 1-D of x1's m={m}, got {tuple(pertoken_scale.shape)}")
-        _require(output_dtype in (torch.float16, torch.bfloat16),
-                 f"npu_quant_matmul: with pertoken_scale the output is float16 or bfloat16, got {output_dtype}")
-        _require(offset is None, "npu_quant_matmul: offset is not taken with pertoken_scale")
-        scales = (torch.float32, torch.bfloat16) if output_dtype == torch.bfloat16 else (torch.float32,)
-        biases = (torch.int32, output_dtype, torch.float32)
-    else:
-        _require(output_dtype in (None, torch.int8, torch.float16),
-                 f"npu_quant_matmul twin: without pertoken_scale only int8 or float16 output is modelled, got "
-                 f"{output_dtype}")
-        scales, biases = (torch.float32,), (torch.int32,)
-    _require(scale.dtype in scales, f"npu_quant_matmul: scale must be one of {scales} for output {output_dtype}, "
-                                    f"got {scale.dtype}", TypeError)
-    if bias is not None:
-        _require(bias.dtype in biases, f"npu_quant_matmul: bias must be one of {biases} for output {output_dtype}, "
-                                       f"got {bias.dtype}", TypeError)
-        _require(bias.dim() == 1 and bias.shape[0] == n,
-                 f"npu_quant_matmul twin: bias must be 1-D of n={n} (the 3-D form is not modelled), got "
-                 f"{tuple(bias.shape)}")
-    acc = x1.to(torch.int64) @ x2.to(torch.int64)
-    if bias is not None and bias.dtype == torch.int32:   # an int32 bias joins the accumulator, before the scales
-        acc = acc + bias.to(torch.int64)
-    out = acc.float() * scale.float()
-    if pertoken_scale is not None:
-        out = out * pertoken_scale.unsqueeze(-1)
-    if offset is not None:
-        out = out + offset.float()
-    if bias is not None and bias.dtype != torch.int32:
-        out = out + bias.float()
-    if output_dtype in (None, torch.int8):
-        return torch.round(out).clamp_(-128, 127).to(torch.int8)
-    return out.to(output_dtype)
+__all__ = ["CALLED", "OPERATORS", "npu", "_npu_paged_attention", "_npu_reshape_and_cache",
+           "npu_fused_infer_attention_score", "npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu",
+           "npu_dynamic_quant", "npu_quant_matmul"]

@@ -1,0 +1,110 @@
+"""Paged attention on an Ascend NPU with torch-npu's fused operators, called as vLLM-Ascend calls them
+(``vllm_ascend/attention/attention_v1.py``):
+
+* every new token's key and value: ``torch_npu._npu_reshape_and_cache`` into the key and value caches, each
+  [num_blocks, 128, num_kv_heads, head_dim] (the default layout's two halves), by int32 slot;
+* decodes (the step's first ``num_decodes`` sequences, one token each): ``torch_npu._npu_paged_attention`` over
+  int32 block tables and host int32 context lengths;
+* prefill chunks, fresh or after cached context (chunked prefill, prefix hits): one
+  ``torch_npu.npu_fused_infer_attention_score`` call for all of them, ``input_layout="TND"`` over the paged cache
+  (keys and values seen as [num_blocks, 128, num_kv_heads * head_dim]), ``actual_seq_lengths`` the cumulative query
+  ends, ``actual_seq_lengths_kv`` each sequence's key count, ``sparse_mode=3`` (right-down causal: query i of a
+  chunk of q sees the keys up to kv_len - q + i) with the operator's optimised 2048 x 2048 mask. vLLM-Ascend runs
+  fresh prompts through ``_npu_flash_attention`` instead; one call covers both here.
+
+Not run on Ascend hardware: the calls are checked against a test-only twin written from torch-npu's documentation
+(tests/engine/npu_twin). The operators take float16 or bfloat16 queries and a cache of the same dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata, StepLayout
+
+# The block size the operators are run with (vLLM-Ascend's; npu_fused_infer_attention_score takes multiples of 128
+# for float16/bfloat16 paged caches, _npu_paged_attention at most 128).
+NPU_BLOCK_SIZE = 128
+# sparse_mode 3 reads this fixed mask (1 above the diagonal), whatever the sequence lengths.
+MASK_SIDE = 2048
+
+
+@dataclass
+class NpuAttentionMetadata(AttentionMetadata):
+    """The default metadata plus what the operators read, in their dtypes (built once per step)."""
+
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0))                # int32 [num_tokens]
+    decode_block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0))   # int32 [num_decodes, max]
+    decode_context_lens: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # int32 [num_decodes], host
+    prefill_block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # int32 [num_prefills, max]
+    prefill_query_ends: list[int] = field(default_factory=list)   # cumulative query lengths of the prefills
+    prefill_kv_lens: list[int] = field(default_factory=list)      # keys each prefill chunk attends over
+    mask: torch.Tensor | None = None                               # the optimised causal mask, on the device
+
+
+class NpuAttentionBackend(AttentionBackend):
+    """``ops``: the ``torch_npu`` module (the NPU device hands it over)."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+        self._masks: dict[torch.device, torch.Tensor] = {}
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        if block_size != NPU_BLOCK_SIZE:
+            raise ValueError(f"block_size: the NPU attention operators run blocks of {NPU_BLOCK_SIZE}, "
+                             f"got {block_size}")
+        return super().kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def _mask(self, device: torch.device) -> torch.Tensor:
+        mask = self._masks.get(device)
+        if mask is None:
+            mask = torch.triu(torch.ones(MASK_SIDE, MASK_SIDE, dtype=torch.bool), diagonal=1).to(device)
+            self._masks[device] = mask
+        return mask
+
+    def build_metadata(self, layout: StepLayout, device: torch.device) -> NpuAttentionMetadata:
+        base = super().build_metadata(layout, device)
+        nd = layout.num_decodes
+        num_tokens = sum(layout.query_lens)
+        tables = torch.from_numpy(np.ascontiguousarray(layout.block_tables, dtype=np.int32))
+        prefill_lens = layout.query_lens[nd:]
+        return NpuAttentionMetadata(
+            **vars(base),
+            slots=layout.slot_mapping[:num_tokens].to(torch.int32).to(device, non_blocking=True),
+            decode_block_table=tables[:nd].to(device, non_blocking=True),
+            decode_context_lens=torch.tensor(layout.seq_lens[:nd], dtype=torch.int32),
+            prefill_block_table=tables[nd:].to(device, non_blocking=True),
+            prefill_query_ends=np.cumsum(prefill_lens).tolist() if prefill_lens else [],
+            prefill_kv_lens=list(layout.seq_lens[nd:]),
+            mask=self._mask(device) if prefill_lens else None,
+        )
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        assert isinstance(meta, NpuAttentionMetadata), "NpuAttentionBackend reads the metadata it builds"
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        num_heads = query.shape[1]
+        # The operators take ND-format (contiguous) tensors; q, k and v are views of the fused projection.
+        query = query.contiguous()
+        self.ops._npu_reshape_and_cache(key=key.contiguous(), value=value.contiguous(), key_cache=key_cache,
+                                        value_cache=value_cache, slot_indices=meta.slots)
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd > 0:
+            self.ops._npu_paged_attention(query=query[:nd], key_cache=key_cache, value_cache=value_cache,
+                                          num_kv_heads=num_kv_heads, num_heads=num_heads, scale_value=float(scale),
+                                          block_table=meta.decode_block_table, context_lens=meta.decode_context_lens,
+                                          out=out[:nd])
+        if meta.prefill_query_ends:
+            prefill_out, _ = self.ops.npu_fused_infer_attention_score(
+                query[nd:], key_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
+                value_cache.view(num_blocks, block_size, num_kv_heads * head_dim), atten_mask=meta.mask,
+                block_table=meta.prefill_block_table, input_layout="TND", block_size=block_size,
+                actual_seq_lengths=meta.prefill_query_ends, actual_seq_lengths_kv=meta.prefill_kv_lens,
+                num_key_value_heads=num_kv_heads, num_heads=num_heads, scale=float(scale), sparse_mode=3)
+            out[nd:] = prefill_out
+        return out

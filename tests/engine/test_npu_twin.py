@@ -1,0 +1,170 @@
+"""The torch-npu operator twin keeps the documented signatures and refuses what the documentation refuses; the layers
+that pick torch-npu's operators (``KernelChoice.npu_ops``) give the PyTorch path's numbers within dtype tolerance."""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from engine.device.kernel_choice import KernelChoice
+from engine.models.config import ModelConfig
+from engine.models.layers.activation import SiluAndMul
+from engine.models.layers.norm import NpuNorm, RMSNorm
+from engine.models.layers.rotary import RotaryEmbedding
+from tests.engine.npu_twin import torch_npu as twin
+from tests.engine.npu_twin import torch_npu_twin  # noqa: F401  (fixture)
+
+# Parameters as torch-npu's API reference lists them: (positional-or-keyword, keyword-only).
+FIA_KEYWORDS = (
+    "pse_shift atten_mask actual_seq_lengths actual_seq_lengths_kv dequant_scale1 quant_scale1 dequant_scale2 "
+    "quant_scale2 quant_offset2 antiquant_scale antiquant_offset block_table query_padding_size kv_padding_size "
+    "key_antiquant_scale key_antiquant_offset value_antiquant_scale value_antiquant_offset key_shared_prefix "
+    "value_shared_prefix actual_shared_prefix_len query_rope key_rope key_rope_antiquant_scale num_heads scale "
+    "pre_tokens next_tokens input_layout num_key_value_heads sparse_mode inner_precise block_size antiquant_mode "
+    "softmax_lse_flag key_antiquant_mode value_antiquant_mode")
+DOCUMENTED: dict[str, tuple[str, str]] = {
+    "_npu_reshape_and_cache": ("key value key_cache value_cache slot_indices", ""),
+    "_npu_paged_attention": ("query key_cache value_cache num_kv_heads num_heads scale_value block_table "
+                             "context_lens out", ""),
+    "npu_fused_infer_attention_score": ("query key value", FIA_KEYWORDS),
+    "npu_rms_norm": ("self gamma epsilon", ""),
+    "npu_add_rms_norm": ("x1 x2 gamma epsilon", ""),
+    "npu_swiglu": ("self dim", ""),
+    "npu_rotary_mul": ("self r1 r2 rotary_mode", ""),
+    "npu_dynamic_quant": ("x", "smooth_scales group_index dst_type"),
+    "npu_quant_matmul": ("x1 x2 scale", "offset pertoken_scale bias output_dtype"),
+}
+
+
+def test_twin_operators_have_the_documented_signatures() -> None:
+    assert set(twin.OPERATORS) == set(DOCUMENTED)
+    for name, (positional, keyword_only) in DOCUMENTED.items():
+        params = inspect.signature(twin.OPERATORS[name]).parameters.values()
+        assert [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD] == positional.split(), name
+        assert [p.name for p in params if p.kind is p.KEYWORD_ONLY] == keyword_only.split(), name
+
+
+def _half(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).half()
+
+
+def _cache() -> torch.Tensor:
+    return _half(4, 128, 2, 16)
+
+
+def _paged(**change: Any) -> Callable[[], Any]:
+    args: dict[str, Any] = dict(query=_half(2, 4, 16), key_cache=_cache(), value_cache=_cache(), num_kv_heads=2,
+                                num_heads=4, scale_value=0.25, block_table=torch.ones(2, 2, dtype=torch.int32),
+                                context_lens=torch.tensor([3, 130], dtype=torch.int32), out=_half(2, 4, 16))
+    args.update(change)
+    return lambda: twin._npu_paged_attention(**args)
+
+
+def _fia(**change: Any) -> Callable[[], Any]:
+    args: dict[str, Any] = dict(
+        atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.int8), 1), block_table=torch.ones(1, 2,
+                                                                                                   dtype=torch.int32),
+        input_layout="TND", block_size=128, actual_seq_lengths=[5], actual_seq_lengths_kv=[9], num_key_value_heads=2,
+        num_heads=4, scale=0.25, sparse_mode=3)
+    query = change.pop("query", _half(5, 4, 16))
+    args.update(change)
+    return lambda: twin.npu_fused_infer_attention_score(query, _half(4, 128, 32), _half(4, 128, 32), **args)
+
+
+def _reshape(**change: Any) -> Callable[[], Any]:
+    args: dict[str, Any] = dict(key=_half(3, 2, 16), value=_half(3, 2, 16), key_cache=_cache(), value_cache=_cache(),
+                                slot_indices=torch.tensor([1, 200, 7], dtype=torch.int32))
+    args.update(change)
+    return lambda: twin._npu_reshape_and_cache(**args)
+
+
+REFUSED: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
+    "reshape int64 slots": (_reshape(slot_indices=torch.tensor([1, 2, 3])), TypeError, "slot_indices"),
+    "reshape float32 key": (_reshape(key=torch.randn(3, 2, 16)), TypeError, "key must have the cache's dtype"),
+    "reshape 3 heads": (_reshape(key=_half(3, 3, 16)), ValueError, r"key must be \[num_tokens, 2, 16\]"),
+    "paged int64 tables": (_paged(block_table=torch.ones(2, 2, dtype=torch.int64)), TypeError, "block_table"),
+    "paged int64 lens": (_paged(context_lens=torch.tensor([3, 130])), TypeError, "context_lens"),
+    "paged float32 query": (_paged(query=torch.randn(2, 4, 16)), TypeError, "query"),
+    "paged wrong heads": (_paged(num_heads=2), ValueError, "num_heads=2"),
+    "paged too long": (_paged(context_lens=torch.tensor([3, 300], dtype=torch.int32)), ValueError, "context_lens"),
+    "fia float32 query": (_fia(query=torch.randn(5, 4, 16)), TypeError, "query"),
+    "fia BSH layout": (_fia(input_layout="BSH"), ValueError, "TND"),
+    "fia tensor lengths": (_fia(actual_seq_lengths=torch.tensor([5])), TypeError, "SymInt"),
+    "fia not cumulative": (_fia(actual_seq_lengths=[4]), ValueError, "cumulative"),
+    "fia block size 64": (_fia(block_size=64), ValueError, "block_size"),
+    "fia int64 table": (_fia(block_table=torch.ones(1, 2, dtype=torch.int64)), TypeError, "block_table"),
+    "fia mask 128": (_fia(atten_mask=torch.triu(torch.ones(128, 128, dtype=torch.bool), 1)), ValueError, "2048"),
+    "fia lower mask": (_fia(atten_mask=torch.tril(torch.ones(2048, 2048, dtype=torch.bool), -1)), ValueError,
+                       "above the diagonal"),
+    "rms float64": (lambda: twin.npu_rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8)), TypeError, "x"),
+    "rms gamma width": (lambda: twin.npu_rms_norm(_half(2, 8), _half(4)), ValueError, "gamma"),
+    "add_rms shapes": (lambda: twin.npu_add_rms_norm(_half(2, 8), _half(3, 8), _half(8)), ValueError, "x1"),
+    "swiglu int": (lambda: twin.npu_swiglu(torch.ones(2, 8, dtype=torch.int32)), TypeError, "x"),
+    "swiglu odd": (lambda: twin.npu_swiglu(_half(2, 7)), ValueError, "even"),
+    "rotary 3-D": (lambda: twin.npu_rotary_mul(_half(3, 2, 8), _half(1, 3, 1, 8), _half(1, 3, 1, 8)), ValueError,
+                   "4-D"),
+    "rotary r dtype": (lambda: twin.npu_rotary_mul(_half(1, 3, 2, 8), torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8)),
+                       TypeError, "r1"),
+    "quant float32": (lambda: twin.npu_dynamic_quant(torch.randn(2, 8)), TypeError, "float16 or bfloat16"),
+    "matmul float x1": (lambda: twin.npu_quant_matmul(torch.randn(2, 8), torch.ones(8, 4, dtype=torch.int8),
+                                                      torch.ones(4)), TypeError, "x1"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_twin_operators_refuse_what_the_documentation_refuses(case: str) -> None:
+    call, error, match = REFUSED[case]
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_every_twin_operator_has_a_refusal_case() -> None:
+    prefixes = {"reshape": "_npu_reshape_and_cache", "paged": "_npu_paged_attention",
+                "fia": "npu_fused_infer_attention_score", "rms": "npu_rms_norm", "add_rms": "npu_add_rms_norm",
+                "swiglu": "npu_swiglu", "rotary": "npu_rotary_mul", "quant": "npu_dynamic_quant",
+                "matmul": "npu_quant_matmul"}
+    assert {prefixes[case.split(" ")[0]] for case in REFUSED} == set(twin.OPERATORS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.usefixtures("torch_npu_twin")
+def test_layers_on_npu_operators_match_the_torch_path(dtype: torch.dtype) -> None:
+    choice = KernelChoice(npu_ops=twin)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 64, generator=gen).to(dtype)
+    residual = torch.randn(7, 64, generator=gen).to(dtype)
+    npu_norm, ref_norm = RMSNorm(64, 1e-6), RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        npu_norm.weight.copy_(1 + 0.2 * torch.randn(64, generator=gen))
+        ref_norm.weight.copy_(npu_norm.weight)
+    npu_norm.to(dtype).use_kernels(choice)
+    ref_norm.to(dtype).use_kernels(KernelChoice.torch())
+    assert isinstance(npu_norm.method, NpuNorm)
+    torch.testing.assert_close(npu_norm(x), ref_norm(x))
+    for got, expected in zip(npu_norm.add_and_norm(x, residual), ref_norm.add_and_norm(x, residual), strict=True):
+        torch.testing.assert_close(got, expected)
+    act = SiluAndMul()
+    act.use_kernels(choice)
+    assert act.fn is twin.npu_swiglu
+    torch.testing.assert_close(act(x), SiluAndMul()(x))
+    config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    npu_rope, ref_rope = RotaryEmbedding(config), RotaryEmbedding(config)
+    for rope in (npu_rope, ref_rope):
+        rope.build_cache("cpu", dtype)
+    npu_rope.use_kernels(choice)
+    positions = torch.tensor([0, 5, 6, 7, 30, 31, 63])
+    q = torch.randn(7, 4, 16, generator=gen).to(dtype)
+    k = torch.randn(7, 2, 16, generator=gen).to(dtype)
+    for got, expected in zip(npu_rope(positions, q, k), ref_rope(positions, q, k), strict=True):
+        torch.testing.assert_close(got, expected)
+    assert {"npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul"} <= twin.CALLED
+
+
+def test_the_refusal_cases_differ_from_an_accepted_call_in_one_argument() -> None:
+    for accepted in (_reshape(), _paged(), _fia()):
+        accepted()
