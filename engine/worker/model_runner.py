@@ -184,6 +184,12 @@ class ModelRunner:
     def run(self, step: PreparedStep) -> RunnerOutput:
         """The device side of a prepared step (async scheduling: on the core's worker thread, in step order):
         adapters, inputs to the device, the forward pass, logits, sampling, the ids back to the host."""
+        try:
+            return self._run_step(step)
+        finally:   # the next step's copies (its fed ids, copy-on-write) wait for all of this step's work
+            self.device.record_event(self.step_done, self.compute_stream)
+
+    def _run_step(self, step: PreparedStep) -> RunnerOutput:
         scheduled = step.out.scheduled
         if not scheduled:
             if step.inputs.block_copies:   # every rank copies them in its layers
@@ -271,9 +277,7 @@ class ModelRunner:
             dev.record_event(self.inputs_ready, self.copy_stream)
         dev.wait_event(self.compute_stream, self.inputs_ready)
         with dev.use_stream(self.compute_stream):
-            result = self.stage.run(inputs, tensors)
-            dev.record_event(self.step_done, self.compute_stream)
-            return result
+            return self.stage.run(inputs, tensors)
 
     def _to_host(self, ids: torch.Tensor) -> list[int]:
         """Sampled ids to the host: on an accelerator, copied on the d2h stream into pinned memory after the
