@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +20,7 @@ from engine.core.outputs import EngineCoreOutput
 from engine.core.request import FinishReason, Request, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 from engine.core.spec_stats import SpecDecodingStats
 from engine.executor.base import make_executor
 from engine.worker.structured_output import GrammarVocabulary
@@ -68,6 +69,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
                                    max_model_len=self.max_model_len)
         self._pending: list[EngineCoreOutput] = []
+        # Where a multi-step step streams the outputs of each pass but its last as the pass ends (the AsyncEngine
+        # sets it); None: ``step`` returns them all.
+        self.output_sink: Callable[[list[EngineCoreOutput]], None] | None = None
         # LoRA: the adapters the executor holds, by id; every path an id was ever given (an id stands for one
         # adapter's weights for the process's life: its prefix-cache blocks outlive the adapter's removal); the
         # live requests of each adapter; the adapters whose removal waits for their last request to end.
@@ -261,19 +265,47 @@ class EngineCore:
             if self.spec_stats is not None:
                 for seq_id, num_drafts in run.num_draft_tokens.items():
                     self.spec_stats.observe(num_drafts, len(run.sampled[seq_id]) - 1)
+            if any(s.num_lookahead_steps for s in sched.scheduled):
+                step_outputs, outputs = self._lookahead_passes(sched, outputs + step_outputs), []
         else:
             t2 = time.perf_counter()
             step_outputs = self.scheduler.update_from_output(sched, {}, {})
         t3 = time.perf_counter()
+        self._release_ended()
+        self.total_steps += 1
+        self.last_step = StepStats(sched.num_scheduled_tokens, sched.num_batched_tokens, time.perf_counter() - t0,
+                                   schedule_s=t1 - t0, prepare_s=prepare_s, update_s=t3 - t2)
+        return outputs + step_outputs
+
+    def _release_ended(self) -> None:
+        """Forget the worker state of the sequences the last update ended, and their adapters' uses."""
         finished = self.scheduler.ended   # best_of reports n of its sequences, but every one ended
         if finished:
             self.executor.release(finished)
             if self._lora_of_request:
                 self._end_lora_uses({seq_id.request_id for seq_id in finished})
-        self.total_steps += 1
-        self.last_step = StepStats(sched.num_scheduled_tokens, sched.num_batched_tokens, time.perf_counter() - t0,
-                                   schedule_s=t1 - t0, prepare_s=prepare_s, update_s=t3 - t2)
-        return outputs + step_outputs
+
+    def _lookahead_passes(self, first: SchedulerOutput, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Multi-step decode: the further decode passes of a step whose first pass gave ``outputs``, each applied
+        as it ends. Streaming (``multi_step_stream_outputs``): each pass's outputs but the last go to
+        ``output_sink`` as the pass ends (without a sink they are all returned, in pass order); else each
+        sequence's deltas of the step come merged into one. Returns what the step hands back."""
+        stream = self.config.multi_step_stream_outputs
+        passes = [outputs]
+        j = 1
+        try:
+            while (sched := self.scheduler.lookahead_pass(first, j)) is not None:
+                self._release_ended()   # the sequences the pass before ended
+                if stream and self.output_sink is not None:
+                    self.output_sink(passes.pop())
+                run = self.executor.execute_model(sched)
+                passes.append(self.scheduler.update_from_output(sched, run.sampled, run.logprobs))
+                j += 1
+        except BaseException:
+            self._pending = [o for p in passes for o in p] + self._pending   # applied: reported next step
+            raise
+        flat = [o for p in passes for o in p]
+        return flat if stream else merge_deltas(flat)
 
     def scheduler_stats(self) -> dict[str, int]:
         """Cumulative counters (for GetInfo and Prometheus)."""
@@ -308,3 +340,23 @@ class EngineCore:
             "dtype": self.executor.dtype_name,
             "device": self.executor.device_name,
         }
+
+
+def merge_deltas(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """Each sequence's deltas as one output (its tokens and logprobs in order, the last one's end), placed where
+    its last delta was: a request's output that ends it stays after its other sequences'."""
+    merged: dict[SequenceId, EngineCoreOutput] = {}
+    last: dict[SequenceId, int] = {}
+    for i, out in enumerate(outputs):
+        key = out.seq_id
+        last[key] = i
+        into = merged.get(key)
+        if into is None:
+            merged[key] = out
+            continue
+        into.new_token_ids = into.new_token_ids + out.new_token_ids
+        if into.new_logprobs is not None and out.new_logprobs is not None:
+            into.new_logprobs = into.new_logprobs + out.new_logprobs
+        into.finish_reason, into.request_finished = out.finish_reason, out.request_finished
+        into.cumulative_logprob, into.times = out.cumulative_logprob, out.times
+    return sorted(merged.values(), key=lambda out: last[out.seq_id])

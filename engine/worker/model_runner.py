@@ -17,6 +17,7 @@ import torch
 
 from engine.worker.input_layout import lay_out, split_rows
 from engine.worker.lora_manager import LoRAManager
+from engine.worker.multi_step import LookaheadLayout
 from engine.worker.sampler import Sampler, SamplingRow, make_generator
 from engine.worker.sampling_ops import compute_logprobs
 from engine.worker.spec_decode import Proposer
@@ -87,6 +88,8 @@ class ModelRunner:
         self.inputs_ready = device.new_event()
         self.generators: dict[SequenceId, torch.Generator] = {}  # seeded sequences' own, until they end
         self.last_prepare_s = 0.0  # host time spent building the last step's inputs
+        # Multi-step decode's further passes move the first pass's layout on (one micro-batch: not pipelined).
+        self.lookahead = LookaheadLayout(block_size) if self.num_micro_batches == 1 else None
         pin = device.pin_memory
         self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
         self._positions = torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin)
@@ -125,7 +128,13 @@ class ModelRunner:
         # (A draft model runs every step: its cache follows the target's.)
         drafts = self.proposer.propose(scheduled) if self.proposer is not None else None
         with dev.use_stream(self.copy_stream):
-            inputs, sample_idx, row_tokens = self._prepare(scheduled, drafts, out.block_copies)
+            if out.pass_index and self.lookahead is not None:
+                inputs, sample_idx, row_tokens = self.lookahead.prepare(out, self._input_ids, self._positions,
+                                                                        self._slots)
+            else:
+                inputs, sample_idx, row_tokens = self._prepare(scheduled, drafts, out.block_copies)
+                if self.lookahead is not None:
+                    self.lookahead.begin(out)
             chunks = self._plan_logits(scheduled, row_tokens, sample_idx, inputs)
             if self.lora is not None:
                 self.lora.activate([(s.request.lora_request, n) for s, n in zip(scheduled, row_tokens)])
