@@ -223,7 +223,7 @@ def deliveries(checkpoints: dict[str, Path], stream: bool, delay_s: float = 0.0
         time.sleep(delay_s)
         return execute(out)
 
-    core.executor.execute_model = slow  # type: ignore[method-assign]
+    core.executor.execute_model = slow  # type: ignore[method-assign,assignment]
     core.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, n=2))
     outs = core.step()   # the prefill: 1 token each
     got.append((time.perf_counter(), outs))
@@ -240,7 +240,7 @@ def test_streaming_delivers_each_pass_as_it_ends(checkpoints: dict[str, Path]) -
     began = got[1][0]
     passes = got[2:]
     assert len(passes) == 8   # 7 to the sink as each pass ended, the last one returned by step()
-    for t, outs in passes:
+    for _, outs in passes:
         assert sorted((o.index, len(o.new_token_ids)) for o in outs) == [(0, 1), (1, 1)]
     times = [t for t, _ in passes]
     # Pass k's tokens come after k + 1 slowed passes, before the later ones have run.
