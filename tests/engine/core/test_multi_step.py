@@ -92,10 +92,13 @@ PENALIZED = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repe
 # Penalties and min_tokens read the earlier passes' tokens; a stop token can end a row mid-step; n = 2 forks.
 SEEDED = SamplingParams(max_tokens=24, temperature=0.9, seed=7, n=2, repetition_penalty=1.3,
                         frequency_penalty=0.4, min_tokens=6, stop_token_ids=[5, 9, 17, 40, 77])
+# best_of ranks its sequences by the cumulative logprob of every pass's token.
+BEST_OF = SamplingParams(max_tokens=16, temperature=0.8, seed=3, n=2, best_of=3, ignore_eos=True)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("params", [GREEDY, PENALIZED, SEEDED], ids=["greedy", "penalized", "seeded"])
+@pytest.mark.parametrize("params", [GREEDY, PENALIZED, SEEDED, BEST_OF], ids=["greedy", "penalized", "seeded",
+                                                                            "best_of"])
 def test_outputs_are_those_of_single_step(checkpoints: dict[str, Path], arch: str, params: SamplingParams) -> None:
     batch = prompts(12)
     want, want_reasons, _ = run(make_core(checkpoints[arch], 1), batch, params, late=4)
@@ -105,7 +108,8 @@ def test_outputs_are_those_of_single_step(checkpoints: dict[str, Path], arch: st
     assert got_reasons == want_reasons
     if params is SEEDED:   # some rows stopped on a stop token, some ran to max_tokens
         assert {FinishReason.STOP, FinishReason.LENGTH} <= set(want_reasons.values())
-    assert all(len(t) == 24 for key, t in got.items() if want_reasons[f"{key[0]}/{key[1]}"] is FinishReason.LENGTH)
+    lengths = [len(t) for (rid, i), t in got.items() if want_reasons[f"{rid}/{i}"] is FinishReason.LENGTH]
+    assert lengths and set(lengths) == {params.max_tokens}
 
 
 def test_preemption_keeps_the_outputs(checkpoints: dict[str, Path]) -> None:
