@@ -1,7 +1,8 @@
 """EngineCore: the synchronous heart of the engine. ``step()`` = schedule → run → update, no I/O.
 
 The gRPC server and the offline ``LLM`` wrap it; it can be driven from a unit
-test with no server.
+test with no server. With multi-step decode (``num_scheduler_steps`` > 1) a step's
+decode rows run further passes after the first, each applied as it ends.
 """
 
 from __future__ import annotations
