@@ -379,6 +379,10 @@ class EngineConfig:
                               "output): give --dtype bfloat16, float16 or auto")
         check(isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1, "num_scheduler_steps",
               "must be an integer >= 1")
+        # vLLM refuses the pair too: both put lookahead slots on a decode row, and their passes would interleave.
+        check(self.num_scheduler_steps == 1 or self.speculative_config is None, "num_scheduler_steps",
+              f"multi-step decode ({self.num_scheduler_steps} steps) cannot run with speculative decoding "
+              "(--speculative-config): give one or the other")
         check(isinstance(self.max_seq_len_to_capture, int) and self.max_seq_len_to_capture >= 1,
               "max_seq_len_to_capture", "must be an integer >= 1")
         check(self.cuda_graph_sizes is None or (len(self.cuda_graph_sizes) > 0 and all(

@@ -1,14 +1,15 @@
 """EngineCore: the synchronous heart of the engine. ``step()`` = schedule → run → update, no I/O.
 
 The gRPC server and the offline ``LLM`` wrap it; it can be driven from a unit
-test with no server.
+test with no server. With multi-step decode (``num_scheduler_steps`` > 1) a step's
+decode rows run further passes after the first, each applied as it ends.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
                                    max_model_len=self.max_model_len)
         self._pending: list[EngineCoreOutput] = []
+        # Where a multi-step step streams the outputs of each pass but its last as the pass ends (the AsyncEngine
+        # sets it); None: ``step`` returns them all.
+        self.output_sink: Callable[[list[EngineCoreOutput]], None] | None = None
         # LoRA: the adapters the executor holds, by id; every path an id was ever given (an id stands for one
         # adapter's weights for the process's life: its prefix-cache blocks outlive the adapter's removal); the
         # live requests of each adapter; the adapters whose removal waits for their last request to end.
@@ -254,6 +258,10 @@ class EngineCore:
         """One step's outputs. Under async scheduling these are the outputs of the step that was running when it
         was called, and the next step is left running (``engine.core.async_steps``)."""
         outputs, self._pending = self._pending, []
+        if outputs and self.output_sink is not None and self.config.num_scheduler_steps > 1:
+            # Before any pass of this step streams: a sequence's outputs stay in order.
+            self.output_sink(outputs)
+            outputs = []
         if self._async is None:
             return outputs + self._step_sync()
         t0 = time.perf_counter()
@@ -300,13 +308,41 @@ class EngineCore:
                     self.spec_stats.observe(num_drafts, len(run.sampled[seq_id]) - 1)
         else:
             step_outputs = self.scheduler.update_from_output(sched, {}, {})
+        if run is not None and any(s.num_lookahead_steps for s in sched.scheduled):
+            step_outputs = self._lookahead_passes(sched, step_outputs)
+        self._release_ended()
+        self.total_steps += 1
+        return step_outputs
+
+    def _release_ended(self) -> None:
+        """Forget the worker state of the sequences the last update ended, and their adapters' uses."""
         finished = self.scheduler.ended   # best_of reports n of its sequences, but every one ended
         if finished:
             self.executor.release(finished)
             if self._lora_of_request:
                 self._end_lora_uses({seq_id.request_id for seq_id in finished})
-        self.total_steps += 1
-        return step_outputs
+
+    def _lookahead_passes(self, first: SchedulerOutput, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Multi-step decode: the further decode passes of a step whose first pass gave ``outputs``, each applied
+        as it ends. Streaming (``multi_step_stream_outputs``): each pass's outputs but the last go to
+        ``output_sink`` as the pass ends (without a sink they are all returned, in pass order); else each
+        sequence's deltas of the step come merged into one. Returns what the step hands back."""
+        stream = self.config.multi_step_stream_outputs
+        passes = [outputs]
+        j = 1
+        try:
+            while (sched := self.scheduler.lookahead_pass(first, j)) is not None:
+                self._release_ended()   # the sequences the pass before ended
+                if stream and self.output_sink is not None:
+                    self.output_sink(passes.pop())
+                run = self.executor.execute_model(sched)
+                passes.append(self.scheduler.update_from_output(sched, run.sampled, run.logprobs))
+                j += 1
+        except BaseException:
+            self._pending = [o for p in passes for o in p] + self._pending   # applied: reported next step
+            raise
+        flat = [o for p in passes for o in p]
+        return flat if stream else merge_deltas(flat)
 
     def scheduler_stats(self) -> dict[str, int]:
         """Cumulative counters (for GetInfo and Prometheus)."""
@@ -341,3 +377,23 @@ class EngineCore:
             "dtype": self.executor.dtype_name,
             "device": self.executor.device_name,
         }
+
+
+def merge_deltas(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """Each sequence's deltas as one output (its tokens and logprobs in order, the last one's end), placed where
+    its last delta was: a request's output that ends it stays after its other sequences'."""
+    merged: dict[SequenceId, EngineCoreOutput] = {}
+    last: dict[SequenceId, int] = {}
+    for i, out in enumerate(outputs):
+        key = out.seq_id
+        last[key] = i
+        into = merged.get(key)
+        if into is None:
+            merged[key] = out
+            continue
+        into.new_token_ids = into.new_token_ids + out.new_token_ids
+        if into.new_logprobs is not None and out.new_logprobs is not None:
+            into.new_logprobs = into.new_logprobs + out.new_logprobs
+        into.finish_reason, into.request_finished = out.finish_reason, out.request_finished
+        into.cumulative_logprob, into.times = out.cumulative_logprob, out.times
+    return sorted(merged.values(), key=lambda out: last[out.seq_id])

@@ -72,6 +72,8 @@ class Scheduler:
         # Tokens a decode may propose and verify in one step (speculative decoding; 0: off).
         spec = config.speculative_config
         self._spec_tokens = 0 if spec is None else spec.num_speculative_tokens
+        # Further decode passes a row may run in one step (multi-step decode; 0: off, the config refuses both).
+        self._extra_steps = config.num_scheduler_steps - 1
         self._arrival_seq: dict[SequenceId, int] = {}   # ties of arrival_time, and the fcfs order
         self._next_seq = 0
         self._finished_ids: list[SequenceId] = []
@@ -228,7 +230,8 @@ class Scheduler:
             lookahead: list[int] = []
             room = budget - sum(num_new for _, num_new in plan) - num_pending_decodes
             for request, num_new in plan:
-                spec = self._lookahead(request, num_new, room) if self._spec_tokens else 0
+                spec = self._lookahead(request, num_new, min(self._spec_tokens, room) if self._spec_tokens
+                                       else self._extra_steps)
                 room -= spec
                 while not preempted_self and not self.block_manager.allocate(request, num_new + spec):
                     if spec:   # speculation gives way before anyone is preempted for it
@@ -249,9 +252,12 @@ class Scheduler:
                 break   # it was the last running unit
             for (request, num_new), spec in zip(plan, lookahead):
                 row = ScheduledRequest.of(request, num_new)
-                row.num_spec_tokens = spec
+                if self._spec_tokens:
+                    row.num_spec_tokens = spec
+                else:
+                    row.num_lookahead_steps = spec
                 scheduled.append(row)
-                budget -= num_new + spec
+                budget -= row.num_budget_tokens
 
         # Admitting while running requests are being evicted would only evict them again.
         admit = not out.preempted
@@ -401,17 +407,19 @@ class Scheduler:
 
     # ----- speculative decoding --------------------------------------------------------
 
-    def _lookahead(self, request: Request, num_new: int, room: int) -> int:
-        """Proposed tokens a running sequence may verify this step: none unless it decodes (one known token to
-        compute), samples alone (not a beam search) and unconstrained (a grammar's masks follow its tokens one
-        by one); never past ``max_tokens`` or ``max_model_len`` (the step can emit one token more than it
-        proposes), nor past what the step's budget has ``room`` for after the decodes queued behind it."""
+    def _lookahead(self, request: Request, num_new: int, limit: int) -> int:
+        """Lookahead slots of a running sequence this step, at most ``limit``: the proposed tokens it may verify
+        (speculative decoding; ``limit`` also holds what the step's budget has room for after the decodes
+        queued behind it), or its further decode passes (multi-step). None unless it decodes (one known token to
+        compute), samples alone (not a beam search, not the fork of n > 1) and unconstrained (a grammar's masks
+        follow its tokens one by one); never past ``max_tokens`` or ``max_model_len`` (the step can emit one
+        token more than it has lookahead slots)."""
         if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or request.beam is not None:
             return 0
         params = request.sampling_params
         if params.structured_outputs is not None or params.num_forked > 1:
             return 0
-        k = min(self._spec_tokens, room, self.max_model_len - request.num_tokens - 1,
+        k = min(limit, self.max_model_len - request.num_tokens - 1,
                 self.capacity_tokens - request.num_tokens - 1)
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - request.num_output_tokens - 1)
@@ -438,6 +446,19 @@ class Scheduler:
             return best_of_outputs(request) if request.ends_request else []
         report = delta_output(request, self.config.stream_interval)
         return [] if report is None else [report]
+
+    # ----- multi-step decode -----------------------------------------------------------
+
+    def lookahead_pass(self, first: SchedulerOutput, j: int) -> SchedulerOutput | None:
+        """Pass ``j`` (>= 1) of a multi-step step whose first pass was ``first``: its rows given at least ``j``
+        further passes that still run (one that stopped is finished, its blocks freed), each decoding the token
+        the pass before sampled, into a slot allocated with the first pass. None when no row is left. Applied
+        with ``update_from_output`` like any step: stop checks, penalties and streaming see every pass."""
+        rows = [ScheduledRequest.of(s.request, 1) for s in first.scheduled
+                if s.num_lookahead_steps >= j and s.request.status is RequestStatus.RUNNING]
+        if not rows:
+            return None
+        return SchedulerOutput(scheduled=rows, num_batched_tokens=len(rows), pass_index=j)
 
     # ----- helpers -------------------------------------------------------------------
 

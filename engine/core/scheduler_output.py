@@ -26,6 +26,10 @@ class ScheduledRequest:
     # scheduler allocated and whose budget it counted (lookahead). The runner proposes them, verifies them with
     # the row's token in one pass and samples one to ``num_spec_tokens + 1`` tokens for it (``sampled``).
     num_spec_tokens: int = 0
+    # Multi-step decode: after this step's pass, the row runs up to this many further decode passes in the same
+    # step, one token each (``Scheduler.lookahead_pass``); their slots were allocated with the row's, and they
+    # take none of the step's token budget (each pass is its own forward pass of at most max_num_seqs rows).
+    num_lookahead_steps: int = 0
 
     @classmethod
     def of(cls, request: Request, num_new: int) -> ScheduledRequest:
@@ -71,6 +75,9 @@ class SchedulerOutput:
     # Sequences that finished or were aborted since the previous step.
     finished_request_ids: list[SequenceId] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0   # tokens served from the prefix cache to requests admitted this step
+    # Multi-step decode: 0 for a step's first pass; j for its j-th further pass (decode rows only, whose inputs
+    # are the previous pass's rows one position on: ``engine.worker.multi_step``).
+    pass_index: int = 0
 
     @property
     def num_scheduled_tokens(self) -> dict[SequenceId, int]:

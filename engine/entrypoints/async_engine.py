@@ -213,6 +213,7 @@ class AsyncEngine:
                 self._refuse_queued(EngineDeadError(f"the engine core could not be built: {e}"))
                 return
         core = self.core
+        core.output_sink = self._hand_back   # a multi-step step streams each decode pass's tokens as it ends
         if self._log_stats_interval:
             self._stats = StatsLogger(core, self._log_stats_interval)
         if self._collect_metrics:

@@ -17,6 +17,7 @@ import torch
 
 from engine.worker.input_layout import lay_out, split_rows
 from engine.worker.lora_manager import LoRAManager
+from engine.worker.multi_step import LookaheadLayout
 from engine.worker.sampler import Sampler, SamplingRow, make_generator
 from engine.worker.sampling_ops import compute_logprobs
 from engine.worker.spec_decode import Proposer
@@ -114,6 +115,8 @@ class ModelRunner:
         self.copied = device.new_event()         # they are on the host (d2h stream -> the runner's thread)
         self.generators: dict[SequenceId, torch.Generator] = {}  # seeded sequences' own, until they end
         self.last_prepare_s = 0.0  # host time spent building the last step's inputs
+        # Multi-step decode's further passes move the first pass's layout on (one micro-batch: not pipelined).
+        self.lookahead = LookaheadLayout(block_size) if self.num_micro_batches == 1 else None
         pin = device.pin_memory
         # Double-buffered host staging (ids, positions, slots): a step is prepared into one half while the step
         # before it, staged in the other, may still be copying to the device (async scheduling).
@@ -164,7 +167,14 @@ class ModelRunner:
         # (A draft model runs every step: its cache follows the target's.)
         drafts = self.proposer.propose(scheduled) if self.proposer is not None else None
         self._buffer ^= 1
-        inputs, sample_idx, row_tokens, fed = self._prepare(scheduled, drafts, out.block_copies, self._buffer)
+        fed: FedInputs | None = None
+        if out.pass_index and self.lookahead is not None:   # multi-step: a further pass of the step begun last
+            input_ids, positions, slots = self._buffers[self._buffer]
+            inputs, sample_idx, row_tokens = self.lookahead.prepare(out, input_ids, positions, slots)
+        else:
+            inputs, sample_idx, row_tokens, fed = self._prepare(scheduled, drafts, out.block_copies, self._buffer)
+            if self.lookahead is not None:
+                self.lookahead.begin(out)
         chunks = self._plan_logits(scheduled, row_tokens, sample_idx, inputs)
         sampling = [s for s in scheduled if s.sample]
         # Logits rows of each sampling row: its last token's, or each token's of a row verifying a proposal.
