@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,12 +69,13 @@ def graphs_off_reason(config: EngineConfig, device_name: str, world_size: int,
     return None
 
 
-def cuda_recorder(pool: object) -> Recorder:
+def cuda_recorder(pool: Any) -> Recorder:
     """Captures on CUDA, every graph in one memory ``pool`` (largest batch first, so smaller ones reuse it)."""
 
     def record(forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         # A first run on a side stream, as PyTorch asks before capture: kernels compile, lazy state settles.
-        side = torch.cuda.Stream()
+        stream: Any = torch.cuda.Stream   # untyped in torch's stubs
+        side = stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             forward()
@@ -100,13 +101,13 @@ class DecodeGraphs:
         self.block_size = block_size
         rows = sizes[-1]
         self.width = -(-max_seq_len // block_size)   # block-table columns
-        i64 = {"dtype": torch.int64, "device": device}
-        self.input_ids = torch.zeros(rows, **i64)   # type: ignore[arg-type]
-        self.positions = torch.zeros(rows, **i64)   # type: ignore[arg-type]
-        self.slots = torch.full((rows,), -1, **i64)   # type: ignore[arg-type]
-        self.seq_lens = torch.zeros(rows, **i64)   # type: ignore[arg-type]
-        self.block_tables = torch.zeros(rows, self.width, **i64)   # type: ignore[arg-type]
-        self.query_start = torch.arange(rows + 1, **i64)   # type: ignore[arg-type]
+        i64 = torch.int64
+        self.input_ids = torch.zeros(rows, dtype=i64, device=device)
+        self.positions = torch.zeros(rows, dtype=i64, device=device)
+        self.slots = torch.full((rows,), -1, dtype=i64, device=device)
+        self.seq_lens = torch.zeros(rows, dtype=i64, device=device)
+        self.block_tables = torch.zeros(rows, self.width, dtype=i64, device=device)
+        self.query_start = torch.arange(rows + 1, dtype=i64, device=device)
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
 
     def metadata(self, size: int) -> AttentionMetadata:

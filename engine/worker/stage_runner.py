@@ -19,8 +19,8 @@ from engine.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from engine.device import Device
-    from engine.worker.cuda_graphs import DecodeGraphs
     from engine.models import CausalLM
+    from engine.worker.cuda_graphs import DecodeGraphs
 
 # A step's device inputs: token ids, positions, one attention metadata per micro-batch.
 StepTensors = tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]

@@ -159,7 +159,8 @@ class Worker:
         return budget
 
     def _activation_reserve(self) -> int:
-        """Rough activation peak (several ranks, where no rank can profile alone) of a max-size step: hidden states and logits in fp32, with headroom."""
+        """Rough activation peak of a max-size step (several ranks, where no rank can profile alone): hidden
+        states and logits in fp32, with headroom."""
         mc = self.model.config
         tokens = self.config.max_num_batched_tokens
         return (4 * tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size)

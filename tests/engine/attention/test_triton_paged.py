@@ -6,7 +6,6 @@ them compiled on CUDA. Skipped when triton is not installed.
 """
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 from types import ModuleType
@@ -19,6 +18,7 @@ import torch
 from engine.attention.backend import AttentionMetadata, StepLayout
 from engine.attention.torch_backend import write_kv_cache
 from tests.engine.paged_factory import PagedKV
+from tests.engine.triton_interpreter import triton_backend_module
 
 ON_GPU = torch.cuda.is_available()
 
@@ -26,13 +26,8 @@ ON_GPU = torch.cuda.is_available()
 @pytest.fixture(scope="module")
 def triton_backend() -> tuple[ModuleType, Any]:
     """(the kernel module, a backend): the interpreter on CPU, which must be chosen before the kernels are defined."""
-    if not ON_GPU:
-        os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton")
-    from engine.attention.triton_backend import TritonAttentionBackend
-    from engine.kernels import triton_paged
-
-    return triton_paged, TritonAttentionBackend()
+    module = triton_backend_module()
+    return module.triton_paged, module.TritonAttentionBackend()
 
 
 @dataclass
