@@ -62,7 +62,9 @@ def _run(backend: Any, seqs: list[Seq], num_decodes: int, hq: int, hkv: int, d: 
          dtype: torch.dtype, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Writes each sequence's context into a garbage-filled paged cache (shuffled blocks, padded block tables),
     runs the step through ``backend``. Returns (its output, the cache, the metadata)."""
-    kv = PagedKV(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=64, block_size=block_size, seed=len(seqs))
+    num_blocks = 2 + sum(-(-(s.context + s.new) // block_size) for s in seqs)
+    kv = PagedKV(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=num_blocks, block_size=block_size,
+                 seed=len(seqs))
     cache = kv.kv_caches[0].to(dtype)
     with_context = [s for s in seqs if s.context]
     if with_context:
