@@ -56,8 +56,8 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, tables_ptr, query_start_p
                             stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_c2, stride_cb, stride_co, stride_ch, stride_bt,
                             HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                            IEEE: tl.constexpr):
+                            BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -65,7 +65,6 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, tables_ptr, query_start_p
     q_len = tl.load(query_start_ptr + seq + 1).to(tl.int64) - q_start
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
     context = seq_len - q_len
-    TOKENS: tl.constexpr = BLOCK_M // GROUP
     first = tile * TOKENS
     rows = tl.arange(0, BLOCK_M)
     token = first + rows // GROUP
@@ -162,11 +161,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         return out
     group = num_heads // num_kv_heads
     rows = tile_rows(group, max_query_len)
-    tiles = math.ceil(max_query_len / (rows // group))
+    tokens = rows // group   # query tokens per program
+    tiles = math.ceil(max_query_len / tokens)
     _paged_attention_kernel[(num_seqs, num_kv_heads, tiles)](
         query, kv_cache, out, block_tables, query_start, seq_lens, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        HEAD_DIM=head_dim, GROUP=group, PAGE=page, BLOCK_M=rows, BLOCK_N=_BLOCK_N,
+        HEAD_DIM=head_dim, GROUP=group, PAGE=page, BLOCK_M=rows, TOKENS=tokens, BLOCK_N=_BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), IEEE=query.dtype == torch.float32)
     return out
