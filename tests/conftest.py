@@ -12,6 +12,10 @@ import pytest
 # The suite runs several processes (tests, engine, tokenizer services, gateways) on 2 cores. OpenMP threads
 # that spin while waiting for each other then starve everyone: sleep instead (measured 3-5x faster steps).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Without a GPU, the Triton kernels (the CUDA attention backend's) are tested under Triton's interpreter, which is
+# read when triton is imported, and torch imports it (torch._dynamo) wherever it is installed: chosen here.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _default_gguf() -> Path:

@@ -20,6 +20,7 @@ from engine.worker.step_inputs import StepInputs
 if TYPE_CHECKING:
     from engine.device import Device
     from engine.models import CausalLM
+    from engine.worker.cuda_graphs import DecodeGraphs
 
 # A step's device inputs: token ids, positions, one attention metadata per micro-batch.
 StepTensors = tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]
@@ -37,6 +38,7 @@ class StageRunner:
         self.backend = device.attention_backend()  # owns the cache's layout, allocation and step metadata
         self.kv_caches = self.backend.allocate_kv_caches(device, model.num_local_layers, num_blocks, block_size,
                                                          model.num_local_kv_heads, model.config.head_dim, dtype)
+        self.graphs: DecodeGraphs | None = None   # decode steps' CUDA graphs (the worker captures them)
 
     def prepare(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor) -> StepTensors:
@@ -58,7 +60,9 @@ class StageRunner:
             return None, needed
         input_ids, positions, metas = tensors
         if self.parallel.pp_size == 1:
-            hidden = self.model(input_ids, positions, self.kv_caches, metas[0])
+            hidden = self.graphs.forward(input_ids, positions, metas[0]) if self.graphs is not None else None
+            if hidden is None:   # not a captured decode step
+                hidden = self.model(input_ids, positions, self.kv_caches, metas[0])
             if len(needed) < len(hidden):
                 hidden = hidden.index_select(0, torch.from_numpy(needed).to(hidden.device))
             return hidden, needed

@@ -14,6 +14,8 @@ from engine.device import Device, get_device
 from engine.distributed import ParallelContext, stage_layers
 from engine.models import CausalLM, ModelConfig, load_model, resolve_dtype
 from engine.models.layers.linear import linear_methods
+from engine.worker.cuda_graphs import capture_decode_graphs, graphs_off_reason
+from engine.worker.kv_profile import kv_cache_budget, profile_step
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.worker.sampler import Sampler
@@ -103,7 +105,8 @@ class Worker:
 
     def num_kv_blocks(self) -> int:
         """KV blocks for the configured memory (``--kv-cache-memory`` on CPU, a share of device memory less what
-        the weights and a step's activations hold on accelerators), or ``--num-kv-blocks``. Decided on the
+        the weights, a profiled max-size step's activations and other processes hold on accelerators), or
+        ``--num-kv-blocks``. Decided on the
         driver for every rank (they share block ids): by the rank whose blocks take the most bytes, the largest
         pipeline stage's or the driver's with its draft model."""
         cfg = self.config
@@ -126,16 +129,38 @@ class Worker:
                         block_bytes(self.model.num_local_layers, heads, mc.head_dim) + draft)
         if self.device.name == "cpu":
             budget = cfg.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
+        elif par.world_size == 1:
+            budget = self._profiled_budget()
         else:
+            # The profile step's collectives would wait for ranks that are not running it: estimate instead.
             free, total = self.device.memory_info()
             budget = int(total * cfg.device_memory_utilization) - (total - free) - self._activation_reserve()
+            logger.info("KV cache: %.2f GiB (%d ranks: activations estimated, not profiled)", budget / 2**30,
+                        par.world_size)
         num = budget // per_block
         if num < 1:
-            raise InvalidRequestError("kv_cache_memory", f"{budget} bytes leave no room for one KV block")
+            raise InvalidRequestError("device_memory_utilization" if self.device.name != "cpu" else "kv_cache_memory",
+                                      f"{budget} bytes leave no room for one KV block ({per_block} bytes)")
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB each)", num, cfg.block_size, per_block / 2**20)
         return int(num)
 
+    def _profiled_budget(self) -> int:
+        """The cache's bytes on a single-rank accelerator, from a profiled max-size step (``kv_profile``)."""
+        cfg = self.config
+        profile = profile_step(self.model, self.device, self.device.attention_backend(),
+                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                               block_size=cfg.block_size, dtype=self.kv_cache_dtype)
+        budget = kv_cache_budget(profile, cfg.device_memory_utilization)
+        gib = 2**30
+        logger.info("KV cache sized by profiling a %d-token step: %.2f GiB x %.2f of the device, less weights "
+                    "%.2f GiB, activation peak %.2f GiB, other use %.2f GiB -> %.2f GiB", cfg.max_num_batched_tokens,
+                    profile.total / gib, cfg.device_memory_utilization, profile.weights / gib,
+                    profile.activations / gib, profile.others / gib, budget / gib)
+        return budget
+
     def _activation_reserve(self) -> int:
-        """Rough activation peak of a max-size step: hidden states and logits in fp32, with headroom."""
+        """Rough activation peak of a max-size step (several ranks, where no rank can profile alone): hidden
+        states and logits in fp32, with headroom."""
         mc = self.model.config
         tokens = self.config.max_num_batched_tokens
         return (4 * tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size)
@@ -143,9 +168,16 @@ class Worker:
 
     def init_stage(self, num_blocks: int) -> StageRunner:
         """This rank's KV cache and the runner of its part of each step."""
-        self.stage = StageRunner(self.model, self.device, num_blocks=num_blocks, block_size=self.config.block_size,
-                                 dtype=self.kv_cache_dtype, activation_dtype=self.dtype)
-        return self.stage
+        stage = StageRunner(self.model, self.device, num_blocks=num_blocks, block_size=self.config.block_size,
+                            dtype=self.kv_cache_dtype, activation_dtype=self.dtype)
+        eager = graphs_off_reason(self.config, self.device.name, self.parallel.world_size, stage.backend)
+        if eager is None:
+            stage.graphs = capture_decode_graphs(self.model, stage.backend, stage.kv_caches, self.config,
+                                                 self.device.torch_device)
+        elif self.device.name == "cuda":
+            logger.info("decode steps run eagerly: %s", eager)
+        self.stage = stage
+        return stage
 
     def init_runner(self, num_blocks: int, eos_token_ids: set[int],
                     grammar_vocabulary: GrammarVocabulary | None = None,
