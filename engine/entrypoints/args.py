@@ -116,8 +116,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="schedule and prepare step N + 1 while step N runs (default: on where it helps; "
                         "outputs are the same either way)")
     g.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="decode steps per schedule (multi-step scheduling): sequences that cannot finish "
-                        "within them run N forward passes per step")
+                   help="decode passes per step (multi-step scheduling): each decode runs up to N forward "
+                        "passes per schedule, never past max_tokens or max_model_len; tokens after a stop are "
+                        "dropped")
     g.add_argument("--multi-step-stream-outputs", type=_bool_value, nargs="?", const=True, default=True,
                    metavar="BOOL", help="with --num-scheduler-steps N: stream each token as its step ends (true, "
                                         "the default) or the N tokens together (false)")
