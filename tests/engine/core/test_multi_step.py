@@ -131,9 +131,9 @@ def test_max_model_len_is_never_overrun(checkpoints: dict[str, Path]) -> None:
     written: list[int] = []
     run_pass = runner._run
 
-    def spy(inputs):  # type: ignore[no-untyped-def]
+    def spy(inputs, *rest):  # type: ignore[no-untyped-def]
         written.extend(inputs.positions.tolist())
-        return run_pass(inputs)
+        return run_pass(inputs, *rest)
 
     runner._run = spy
     got, reasons, most = run(core, [prompt], params)
