@@ -20,9 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import llguidance
-# Not llguidance.torch: importing it runs a @torch.compile decorator, which imports torch._dynamo and inductor
-# (seconds of every engine start, and ~10^5 objects every full GC walks). The numpy helpers fill the same memory.
-import llguidance.numpy
+import llguidance.numpy  # not llguidance.torch: see _fill
 import torch
 
 from common.errors import InvalidRequestError
@@ -243,6 +241,8 @@ class StructuredOutputs:
 
     def _fill(self, matchers: list[llguidance.LLMatcher], bitmask: torch.Tensor) -> None:
         t0 = time.perf_counter()
+        # llguidance.numpy, not llguidance.torch: importing that runs a @torch.compile decorator, which imports
+        # torch._dynamo and inductor (seconds of every engine start, ~10^5 objects for every full GC to walk).
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, j) for j, m in enumerate(matchers)],
                                                      bitmask.numpy())  # a view: the mask lands in the tensor
         self.stats.fill_s += time.perf_counter() - t0
