@@ -2,8 +2,8 @@
 
 Starts D model replicas (``--data-parallel-size``; each an engine and its M
 ``--tokenizers`` services) and N gateways in front of all of them, as child
-processes (by module name — nothing of theirs is imported here), waits until
-each reports ready, prints the URL, and supervises: a crashed child is reported
+processes (by module name — nothing of theirs is imported here), all at once,
+waits until each reports ready, prints the URL, and supervises: a crashed child is reported
 and restarted on its own, the other replicas serving meanwhile. SIGTERM drains
 every child at once (no new requests; in-flight ones get ``--shutdown-timeout``
 to finish).
@@ -331,16 +331,17 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.write_key_file()
-        for group in (self.engines, self.tokenizers, self.gateways):   # a group's children start together
-            for child in group:
-                child.start()
-            for child in group:
-                if not child.wait_ready(lambda: self.stopping):
-                    if self.stopping:
-                        return self.shutdown()
-                    logger.error("%s did not become ready; stopping", child.name)
-                    self.shutdown()
-                    return 1
+        # Every child starts at once: the tokenizer services and gateways load while the engines load the model
+        # (each waits for the hop behind it, NOT_SERVING / 503 until then), and readiness is waited for in order.
+        for child in self.children:
+            child.start()
+        for child in self.children:
+            if not child.wait_ready(lambda: self.stopping):
+                if self.stopping:
+                    return self.shutdown()
+                logger.error("%s did not become ready; stopping", child.name)
+                self.shutdown()
+                return 1
         urls = ", ".join(f"{self.scheme}://{self.ns.host}:{self.ns.port + i}/v1" for i in range(self.ns.gateways))
         if self.observability.log_format == "json":  # every line it prints stays JSON
             logger.info("Sluice is serving %s at %s", self.config.model_name, urls)

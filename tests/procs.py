@@ -141,6 +141,8 @@ class ServeStack:
         return f"127.0.0.1:{self.engine_port}"
 
     def start(self, timeout: float = 300) -> ServeStack:
+        """Started, and ready: /ready answers 200 (the gateway comes up with the other children and answers 503
+        until the engine behind it has loaded the model)."""
         self.proc = spawn(["-m", "services.cli", "serve", "--port", str(self.port), "--engine-port",
                            str(self.engine_port), "--tokenizer-port", str(self.tokenizer_port), *self.flags],
                           self.log)

@@ -7,6 +7,7 @@ core behind the AsyncEngine sees only token ids, SamplingParams and LoRARequests
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -343,6 +344,10 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
         metrics_registry.register(engine.metrics)
         logger.info("engine metrics at http://%s:%d/metrics", metrics_host, metrics_port)
     servicer.attach(engine)
+    # Everything loaded so far lives as long as the process: out of the collector's sight, no full collection
+    # walks it again while serving or at exit (vLLM's engine freezes its start-up heap the same way).
+    gc.collect()
+    gc.freeze()
     await health_service.set_serving(True)
     logger.info("engine ready: %s on %s:%d", config.model_name, host, bound)
     if ready is not None:

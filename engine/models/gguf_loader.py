@@ -12,6 +12,7 @@ shard is un-permuted by its own head count.
 from __future__ import annotations
 
 import re
+import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
@@ -69,6 +70,36 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     half = rows // num_heads // 2
     w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
     return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+class ModelReader(GGUFReader):
+    """gguf's reader without the vocabulary. GGUFReader makes a numpy view of every array element: ~10^5 for a
+    vocabulary's tokens, merges and token types, seconds of every engine start (the tokenizer reads them with
+    engine.text's own reader). Here arrays of strings are skipped and left out of ``fields``; arrays of numbers
+    are one view each (``contents()`` of the whole array as before). Tensors are read as gguf reads them."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        for name in [name for name, f in self.fields.items() if f.types == [GGUFValueType.ARRAY, GGUFValueType.STRING]]:
+            del self.fields[name]
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int],
+                                                                        list[GGUFValueType]]:
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":   # scalars; a file of the other byte order
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        itype = GGUFValueType(raw_itype[0])
+        offs = orig_offs + 12
+        if itype == GGUFValueType.STRING:   # skipped: each is a uint64 length and its bytes
+            data = self.data.data   # a memoryview of the map
+            for _ in range(int(count[0])):
+                offs += 8 + struct.unpack_from("<Q", data, offs)[0]
+            return offs - orig_offs, [raw_itype, count], [], [GGUFValueType.ARRAY, itype]
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is None:   # arrays of arrays: gguf's own walk
+            return super()._get_field_parts(orig_offs, raw_type)
+        values = self._get(offs, nptype, int(count[0]))
+        return 12 + int(values.nbytes), [raw_itype, count, values], [2], [GGUFValueType.ARRAY, itype]
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -212,7 +243,7 @@ def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device | str =
     """Weights dequantized to ``dtype``; for float32 and bfloat16 on the CPU the model also keeps the quantized
     blocks (``CausalLM.load_quantized``) for the ``quant_linear`` kernel (the CPU device drops them
     when the kernels are off or cannot be built). ``parallel``: as ``load_model``."""
-    reader = GGUFReader(str(path))
+    reader = ModelReader(str(path))
     config = config_from_gguf(reader)
     model = build_model(config, dtype, device, parallel)
     model.load_weights(_iter_tensors(reader, model))

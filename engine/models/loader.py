@@ -66,11 +66,9 @@ def _not_compressed(path: str, what: str) -> str:
 def read_model_config(path: str) -> ModelConfig:
     """The model's sizes from its config.json or GGUF metadata, no weights read."""
     if path.endswith(".gguf"):
-        from gguf import GGUFReader
+        from engine.models.gguf_loader import ModelReader, config_from_gguf
 
-        from engine.models.gguf_loader import config_from_gguf
-
-        return config_from_gguf(GGUFReader(path))
+        return config_from_gguf(ModelReader(path))
     return config_from_hf(json.loads((Path(path) / "config.json").read_text()), None, has_lm_head=True)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: see _fill
 import torch
 
 from common.errors import InvalidRequestError
@@ -227,7 +227,7 @@ class StructuredOutputs:
             matchers.append(matcher)
         if not rows:
             return None
-        bitmask = torch.empty(llguidance.torch.get_bitmask_shape(len(rows), self.vocab_size), dtype=torch.int32)
+        bitmask = torch.empty(llguidance.numpy.get_bitmask_shape(len(rows), self.vocab_size), dtype=torch.int32)
         masks = TokenMasks(rows, bitmask)
         self.stats.steps += 1
         self.stats.rows += len(rows)
@@ -241,8 +241,10 @@ class StructuredOutputs:
 
     def _fill(self, matchers: list[llguidance.LLMatcher], bitmask: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, j) for j, m in enumerate(matchers)],
-                                                     bitmask)
+        # llguidance.numpy, not llguidance.torch: importing that runs a @torch.compile decorator, which imports
+        # torch._dynamo and inductor (seconds of every engine start, ~10^5 objects for every full GC to walk).
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, j) for j, m in enumerate(matchers)],
+                                                     bitmask.numpy())  # a view: the mask lands in the tensor
         self.stats.fill_s += time.perf_counter() - t0
 
     def advance(self, owners: Sequence[SequenceId], token_ids: Sequence[int]

@@ -24,23 +24,20 @@ def ops(request: pytest.FixtureRequest) -> Any:
 
 @pytest.fixture(scope="session", autouse=True)
 def one_gguf_reader_per_file() -> Iterator[None]:
-    """These tests load the default model in process ~25 times, and each load parsed the file's metadata anew with
-    gguf's GGUFReader: ~2.5 s of Python (its 49k-token vocabulary, mostly) of the ~7 s a load costs. A reader is a
-    read-only memory map and its parsed fields, so the session keeps one per file (path, inode, size, mtime); every
-    load still runs the engine's whole loader (config, dequantization, shards, blocks) over it."""
-    parse = gguf_loader.GGUFReader
+    """These tests load the default model in process ~25 times; the session keeps one parsed reader per file (path,
+    inode, size, mtime). A reader is a read-only memory map and its parsed fields; every load still runs the
+    engine's whole loader (config, dequantization, shards, blocks) over it."""
+    parse = gguf_loader.ModelReader
     readers: dict[tuple[str, int, int, int], GGUFReader] = {}
 
-    def reader(path: str, mode: str = "r") -> GGUFReader:
-        if mode != "r":
-            return parse(path, mode)
+    def reader(path: str) -> GGUFReader:
         stat = os.stat(path)
         key = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
         if key not in readers:
-            readers[key] = parse(path, mode)
+            readers[key] = parse(path)
         return readers[key]
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(gguf_loader, "GGUFReader", reader)
+    patch.setattr(gguf_loader, "ModelReader", reader)
     yield
     patch.undo()
