@@ -374,9 +374,6 @@ class EngineConfig:
               "checkpoint's own weights)")
         check(self.quantization is None or self.device != "cuda", "quantization",
               "W8A8 runs on cpu and npu: no CUDA int8 kernel is wired")
-        check(self.quantization is None or self.device != "npu" or self.dtype not in ("float32", "fp32", "float"),
-              "quantization", "W8A8 on the NPU runs bfloat16 or float16 models (npu_quant_matmul has no float32 "
-                              "output): give --dtype bfloat16, float16 or auto")
         check(isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1, "num_scheduler_steps",
               "must be an integer >= 1")
         # vLLM refuses the pair too: both put lookahead slots on a decode row, and their passes would interleave.

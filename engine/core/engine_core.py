@@ -262,14 +262,14 @@ class EngineCore:
             # Before any pass of this step streams: a sequence's outputs stay in order.
             self.output_sink(outputs)
             outputs = []
-        if self._async is None:
-            return outputs + self._step_sync()
         t0 = time.perf_counter()
         try:
-            step_outputs = self._async.step()
+            step_outputs = self._step_sync() if self._async is None else self._async.step()
         except BaseException:
             self._pending = outputs + self._pending  # outputs taken above are not lost with the step
             raise
+        if self._async is None:
+            return outputs + step_outputs
         sched = self._async.last_sched
         if sched is not None:
             st = self._async.stats
