@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import logging
 import time
 import urllib.request
@@ -76,7 +77,10 @@ class GatewayMetrics:
             self.federate_up.labels(url).set(page is not None)
         body = generate_latest(self.registry)
         if any(page is not None for page in pages):
-            body += generate_latest(_Merged(pages))   # type: ignore[arg-type]  # any object with collect()
+            try:
+                body += generate_latest(_Merged(pages))   # type: ignore[arg-type]  # any object with collect()
+            except ValueError as e:   # targets whose families disagree (one mid-restart): this page stays whole
+                logger.warning("federated metrics left out of this scrape: %s", e)
         return body, CONTENT_TYPE_LATEST
 
     def _fetch(self, url: str) -> list[Metric] | None:
@@ -84,7 +88,8 @@ class GatewayMetrics:
         try:
             with urllib.request.urlopen(url, timeout=self.federate_timeout) as response:
                 return list(text_string_to_metric_families(response.read().decode()))
-        except (OSError, ValueError) as e:   # refused, timed out, HTTP error status, malformed answer
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            # refused, timed out, HTTP error status, malformed or cut-off answer (a restarting engine's)
             logger.warning("metrics of %s not fetched: %s", url, e)
             return None
 

@@ -121,3 +121,33 @@ def test_a_federate_target_must_be_an_http_url() -> None:
     ns = build_parser().parse_args(["--metrics-federate", "127.0.0.1:9000/metrics"])
     with pytest.raises(ValueError, match="--metrics-federate: '127.0.0.1:9000/metrics' is not an http"):
         settings_from_args(ns, {})
+
+
+class _CutOff(BaseHTTPRequestHandler):
+    """A target that dies mid-answer (an engine killed or restarting): more bytes promised than sent."""
+
+    def do_GET(self) -> None:  # noqa: N802 — http.server's name
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(ENGINE_PAGE) + 100))
+        self.end_headers()
+        self.wfile.write(ENGINE_PAGE[:40])
+        self.close_connection = True
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+async def test_a_target_that_dies_mid_answer_is_left_out(engine_url: str) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CutOff)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    cut = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    try:
+        body, _ = await GatewayMetrics(federate=(cut, engine_url)).render()   # http.client.IncompleteRead inside
+    finally:
+        server.shutdown()
+        server.server_close()
+    got = families(body.decode())
+    assert got["vllm:num_requests_waiting"] == [({"engine": "1", "model_name": "m"}, 3.0)]
+    assert dict((s[0]["target"], s[1]) for s in got["sluice:metrics_federate_up"]) == {cut: 0.0, engine_url: 1.0}
