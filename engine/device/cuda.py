@@ -1,6 +1,7 @@
 """CUDA backend: real streams and events; paged attention through the Triton kernels when triton imports
 (``TritonAttentionBackend``: decodes and prefill chunks over the cache in place, CUDA-graph capturable), else
-the portable PyTorch path (SDPA over a block-table gather), with the reason logged once.
+the portable PyTorch path (SDPA over a block-table gather), with the reason logged once; mixture-of-experts layers
+likewise on the Triton fused-MoE kernels (``KernelChoice.triton_moe``) when they import.
 
 Decode steps of a single-rank engine are captured as CUDA graphs at start (``engine.worker.cuda_graphs``, off
 with ``--enforce-eager``) and the KV cache is sized by profiling a max-size step (``engine.worker.kv_profile``).
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.device.accelerator import AcceleratorDevice
+from engine.device.kernel_choice import KernelChoice
 
 if TYPE_CHECKING:
     from engine.attention.backend import AttentionBackend
@@ -34,6 +36,20 @@ class CudaDevice(AcceleratorDevice):
         if self._backend is None:
             self._backend = cuda_attention_backend()
         return self._backend
+
+    def kernel_choice(self, dtype: torch.dtype, amx_pack_bytes: int = 0, int8_layers: int = 0) -> KernelChoice:
+        """Mixture-of-experts layers on the Triton fused-MoE kernels when they import (as attention: without
+        triton, PyTorch's path); PyTorch ops for the other layers."""
+        return KernelChoice(triton_moe=triton_moe_imports())
+
+
+def triton_moe_imports() -> bool:
+    """Whether the Triton fused-MoE kernels import (triton installed, and a version that has what they use)."""
+    try:
+        import engine.kernels.triton_moe  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def cuda_attention_backend() -> AttentionBackend:

@@ -31,7 +31,9 @@ class KernelChoice:
     ``amx_linear``: bfloat16 linears whose sides are multiples of 32 run steps of up to ``AMX_LINEAR_MAX_ROWS``
     rows on a tile-packed copy of their weight (replacing their blocks).
     ``int8``: how W8A8 layers (``Linear.int8``) multiply (see ``Int8Path``).
-    ``npu_ops``: the ``torch_npu`` module on an NPU device (W8A8 layers then run ``npu_quant_matmul``)."""
+    ``npu_ops``: the ``torch_npu`` module on an NPU device (W8A8 layers then run ``npu_quant_matmul``).
+    ``triton_moe``: mixture-of-experts layers run the Triton fused-MoE kernels (``engine.kernels.triton_moe``,
+    through ``fused_moe_triton.TritonMoEMethod``) instead of PyTorch's per-expert products."""
 
     ops: Any = None
     onednn: bool = False
@@ -39,6 +41,7 @@ class KernelChoice:
     amx_linear: bool = False
     int8: Int8Path = "portable"
     npu_ops: Any = None
+    triton_moe: bool = False
 
     @classmethod
     def torch(cls) -> KernelChoice:

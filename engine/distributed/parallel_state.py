@@ -40,6 +40,7 @@ class ParallelContext:
     pp_size: int = 1
     rank: int = 0
     device_type: str = "cpu"
+    expert_parallel: bool = False  # --enable-expert-parallel: MoE layers split their experts over the tensor ranks
     tp_group: Any = None      # torch.distributed ProcessGroup of this stage's tensor-parallel ranks
     world_group: Any = None   # gloo group of every rank: step messages (CPU byte tensors)
 

@@ -1,14 +1,18 @@
 """The architecture of a decoder-only model, read from a Hugging Face ``config.json``.
 
-(GGUF metadata is mapped onto the same object in ``gguf_loader``.)
+(GGUF metadata is mapped onto the same object in ``gguf_loader``; the mixture-of-experts and latent-attention parts
+are read in ``engine.models.moe_config``.)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-# model_type values this engine implements (all with the Llama block layout).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+from engine.models.moe_config import MOE_ARCHITECTURES, MlaConfig, MoeConfig, mla_from_hf, moe_from_hf
+
+# model_type values this engine implements: the Llama block layout, and the mixture-of-experts families (Mixtral
+# and Qwen-MoE on Llama/Qwen attention; DeepSeek-V2/V3 on multi-head latent attention).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3") + MOE_ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,6 +48,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Per-frequency divisors of the RoPE inverse frequencies (llama.cpp's ``rope_freqs`` tensor).
     rope_freq_factors: tuple[float, ...] | None = None
+    moe: MoeConfig | None = None  # routed experts (in ``moe.moe_layers``), shared experts
+    mla: MlaConfig | None = None  # multi-head latent attention (DeepSeek) instead of q/k/v heads
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -53,6 +59,14 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions RoPE rotates in each head: all of them, or MLA's ``qk_rope_head_dim``."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.moe_layers
 
     @property
     def q_size(self) -> int:
@@ -109,9 +123,12 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
         raise ValueError("mlp_bias=True is not supported")
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    head_dim = cfg.get("head_dim") or hidden // num_heads
-    theta, scaling = rope_from_hf(cfg)
+    mla = mla_from_hf(cfg, arch)
+    head_dim = (mla.qk_head_dim if mla is not None else None) or cfg.get("head_dim") or hidden // num_heads
     bias = bool(cfg.get("attention_bias", False))
+    if mla is not None and bias:
+        raise ValueError("attention_bias=True is not supported with multi-head latent attention")
+    theta, scaling = rope_from_hf(cfg)
     tie = cfg.get("tie_word_embeddings")
     generation_cfg = generation_cfg or {}
     return ModelConfig(
@@ -121,7 +138,8 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
         intermediate_size=int(cfg["intermediate_size"]),
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        # MLA has one latent per token, not key-value heads: its num_key_value_heads is not read
+        num_kv_heads=num_heads if mla is not None else int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
@@ -129,9 +147,11 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(tie) if tie is not None else not has_lm_head,
         # Qwen2 always has q/k/v bias and never an o_proj bias; Llama/Qwen3's flag covers all four.
-        attention_bias=True if arch == "qwen2" else bias,
-        o_proj_bias=bias and arch != "qwen2",
-        qk_norm=arch == "qwen3",
+        attention_bias=True if arch in ("qwen2", "qwen2_moe") else bias,
+        o_proj_bias=bias and arch not in ("qwen2", "qwen2_moe"),
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         eos_token_ids=merge_eos(_token_ids(cfg.get("eos_token_id")), _token_ids(generation_cfg.get("eos_token_id"))),
+        moe=moe_from_hf(cfg, arch),
+        mla=mla,
     )

@@ -24,12 +24,16 @@ from engine.distributed import ParallelContext
 from engine.models.config import ModelConfig
 from engine.models.layers.activation import SiluAndMul
 from engine.models.layers.embedding import Embedding, VocabParallelEmbedding
+from engine.models.layers.fused_moe import FusedMoE
 from engine.models.layers.linear import Linear, RowParallelLinear
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding
+from engine.models.mla import MlaAttention
+from engine.models.moe import MoeGate, SparseMoeBlock
 from engine.models.quant import QuantWeight, cat_rows, pad_rows
 from engine.models.sharding import Shard, ShardPlan, check_parallel_sizes
 from engine.models.w8a8 import Int8Weight, quantize_weight
+from engine.models.weight_names import local_part, map_name, num_parts, part_view
 
 # The hidden states and the residual stream a pipeline stage hands the next.
 Intermediate = tuple[torch.Tensor, torch.Tensor]
@@ -85,14 +89,32 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def _mlp(config: ModelConfig, plan: ShardPlan, layer: int, parallel: ParallelContext) -> nn.Module:
+    """Layer ``layer``'s MLP: the routed (and shared) experts of a mixture-of-experts layer, else a dense one."""
+    if config.moe is None or not config.is_moe_layer(layer):
+        return MLP(config, plan, parallel)
+    start, count = plan.experts
+    return SparseMoeBlock(config.hidden_size, config.moe, plan.moe_intermediate_size,
+                          plan.shared_intermediate_size if config.moe.shared_intermediate_size else 0,
+                          start, count, parallel)
+
+
+def _attention(config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding,
+               parallel: ParallelContext) -> nn.Module:
+    if config.mla is not None:
+        return MlaAttention(config.hidden_size, config.mla, plan.num_heads, config.rms_norm_eps, rotary, parallel)
+    return Attention(config, plan, rotary, parallel)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding,
-                 parallel: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding, parallel: ParallelContext,
+                 layer: int) -> None:
+        """``layer``: the model's index of this layer (which decides a mixture-of-experts model's dense layers)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, plan, rotary, parallel)
+        self.self_attn = _attention(config, plan, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, plan, parallel)
+        self.mlp = _mlp(config, plan, layer, parallel)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +131,7 @@ class DecoderLayer(nn.Module):
 
 
 # The layers that pick a kernel in ``use_kernels``.
-KERNEL_LAYERS = (Linear, RMSNorm, SiluAndMul, RotaryEmbedding)
+KERNEL_LAYERS = (Linear, RMSNorm, SiluAndMul, RotaryEmbedding, FusedMoE)
 
 
 class CausalLM(nn.Module):
@@ -133,8 +155,8 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, plan.vocab_rows, bias=False)
             self.lm_head.is_lm_head = True
             self.lm_head.shares_weight = config.tie_word_embeddings
-        self.layers = nn.ModuleList(DecoderLayer(config, plan, self.rotary, parallel)
-                                    for _ in range(self.num_local_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, plan, self.rotary, parallel, layer)
+                                    for layer in range(self.start_layer, self.end_layer))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if plan.is_last_stage else None
 
     @property
@@ -143,8 +165,30 @@ class CausalLM(nn.Module):
 
     @property
     def num_local_kv_heads(self) -> int:
-        """KV heads of this rank's caches: its share of the model's, or one replicated head."""
-        return self.plan.num_kv_heads
+        """KV heads of this rank's caches: its share of the model's, or one replicated head (MLA: one latent)."""
+        return 1 if self.config.mla is not None else self.plan.num_kv_heads
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Width of a cached head: the model's head_dim, or MLA's latent (``kv_lora_rank + qk_rope_head_dim``)."""
+        return self.config.mla.latent_dim if self.config.mla is not None else self.config.head_dim
+
+    @property
+    def kv_planes(self) -> int:
+        """2: keys and values cached apart; 1: one latent per token (MLA)."""
+        return 1 if self.config.mla is not None else 2
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """What one token takes in this rank's caches, every local layer."""
+        return self.kv_planes * self.num_local_layers * self.num_local_kv_heads * self.kv_head_dim * element_size
+
+    def keep_float32(self) -> None:
+        """Routers and DeepSeek's correction bias stay float32 in any model dtype (they decide the experts)."""
+        for module in self.modules():
+            if isinstance(module, MoeGate):
+                module.float()
+            elif isinstance(module, FusedMoE) and module.correction_bias is not None:
+                module.correction_bias.data = module.correction_bias.data.float()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and self.lm_head is not None and self.embed_tokens is not None:
@@ -204,7 +248,7 @@ class CausalLM(nn.Module):
     def weight_shard(self, hf_name: str) -> Shard | None:
         """The part of checkpoint tensor ``hf_name`` this rank loads (the loaders read only it); None: not loaded
         here (another stage's, or one the model recomputes or shares)."""
-        if _map_name(hf_name, self.config) is None:
+        if map_name(hf_name, self.config) is None:
             return None
         return self.plan.shard(hf_name)
 
@@ -212,12 +256,12 @@ class CausalLM(nn.Module):
         """(parameter name, part of a fused parameter) of this rank's ``hf_name``, or None when not loaded here."""
         if self.weight_shard(hf_name) is None:
             return None
-        target = _map_name(hf_name, self.config)
+        target = map_name(hf_name, self.config)
         assert target is not None
         name, part = target
         if (m := _LAYER_INDEX.fullmatch(name)) is not None:
             name = f"layers.{int(m.group(1)) - self.start_layer}.{m.group(2)}"
-        return name, part
+        return name, local_part(name, part, self.plan)
 
     def load_quantized(self, weights: Iterable[tuple[str, QuantWeight]]) -> int:
         """Keeps block-quantized copies of projection weights (named and sharded as in ``load_weights``, which must
@@ -231,7 +275,7 @@ class CausalLM(nn.Module):
             shards.setdefault(target[0], {})[target[1]] = weight
         count = 0
         for name, parts in shards.items():
-            if len(parts) != _num_parts(name):
+            if len(parts) != num_parts(name, self.plan):
                 continue
             fused = cat_rows([parts[i] for i in range(len(parts))])
             module: nn.Module | None
@@ -294,9 +338,9 @@ class CausalLM(nn.Module):
             shards.setdefault(target[0], {})[target[1]] = weight
         for name, parts in shards.items():
             module = self.get_submodule(name.removesuffix(".weight"))
-            if len(parts) != _num_parts(name) or not isinstance(module, Linear):
+            if len(parts) != num_parts(name, self.plan) or not isinstance(module, Linear):
                 raise ValueError(f"{name}: the parts of a fused projection must all be int8 or all float (got int8 "
-                                 f"for {len(parts)} of {_num_parts(name)})")
+                                 f"for {len(parts)} of {num_parts(name, self.plan)})")
             fused = Int8Weight(torch.cat([parts[i].qweight for i in range(len(parts))]),
                                torch.cat([parts[i].scale for i in range(len(parts))]))
             if module.is_lm_head and fused.shape[0] < module.out_features:  # the vocabulary shard's padding rows
@@ -332,7 +376,7 @@ class CausalLM(nn.Module):
             name, part = target
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model ({name!r})")
-            dest = _part_view(params[name], name, part, self.plan)
+            dest = part_view(params[name], name, part, self.plan)
             with torch.no_grad():
                 if name in _VOCAB_TABLES:  # rows past the vocabulary (the last tensor rank's) are zeros
                     dest[self.plan.vocab_held:].zero_()
@@ -342,53 +386,14 @@ class CausalLM(nn.Module):
                                      f"{tuple(dest.shape)}")
                 dest.copy_(tensor)
             loaded.add((name, part))
-        missing = [n for n in params if not all((n, s) in loaded for s in range(_num_parts(n)))]
+        missing = [n for n in params if not all((n, s) in loaded for s in range(num_parts(n, self.plan)))]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
 
 
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
-_GATE_UP = {"gate_proj": 0, "up_proj": 1}
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.(.+)")
 _VOCAB_TABLES = ("embed_tokens.weight", "lm_head.weight")
-
-
-def _map_name(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
-    """HF checkpoint name -> (our parameter name, with the model's layer index; part index within a fused
-    parameter), or None to skip."""
-    name = hf_name.removeprefix("model.")
-    if name.startswith("rotary_emb.") or ".rotary_emb." in name:
-        return None  # some old checkpoints store inv_freq; ours is recomputed
-    if name == "lm_head.weight" and config.tie_word_embeddings:
-        return None  # tied checkpoints sometimes still carry a copy
-    for part, index in _QKV.items():
-        if f".self_attn.{part}." in name:
-            return name.replace(part, "qkv_proj"), index
-    for part, index in _GATE_UP.items():
-        if f".mlp.{part}." in name:
-            return name.replace(part, "gate_up_proj"), index
-    return name, 0
-
-
-def _num_parts(param_name: str) -> int:
-    if ".qkv_proj." in param_name:
-        return 3
-    if ".gate_up_proj." in param_name:
-        return 2
-    return 1
-
-
-def _part_view(param: torch.Tensor, name: str, part: int, plan: ShardPlan) -> torch.Tensor:
-    """The rows of part ``part`` (q, k or v; gate or up) of a fused parameter (this rank's sizes)."""
-    if ".qkv_proj." in name:
-        sizes = [plan.q_size, plan.kv_size, plan.kv_size]
-    elif ".gate_up_proj." in name:
-        sizes = [plan.intermediate_size, plan.intermediate_size]
-    else:
-        return param
-    start = sum(sizes[:part])
-    return param.narrow(0, start, sizes[part])
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -396,11 +401,13 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     """An uninitialised model on ``device`` (weights are garbage until ``load_weights``): the whole model, or the
     shard of ``parallel``'s rank of its stage. Raises ValueError naming the sizes when the model does not split
     over ``parallel``'s tensor ranks and stages."""
-    check_parallel_sizes(config, parallel.tp_size, parallel.pp_size)
+    check_parallel_sizes(config, parallel.tp_size, parallel.pp_size, parallel.expert_parallel)
     with torch.device("meta"):
         model = CausalLM(config, parallel)
+    model = model.to(dtype=dtype)
+    model.keep_float32()
     # Materialising from meta skips random initialisation, which would cost seconds for nothing.
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to_empty(device=device)
     model.tie_weights()
     model.rotary.build_cache(device, dtype)
     return model.eval().requires_grad_(False)

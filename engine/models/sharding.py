@@ -19,11 +19,14 @@ import torch
 from engine.distributed import ParallelContext, stage_layers
 from engine.models.config import ModelConfig
 
-_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias|e_score_correction_bias)")
 _ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+# A routed expert's projection, in the hub's per-expert names (Mixtral's w1 / w3 / w2 are gate / up / down).
+EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)")
+_SHARED = re.compile(r"mlp\.shared_experts?\.(gate_proj|up_proj|down_proj)")
 
 
-def check_parallel_sizes(config: ModelConfig, tp: int, pp: int) -> None:
+def check_parallel_sizes(config: ModelConfig, tp: int, pp: int, expert_parallel: bool = False) -> None:
     """Raises ValueError, naming the sizes, unless the model splits over ``tp`` tensor ranks and ``pp`` stages."""
     if tp < 1 or pp < 1:
         raise ValueError(f"tensor_parallel_size ({tp}) and pipeline_parallel_size ({pp}) must be at least 1")
@@ -39,6 +42,18 @@ def check_parallel_sizes(config: ModelConfig, tp: int, pp: int) -> None:
     if config.intermediate_size % tp:
         raise ValueError(f"the model's intermediate size {config.intermediate_size} does not divide over "
                          f"tensor_parallel_size {tp}")
+    moe = config.moe
+    if moe is not None:
+        if expert_parallel:
+            if moe.routing.num_experts % tp:
+                raise ValueError(f"the model's {moe.routing.num_experts} routed experts do not divide over "
+                                 f"{tp} expert-parallel ranks (--enable-expert-parallel)")
+        elif moe.intermediate_size % tp:
+            raise ValueError(f"the model's expert intermediate size (moe_intermediate_size) {moe.intermediate_size} "
+                             f"does not divide over tensor_parallel_size {tp}")
+        if moe.shared_intermediate_size % tp:
+            raise ValueError(f"the model's shared-expert intermediate size {moe.shared_intermediate_size} does not "
+                             f"divide over tensor_parallel_size {tp}")
     if pp > config.num_layers:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {config.num_layers} layers")
 
@@ -68,11 +83,13 @@ class ShardPlan:
     tp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
+    expert_parallel: bool = False  # routed experts split whole over the tensor ranks, not sliced
 
     @classmethod
     def of(cls, config: ModelConfig, parallel: ParallelContext) -> ShardPlan:
         """The plan of ``parallel``'s rank (sizes checked by ``check_parallel_sizes`` first)."""
-        return cls(config, parallel.tp_size, parallel.tp_rank, parallel.pp_size, parallel.pp_rank)
+        return cls(config, parallel.tp_size, parallel.tp_rank, parallel.pp_size, parallel.pp_rank,
+                   parallel.expert_parallel and config.moe is not None)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -114,6 +131,28 @@ class ShardPlan:
         return self.config.intermediate_size // self.tp_size
 
     @property
+    def moe_intermediate_size(self) -> int:
+        """This rank's slice of each routed expert's intermediate size (all of it under expert parallel)."""
+        assert self.config.moe is not None
+        size = self.config.moe.intermediate_size
+        return size if self.expert_parallel else size // self.tp_size
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        assert self.config.moe is not None
+        return self.config.moe.shared_intermediate_size // self.tp_size
+
+    @property
+    def experts(self) -> tuple[int, int]:
+        """(first global id, count) of the routed experts this rank holds."""
+        assert self.config.moe is not None
+        total = self.config.moe.routing.num_experts
+        if not self.expert_parallel:
+            return 0, total
+        per_rank = total // self.tp_size
+        return self.tp_rank * per_rank, per_rank
+
+    @property
     def vocab_rows(self) -> int:
         """Rows of this rank's embedding and lm_head: ``ceil(vocab / tp)``, past the vocabulary zeros."""
         return -(-self.config.vocab_size // self.tp_size)
@@ -144,7 +183,23 @@ class ShardPlan:
         if not start <= int(m.group(1)) < end:
             return None
         module, kind = m.group(2), m.group(3)
+        if (expert := EXPERT.fullmatch(module)) is not None:
+            return self._expert_shard(int(expert.group(1)), expert.group(2))
         if self.tp_size == 1 or (module in _ROW_PARALLEL and kind == "bias"):
+            return WHOLE
+        if (shared := _SHARED.fullmatch(module)) is not None:
+            size = self.shared_intermediate_size
+            return Shard(1 if shared.group(1) == "down_proj" else 0, self.tp_rank * size, size)
+        mla = self.config.mla
+        if mla is not None:  # heads' rows of the query and up projections, columns of o_proj; latents replicated
+            if module in ("self_attn.q_proj", "self_attn.q_b_proj"):
+                return Shard(0, self.tp_rank * self.num_heads * mla.qk_head_dim, self.num_heads * mla.qk_head_dim)
+            if module == "self_attn.kv_b_proj":
+                rows = self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+                return Shard(0, self.tp_rank * rows, rows)
+            if module == "self_attn.o_proj":
+                cols = self.num_heads * mla.v_head_dim
+                return Shard(1, self.tp_rank * cols, cols)
             return WHOLE
         head_dim = self.config.head_dim
         if module == "self_attn.q_proj" or module == "self_attn.o_proj":
@@ -155,3 +210,14 @@ class ShardPlan:
             size = self.intermediate_size
             return Shard(0 if module != "mlp.down_proj" else 1, self.tp_rank * size, size)
         return WHOLE
+
+    def _expert_shard(self, expert: int, proj: str) -> Shard | None:
+        """Expert ``expert``'s projection: whole on the rank that holds it (None elsewhere) under expert parallel,
+        else this rank's slice of its intermediate size."""
+        start, count = self.experts
+        if not start <= expert < start + count:
+            return None
+        if self.expert_parallel or self.tp_size == 1:
+            return WHOLE
+        size = self.moe_intermediate_size
+        return Shard(1 if proj in ("down_proj", "w2") else 0, self.tp_rank * size, size)

@@ -13,7 +13,7 @@ from engine.models.config import ModelConfig, RopeScaling
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """float32 [head_dim / 2], computed the way transformers does so logits match it exactly."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_scaling is not None:
         inv_freq = _scale(inv_freq, config.rope_scaling)

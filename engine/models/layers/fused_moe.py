@@ -1,0 +1,141 @@
+"""The routed experts of a mixture-of-experts layer, and the methods that compute them.
+
+A :class:`FusedMoE` holds this rank's experts stacked: ``w13`` [E_local, 2 * I, H] (each expert's gate rows, then
+its up rows) and ``w2`` [E_local, H, I], where E_local is the experts it holds (all of them, or its share under
+expert parallelism, global ids ``expert_start`` ..) and I its slice of each expert's intermediate size (all of it,
+or its share under tensor parallelism). It routes (``moe_routing.select_experts``), then its
+:class:`FusedMoEMethod`, picked once in ``use_kernels`` as a linear layer's method is, computes
+``sum_k weight_k * down(silu(gate(x)) * up(x))`` over the experts of each token that this rank holds. The partial
+sums of several ranks are added by the caller (one all-reduce with the shared experts' and the rest of the layer's).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.device.kernel_choice import KernelChoice
+from engine.models.layers.activation import silu_and_mul
+from engine.models.layers.linear import linear, onednn_linear, onednn_pack
+from engine.models.layers.moe_routing import Routing, select_experts
+
+
+class FusedMoEMethod(ABC):
+    """How one layer computes its experts for a step's tokens."""
+
+    def route(self, layer: FusedMoE, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32 [T, k], global expert ids int64 [T, k]) of each token."""
+        return select_experts(router_logits, layer.routing, layer.correction_bias)
+
+    @abstractmethod
+    def apply(self, layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H] in x's dtype: the weighted sum over each token's experts that
+        this rank holds (zeros for a token none of whose experts it holds)."""
+
+
+def expert_order(topk_ids: torch.Tensor, expert_start: int, num_local: int, num_experts: int
+                 ) -> tuple[torch.Tensor, list[int]]:
+    """The (token, slot) pairs routed to this rank's experts, grouped by local expert: (flat indices into
+    ``topk_ids`` [P], sorted by expert, stable; each local expert's count, a host list)."""
+    flat = topk_ids.reshape(-1)
+    if expert_start == 0 and num_local == num_experts:
+        local, pairs = flat, None
+    else:  # expert parallel: only the pairs of the experts held here
+        local = flat - expert_start
+        pairs = ((local >= 0) & (local < num_local)).nonzero().squeeze(1)
+        local = local.index_select(0, pairs)
+    sorted_local, perm = torch.sort(local, stable=True)
+    counts = torch.bincount(sorted_local, minlength=num_local).tolist()
+    return (perm if pairs is None else pairs.index_select(0, perm)), counts
+
+
+class GroupedMoEMethod(FusedMoEMethod):
+    """Tokens grouped by expert, then each active expert's two products over its rows, scaled by the routing weights
+    and summed back per token (``index_add_``): what transformers' eager loop computes, with one sort instead of a
+    mask per expert. ``w13`` / ``w2`` are per-expert lists of oneDNN-packed copies when ``packed`` (the CPU's
+    choice), else slices of the layer's stacked weights through ``linear``."""
+
+    def __init__(self, layer: FusedMoE, onednn: bool) -> None:
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        if onednn:
+            self.packed = ([onednn_pack(w) for w in layer.w13], [onednn_pack(w) for w in layer.w2])
+        self.act: Any = silu_and_mul
+
+    def _products(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            h = onednn_linear(rows, self.packed[0][e])
+            return onednn_linear(self.act(h), self.packed[1][e])
+        return linear(self.act(linear(rows, layer.w13[e])), layer.w2[e])
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(layer, router_logits)
+        k = ids.shape[1]
+        order, counts = expert_order(ids, layer.expert_start, layer.num_local_experts, layer.routing.num_experts)
+        tokens = order // k
+        out = torch.zeros_like(x, dtype=torch.float32 if x.dtype != torch.float32 else x.dtype)
+        rows_in = x.index_select(0, tokens)
+        scale = weights.reshape(-1).index_select(0, order)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            end = start + n
+            y = self._products(layer, e, rows_in[start:end])
+            out.index_add_(0, tokens[start:end], y.float() * scale[start:end, None])
+            start = end
+        return out.to(x.dtype)
+
+
+class FusedMoE(nn.Module):
+    """This rank's routed experts of one layer (see the module docstring)."""
+
+    def __init__(self, routing: Routing, hidden_size: int, intermediate_size: int, expert_start: int = 0,
+                 num_local_experts: int | None = None) -> None:
+        super().__init__()
+        self.routing = routing
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size   # this rank's slice of each expert's
+        self.expert_start = expert_start
+        self.num_local_experts = routing.num_experts if num_local_experts is None else num_local_experts
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size),
+                               requires_grad=False)
+        # DeepSeek-V3's gate.e_score_correction_bias (float32 in any model dtype), on the layer that routes
+        self.correction_bias = (nn.Parameter(torch.empty(routing.num_experts), requires_grad=False)
+                                if routing.correction_bias else None)
+        self.method: FusedMoEMethod = GroupedMoEMethod(self, onednn=False)
+
+    def use_kernels(self, choice: KernelChoice) -> None:
+        self.method = choose_moe_method(self, choice)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, router_logits)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.expert_start}..{self.expert_start + self.num_local_experts - 1} of "
+                f"{self.routing.num_experts}, top_k={self.routing.top_k}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}")
+
+
+def choose_moe_method(layer: FusedMoE, choice: KernelChoice) -> FusedMoEMethod:
+    """The method of one MoE layer, from the device's choice: oneDNN-packed experts on the CPU when linears are
+    packed, PyTorch's products otherwise."""
+    return GroupedMoEMethod(layer, onednn=choice.onednn and layer.w13.device.type == "cpu")
+
+
+def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """The experts' weighted sum computed token by token in float32 (tests' and kernels' reference): every expert
+    id in ``ids`` indexes ``w13`` / ``w2``."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = int(ids[t, slot])
+            h = F.linear(x[t].float(), w13[e].float())
+            y = F.linear(silu_and_mul(h), w2[e].float())
+            out[t] += float(weights[t, slot]) * y
+    return out
