@@ -52,22 +52,26 @@ class AttentionMetadata:
         return len(self.query_lens)
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """Shape of one layer's KV cache in the default layout: keys at index 0, values at index 1."""
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   planes: int = 2) -> tuple[int, ...]:
+    """Shape of one layer's KV cache in the default layout: keys at index 0, values at index 1 (``planes`` 1: one
+    latent per token, multi-head latent attention's cache, ``engine.attention.mla``)."""
+    return (planes, num_blocks, block_size, num_kv_heads, head_dim)
 
 
 class AttentionBackend(ABC):
     """Paged attention over a KV cache this backend lays out and allocates."""
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       planes: int = 2) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, planes)
 
     def allocate_kv_caches(self, device: Device, num_layers: int, num_blocks: int, block_size: int,
-                           num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
+                           num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                           planes: int = 2) -> list[torch.Tensor]:
         """One zeroed cache per layer: padded block-table entries are gathered then masked, and uninitialised
         memory could hold NaNs that a zero attention weight does not cancel."""
-        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, planes)
         return [device.empty_cache_tensor(shape, dtype).zero_() for _ in range(num_layers)]
 
     def build_metadata(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:

@@ -52,11 +52,12 @@ class NpuAttentionBackend(AttentionBackend):
         self.ops = ops
         self._masks: dict[torch.device, torch.Tensor] = {}
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       planes: int = 2) -> tuple[int, ...]:
         if block_size != NPU_BLOCK_SIZE:
             raise ValueError(f"block_size: the NPU attention operators run blocks of {NPU_BLOCK_SIZE}, "
                              f"got {block_size}")
-        return super().kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return super().kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, planes)
 
     def _mask(self, device: torch.device) -> torch.Tensor:
         mask = self._masks.get(device)

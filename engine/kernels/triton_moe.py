@@ -69,19 +69,19 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_pairs_ptr, bloc
 
 
 @triton.jit
-def _silu_and_mul_kernel(h_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_local, I,
+def _silu_and_mul_kernel(h_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_local, inter,
                          stride_h, stride_o, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
-    """out[pair] = silu(h[pair, :I]) * h[pair, I:] in float32, rounded once, for the pairs of one block (the rows
-    of pairs held elsewhere were never written: not read)."""
+    """out[pair] = silu(h[pair, :inter]) * h[pair, inter:] in float32, rounded once, for the pairs of one block
+    (the rows of pairs held elsewhere were never written: not read)."""
     block = tl.program_id(0)
     if tl.load(block_expert_ptr + block) >= num_local:
         return
     pair = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    ok = (pair < num_pairs)[:, None] & (cols < I)[None, :]
+    ok = (pair < num_pairs)[:, None] & (cols < inter)[None, :]
     h_ptrs = h_ptr + pair[:, None] * stride_h + cols[None, :]
     gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(h_ptrs + I, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(h_ptrs + inter, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + pair[:, None] * stride_o + cols[None, :], (gate * tl.sigmoid(gate) * up).to(
         out_ptr.dtype.element_ty), mask=ok)
 

@@ -6,9 +6,42 @@ An option the engine cannot honour is refused here, at load, naming it: never re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from engine.models.layers.moe_routing import Routing
+Scoring = Literal["softmax", "sigmoid"]
+# How a group of experts is scored for grouped top-k: its best expert ("max", DeepSeek-V2's group_limited_greedy)
+# or the sum of its two best biased scores ("top2_sum", DeepSeek-V3's noaux_tc).
+GroupScore = Literal["max", "top2_sum"]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a layer picks its experts (``engine.models.layers.moe_routing.select_experts`` computes it)."""
+
+    num_experts: int
+    top_k: int
+    scoring: Scoring = "softmax"
+    renormalize: bool = False
+    num_groups: int | None = None          # grouped top-k: experts split in this many groups ...
+    topk_group: int | None = None          # ... of which this many are kept
+    group_score: GroupScore = "max"
+    correction_bias: bool = False          # noaux_tc: gate.e_score_correction_bias shifts the choice, not the weight
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be between 1 and the {self.num_experts} experts")
+        if (self.num_groups is None) != (self.topk_group is None):
+            raise ValueError("grouped top-k needs both n_group and topk_group")
+        if self.num_groups is not None and self.topk_group is not None:
+            if self.num_experts % self.num_groups:
+                raise ValueError(f"n_group {self.num_groups} does not divide the {self.num_experts} experts")
+            if not 0 < self.topk_group <= self.num_groups:
+                raise ValueError(f"topk_group {self.topk_group} must be between 1 and n_group {self.num_groups}")
+            if self.topk_group * (self.num_experts // self.num_groups) < self.top_k:
+                raise ValueError(f"topk_group {self.topk_group} groups of {self.num_experts // self.num_groups} "
+                                 f"experts hold fewer than num_experts_per_tok {self.top_k}")
+
 
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 _DEEPSEEK = ("deepseek_v2", "deepseek_v3")

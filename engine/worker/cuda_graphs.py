@@ -26,7 +26,7 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.models import CausalLM
+    from engine.models import CausalLM, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +50,15 @@ def bucket(num_seqs: int, sizes: list[int]) -> int | None:
 
 
 def graphs_off_reason(config: EngineConfig, device_name: str, world_size: int,
-                      backend: AttentionBackend) -> str | None:
+                      backend: AttentionBackend, model: ModelConfig | None = None) -> str | None:
     """Why decode steps must run eagerly on this rank, or None: capture them."""
     if device_name != "cuda":
         return f"CUDA graphs are for CUDA devices, this is {device_name}"
     if config.enforce_eager:
         return "--enforce-eager"
+    if model is not None and (model.moe is not None or model.mla is not None):
+        return ("the mixture-of-experts and latent-attention layers read host counts each step (expert groups, "
+                "context lengths)")
     if world_size > 1:
         return f"{world_size} ranks: collectives are not captured"
     if config.lora_config is not None:

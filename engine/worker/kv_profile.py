@@ -80,7 +80,7 @@ def profile_step(model: CausalLM, device: Device, backend: AttentionBackend, *, 
     dev = device.torch_device
     num_blocks = layout.block_tables.shape[1]
     caches = backend.allocate_kv_caches(device, model.num_local_layers, num_blocks, block_size,
-                                        model.num_local_kv_heads, model.config.head_dim, dtype)
+                                        model.num_local_kv_heads, model.kv_head_dim, dtype, model.kv_planes)
     profile_cache = sum(c.numel() * c.element_size() for c in caches)
     device.synchronize()
     free, total = device.memory_info()

@@ -37,7 +37,8 @@ class StageRunner:
         self.activation_dtype = activation_dtype   # of the hidden states passed between stages
         self.backend = device.attention_backend()  # owns the cache's layout, allocation and step metadata
         self.kv_caches = self.backend.allocate_kv_caches(device, model.num_local_layers, num_blocks, block_size,
-                                                         model.num_local_kv_heads, model.config.head_dim, dtype)
+                                                         model.num_local_kv_heads, model.kv_head_dim, dtype,
+                                                         model.kv_planes)
         self.graphs: DecodeGraphs | None = None   # decode steps' CUDA graphs (the worker captures them)
 
     def prepare(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,

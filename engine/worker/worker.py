@@ -115,18 +115,19 @@ class Worker:
         mc = self.model.config
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
 
-        def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-            return 2 * num_layers * cfg.block_size * num_kv_heads * head_dim * elem
+        def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, planes: int = 2) -> int:
+            return planes * num_layers * cfg.block_size * num_kv_heads * head_dim * elem
 
         par = self.parallel
         largest_stage = max(end - start for start, end in (stage_layers(mc.num_layers, par.pp_size, s)
                                                             for s in range(par.pp_size)))
-        heads = self.model.num_local_kv_heads   # the same on every rank
+        # the same on every rank: its KV heads (or MLA's one latent) and their width, the model's real bytes
+        heads, width, planes = self.model.num_local_kv_heads, self.model.kv_head_dim, self.model.kv_planes
         # A draft model keeps its own keys and values under the same block ids.
         draft = (block_bytes(self.draft.config.num_layers, self.draft.config.num_kv_heads,
                              self.draft.config.head_dim) if self.draft is not None else 0)
-        per_block = max(block_bytes(largest_stage, heads, mc.head_dim),
-                        block_bytes(self.model.num_local_layers, heads, mc.head_dim) + draft)
+        per_block = max(block_bytes(largest_stage, heads, width, planes),
+                        block_bytes(self.model.num_local_layers, heads, width, planes) + draft)
         if self.device.name == "cpu":
             budget = cfg.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
         elif par.world_size == 1:
@@ -170,7 +171,8 @@ class Worker:
         """This rank's KV cache and the runner of its part of each step."""
         stage = StageRunner(self.model, self.device, num_blocks=num_blocks, block_size=self.config.block_size,
                             dtype=self.kv_cache_dtype, activation_dtype=self.dtype)
-        eager = graphs_off_reason(self.config, self.device.name, self.parallel.world_size, stage.backend)
+        eager = graphs_off_reason(self.config, self.device.name, self.parallel.world_size, stage.backend,
+                                  self.model.config)
         if eager is None:
             stage.graphs = capture_decode_graphs(self.model, stage.backend, stage.kv_caches, self.config,
                                                  self.device.torch_device)

@@ -8,7 +8,8 @@ import torch
 from engine.config import KernelSettings
 from engine.device import CpuDevice
 from engine.models import CausalLM
-from engine.models.layers.activation import silu_and_mul
+from engine.models.layers.activation import SiluAndMul, silu_and_mul
+from engine.models.layers.fused_moe import FusedMoE, GroupedMoEMethod
 from engine.models.layers.linear import (
     AmxLinearMethod,
     BlockQuantLinearMethod,
@@ -65,7 +66,10 @@ def kernels_chosen(model: CausalLM) -> bool:
 
 
 def uses_cpu_ops(model: CausalLM) -> bool:
-    return isinstance(model.norm.method, KernelNorm) and model.layers[0].mlp.act.fn is not silu_and_mul
+    acts = [m.fn for m in model.modules() if isinstance(m, SiluAndMul)]
+    acts += [m.method.act for m in model.modules()
+             if isinstance(m, FusedMoE) and isinstance(m.method, GroupedMoEMethod)]
+    return isinstance(model.norm.method, KernelNorm) and bool(acts) and all(fn is not silu_and_mul for fn in acts)
 
 
 def dense_weight(layer: Linear) -> torch.Tensor:

@@ -10,7 +10,6 @@ sums of several ranks are added by the caller (one all-reduce with the shared ex
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -20,36 +19,8 @@ from torch import nn
 from engine.device.kernel_choice import KernelChoice
 from engine.models.layers.activation import silu_and_mul
 from engine.models.layers.linear import linear, onednn_linear, onednn_pack
-from engine.models.layers.moe_routing import Routing, select_experts
-
-
-class FusedMoEMethod(ABC):
-    """How one layer computes its experts for a step's tokens."""
-
-    def route(self, layer: FusedMoE, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights float32 [T, k], global expert ids int64 [T, k]) of each token."""
-        return select_experts(router_logits, layer.routing, layer.correction_bias)
-
-    @abstractmethod
-    def apply(self, layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """x [T, H], router_logits [T, E] -> [T, H] in x's dtype: the weighted sum over each token's experts that
-        this rank holds (zeros for a token none of whose experts it holds)."""
-
-
-def expert_order(topk_ids: torch.Tensor, expert_start: int, num_local: int, num_experts: int
-                 ) -> tuple[torch.Tensor, list[int]]:
-    """The (token, slot) pairs routed to this rank's experts, grouped by local expert: (flat indices into
-    ``topk_ids`` [P], sorted by expert, stable; each local expert's count, a host list)."""
-    flat = topk_ids.reshape(-1)
-    if expert_start == 0 and num_local == num_experts:
-        local, pairs = flat, None
-    else:  # expert parallel: only the pairs of the experts held here
-        local = flat - expert_start
-        pairs = ((local >= 0) & (local < num_local)).nonzero().squeeze(1)
-        local = local.index_select(0, pairs)
-    sorted_local, perm = torch.sort(local, stable=True)
-    counts = torch.bincount(sorted_local, minlength=num_local).tolist()
-    return (perm if pairs is None else pairs.index_select(0, perm)), counts
+from engine.models.layers.moe_method import FusedMoEMethod, expert_order
+from engine.models.moe_config import Routing
 
 
 class GroupedMoEMethod(FusedMoEMethod):
@@ -58,11 +29,12 @@ class GroupedMoEMethod(FusedMoEMethod):
     mask per expert. ``w13`` / ``w2`` are per-expert lists of oneDNN-packed copies when ``packed`` (the CPU's
     choice), else slices of the layer's stacked weights through ``linear``."""
 
-    def __init__(self, layer: FusedMoE, onednn: bool) -> None:
+    def __init__(self, layer: FusedMoE, onednn: bool, ops: Any = None) -> None:
+        """``ops``: the compiled CPU kernels (their one-pass SiLU-and-mul), or None."""
         self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         if onednn:
             self.packed = ([onednn_pack(w) for w in layer.w13], [onednn_pack(w) for w in layer.w2])
-        self.act: Any = silu_and_mul
+        self.act: Any = silu_and_mul if ops is None else ops.silu_and_mul
 
     def _products(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -122,9 +94,19 @@ class FusedMoE(nn.Module):
 
 
 def choose_moe_method(layer: FusedMoE, choice: KernelChoice) -> FusedMoEMethod:
-    """The method of one MoE layer, from the device's choice: oneDNN-packed experts on the CPU when linears are
-    packed, PyTorch's products otherwise."""
-    return GroupedMoEMethod(layer, onednn=choice.onednn and layer.w13.device.type == "cpu")
+    """The method of one MoE layer, from the device's choice: torch-npu's MoE operators on the NPU, the Triton
+    fused-MoE kernels on CUDA (where triton imports), oneDNN-packed experts on the CPU when linears are packed,
+    PyTorch's products otherwise. The accelerators' modules are imported only when chosen."""
+    if choice.npu_ops is not None:
+        from engine.models.layers.fused_moe_npu import NpuMoEMethod
+
+        return NpuMoEMethod(layer, choice.npu_ops)
+    if choice.triton_moe:
+        from engine.models.layers.fused_moe_triton import TritonMoEMethod
+
+        return TritonMoEMethod()
+    cpu = layer.w13.device.type == "cpu"
+    return GroupedMoEMethod(layer, onednn=choice.onednn and cpu, ops=choice.ops if cpu else None)
 
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -24,11 +24,14 @@ this: the calls are checked against a test-only twin of the operators written fr
 (tests/engine/npu_twin/moe.py)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.models.layers.fused_moe import FusedMoE, FusedMoEMethod
+from engine.models.layers.moe_method import FusedMoEMethod
+
+if TYPE_CHECKING:
+    from engine.models.layers.fused_moe import FusedMoE
 
 
 class NpuMoEMethod(FusedMoEMethod):

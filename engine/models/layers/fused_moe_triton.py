@@ -6,10 +6,15 @@ device imports the Triton attention backend only once triton is known to import.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.kernels import triton_moe
-from engine.models.layers.fused_moe import FusedMoE, FusedMoEMethod
+from engine.models.layers.moe_method import FusedMoEMethod
+
+if TYPE_CHECKING:
+    from engine.models.layers.fused_moe import FusedMoE
 
 
 class TritonMoEMethod(FusedMoEMethod):
