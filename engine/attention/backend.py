@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from engine.attention.mla import LatentAttention
     from engine.device.base import Device
 
 
@@ -61,6 +62,12 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 
 class AttentionBackend(ABC):
     """Paged attention over a KV cache this backend lays out and allocates."""
+
+    def latent_attention(self) -> LatentAttention:
+        """The operations of a multi-head latent attention cache (one latent per token) on this backend."""
+        from engine.attention.mla import LatentAttention
+
+        return LatentAttention()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        planes: int = 2) -> tuple[int, ...]:

@@ -12,17 +12,19 @@ unchanged.
   ``kv_lora_rank`` values.
 * Prefill chunks are expanded: the caller turns the sequence's cached latents into per-head keys and values
   (``kv_b_proj``) and attends as usual; cheaper than absorption when many queries share the keys.
+
+An attention backend hands the model its :class:`LatentAttention` (``AttentionBackend.latent_attention``): these
+PyTorch ops by default, a device's own operators where it has them (the NPU's).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionMetadata
-
-
-def latent_cache_shape(num_blocks: int, block_size: int, latent_dim: int) -> tuple[int, ...]:
-    return (1, num_blocks, block_size, 1, latent_dim)
+if TYPE_CHECKING:
+    from engine.attention.backend import AttentionMetadata
 
 
 def write_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -78,3 +80,17 @@ def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)
+
+
+class LatentAttention:
+    """The latent cache's three operations, in PyTorch ops (the functions above)."""
+
+    def write(self, latent: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_latent(latent, cache, meta.slot_mapping)
+
+    def decode(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, kv_lora_rank: int,
+               scale: float) -> torch.Tensor:
+        return decode_latent_attention(query, cache, meta, kv_lora_rank, scale)
+
+    def sequence_latents(self, cache: torch.Tensor, meta: AttentionMetadata, seq_index: int) -> torch.Tensor:
+        return sequence_latents(cache, meta, seq_index)

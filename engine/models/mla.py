@@ -24,12 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionMetadata
-from engine.attention.mla import (
-    decode_latent_attention,
-    prefill_attention,
-    sequence_latents,
-    write_latent,
-)
+from engine.attention.mla import prefill_attention
 from engine.distributed import ParallelContext
 from engine.models.layers.linear import Linear, RowParallelLinear
 from engine.models.layers.norm import RMSNorm
@@ -101,20 +96,21 @@ class MlaAttention(nn.Module):
         else:
             q_pe, k_pe = q_pe.contiguous(), k_pe.contiguous()
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
-        write_latent(torch.cat((c_kv, k_pe.squeeze(1)), dim=-1), kv_cache, meta.slot_mapping)
+        latent_ops = meta.backend.latent_attention()
+        latent_ops.write(torch.cat((c_kv, k_pe.squeeze(1)), dim=-1), kv_cache, meta)
 
         w_uk, w_uv = self._up_weights()
         outputs: list[torch.Tensor] = []
         n = meta.num_decodes
         if n > 0:
             q_latent = torch.bmm(q_nope[:n].transpose(0, 1), w_uk.to(x.dtype)).transpose(0, 1)   # [N, H, L]
-            o_latent = decode_latent_attention(torch.cat((q_latent, q_pe[:n]), dim=-1), kv_cache, meta,
-                                               m.kv_lora_rank, m.softmax_scale)
+            o_latent = latent_ops.decode(torch.cat((q_latent, q_pe[:n]), dim=-1), kv_cache, meta, m.kv_lora_rank,
+                                         m.softmax_scale)
             outputs.append(torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2).to(x.dtype)).transpose(0, 1))
         start = n
         for i in range(n, meta.num_seqs):
             end = start + meta.query_lens[i]
-            latents = sequence_latents(kv_cache, meta, i).to(x.dtype)
+            latents = latent_ops.sequence_latents(kv_cache, meta, i).to(x.dtype)
             kv = F.linear(latents[:, :m.kv_lora_rank], self.kv_b_proj.weight.to(x.dtype))
             kv = kv.view(-1, heads, m.qk_nope_head_dim + m.v_head_dim)
             k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
