@@ -320,6 +320,9 @@ class EngineConfig:
     quantization: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Mixture-of-experts layers split their experts whole over the tensor-parallel ranks (vLLM's
+    # --enable-expert-parallel) instead of slicing each expert's intermediate size over them.
+    enable_expert_parallel: bool = False
     # uni | mp | ray; None: uni for one rank, mp for more (vLLM's default on one host)
     distributed_executor_backend: str | None = None
     device_ids: tuple[int, ...] | None = None  # accelerator ids of the ranks in rank order (MindIE npuDeviceIds)

@@ -43,7 +43,8 @@ def check_model_splits(config: EngineConfig) -> None:
         return
     from engine.models import check_parallel_sizes
 
-    check_parallel_sizes(model_config(config.model_path), config.tensor_parallel_size, config.pipeline_parallel_size)
+    check_parallel_sizes(model_config(config.model_path), config.tensor_parallel_size, config.pipeline_parallel_size,
+                         config.enable_expert_parallel)
 
 
 def model_config(path: str) -> ModelConfig:

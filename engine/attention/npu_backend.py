@@ -12,18 +12,23 @@
   chunk of q sees the keys up to kv_len - q + i) with the operator's optimised 2048 x 2048 mask. vLLM-Ascend runs
   fresh prompts through ``_npu_flash_attention`` instead; one call covers both here.
 
+Multi-head latent attention's one-plane latent cache has its own operators (:mod:`engine.attention.npu_mla`).
+
 Not run on Ascend hardware: the calls are checked against a test-only twin written from torch-npu's documentation
 (tests/engine/npu_twin). The operators take float16 or bfloat16 queries and a cache of the same dtype.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, StepLayout
+
+if TYPE_CHECKING:
+    from engine.attention.npu_mla import NpuLatentAttention
 
 # The block size the operators are run with (vLLM-Ascend's; npu_fused_infer_attention_score takes multiples of 128
 # for float16/bfloat16 paged caches, _npu_paged_attention at most 128).
@@ -51,6 +56,13 @@ class NpuAttentionBackend(AttentionBackend):
     def __init__(self, ops: Any) -> None:
         self.ops = ops
         self._masks: dict[torch.device, torch.Tensor] = {}
+
+    def latent_attention(self) -> NpuLatentAttention:
+        """The latent cache through torch-npu's MLA operators (:mod:`engine.attention.npu_mla`), in the 128-token
+        blocks of :meth:`kv_cache_shape` (one plane: ``planes`` 1)."""
+        from engine.attention.npu_mla import NpuLatentAttention
+
+        return NpuLatentAttention(self.ops)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        planes: int = 2) -> tuple[int, ...]:

@@ -142,6 +142,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                      help="ranks each layer is split over (attention heads, MLP columns, vocabulary)")
     par.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
                      help="stages the layers are split into, one rank group each")
+    par.add_argument("--enable-expert-parallel", action="store_true", default=False,
+                     help="mixture-of-experts layers: each tensor-parallel rank holds whole experts, its share of "
+                          "them, instead of a slice of every expert (a dense model has none: no effect)")
     par.add_argument("--distributed-executor-backend", default=None, choices=_EXECUTOR_BACKENDS,
                      help="how the ranks run: uni (in the engine process; one rank only), mp (a process per rank, "
                           "the default for more than one), ray (a Ray actor per rank, across hosts: RAY_ADDRESS "

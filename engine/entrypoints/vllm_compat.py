@@ -140,8 +140,6 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--use-v2-block-manager",), "Sluice has one block manager", kind="switch"),
     CompatFlag(("--disable-custom-all-reduce",), "Sluice's all-reduce is always torch.distributed's (gloo, NCCL or "
                                                  "HCCL)", kind="switch"),
-    CompatFlag(("--enable-expert-parallel",), "Sluice serves dense models: there are no experts to place",
-               kind="switch"),
     CompatFlag(("--compilation-config",), "Sluice runs eagerly and compiles nothing; its kernels are chosen when "
                                           "the model loads"),
     CompatFlag(("--additional-config",), "vLLM-Ascend's plugin options (graph mode, its scheduler) have no "

@@ -69,7 +69,7 @@ class DistributedExecutor(UniprocExecutor, ABC):
         # A model that does not split over the ranks is refused before any rank starts (each would refuse it too,
         # racing the driver to report it).
         check_parallel_sizes(read_model_config(config.model_path), config.tensor_parallel_size,
-                             config.pipeline_parallel_size)
+                             config.pipeline_parallel_size, config.enable_expert_parallel)
         host = self._driver_host()
         with socket.socket() as s:   # a port free now, for the driver's store
             s.bind((host, 0))

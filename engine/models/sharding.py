@@ -191,7 +191,8 @@ class ShardPlan:
             size = self.shared_intermediate_size
             return Shard(1 if shared.group(1) == "down_proj" else 0, self.tp_rank * size, size)
         mla = self.config.mla
-        if mla is not None:  # heads' rows of the query and up projections, columns of o_proj; latents replicated
+        if mla is not None and module.startswith("self_attn."):
+            # heads' rows of the query and up projections, columns of o_proj; the latent projections replicated
             if module in ("self_attn.q_proj", "self_attn.q_b_proj"):
                 return Shard(0, self.tp_rank * self.num_heads * mla.qk_head_dim, self.num_heads * mla.qk_head_dim)
             if module == "self_attn.kv_b_proj":

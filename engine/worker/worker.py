@@ -3,6 +3,7 @@ runner (the model runner on the driver, a :class:`StageRunner` that follows it o
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -68,7 +69,9 @@ class Worker:
 
     def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:
         self.config = config
-        self.parallel = parallel = parallel if parallel is not None else ParallelContext()
+        parallel = parallel if parallel is not None else ParallelContext()
+        # --enable-expert-parallel is a sharding plan of the experts over this replica's tensor ranks
+        self.parallel = parallel = replace(parallel, expert_parallel=config.enable_expert_parallel)
         # Each rank of a replica on an accelerator has its own device: --device-ids (MindIE npuDeviceIds) in
         # rank order, else the rank's number.
         index = config.device_ids[parallel.rank] if config.device_ids is not None else parallel.rank

@@ -9,7 +9,7 @@ and broadcasts them (``ParallelContext.broadcast_bytes``). No transformers impor
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.device import CpuDevice
 from engine.distributed import ParallelContext
 from engine.models import CausalLM, load_model
+from engine.models.layers.fused_moe import FusedMoE
 from engine.models.layers.linear import Linear, linear_methods
 from tests.engine.paged_factory import PagedKV, Step
 
@@ -37,6 +38,8 @@ class RankResult:
     methods: dict[str, int] = field(default_factory=dict)
     quantized_linears: int = 0
     blocks_match_dense: bool = True    # each layer's GGUF blocks dequantize to the dense shard it loaded
+    experts: dict[str, tuple[int, int, int]] = field(default_factory=dict)   # MoE layer: (first id, count, I)
+    expert_params: int = 0             # elements of the routed experts' weights this rank holds
 
 
 def pipeline_step(model: CausalLM, parallel: ParallelContext, step: Step, kv: PagedKV) -> torch.Tensor | None:
@@ -78,11 +81,12 @@ def _broadcast_tokens(parallel: ParallelContext, tokens: list[int] | None) -> li
 
 
 def greedy(parallel: ParallelContext, path: str, prompts: list[list[int]], steps: int,
-           kernels: bool = False) -> RankResult:
+           kernels: bool = False, expert_parallel: bool = False) -> RankResult:
     """Loads this rank's shard of ``path`` (float32), prefills ``prompts`` in one step, then decodes ``steps`` greedy
     tokens for each. ``kernels``: the CPU device's kernel choice (oneDNN-packed shards, GGUF blocks, cpu_ops),
-    else PyTorch's ops."""
+    else PyTorch's ops; ``expert_parallel``: mixture-of-experts layers split their experts over the tensor ranks."""
     torch.set_num_threads(1)
+    parallel = replace(parallel, expert_parallel=expert_parallel)
     model = load_model(path, torch.float32, "cpu", parallel)
     result = RankResult(logits=None, tokens=[[] for _ in prompts], layers=(model.start_layer, model.end_layer),
                         num_kv_heads=model.num_local_kv_heads,
@@ -93,6 +97,9 @@ def greedy(parallel: ParallelContext, path: str, prompts: list[list[int]], steps
             result.linear_shapes[name] = (module.out_features, module.in_features)
             if module.quant is not None:
                 result.blocks_match_dense &= torch.equal(module.quant.dequantize(), module.weight)
+        if isinstance(module, FusedMoE):
+            result.experts[name] = (module.expert_start, module.num_local_experts, module.intermediate_size)
+            result.expert_params += module.w13.numel() + module.w2.numel()
     result.quantized_linears = model.quantized_linears
     backend: AttentionBackend = TorchAttentionBackend()
     if kernels:
@@ -100,8 +107,9 @@ def greedy(parallel: ParallelContext, path: str, prompts: list[list[int]], steps
         model.use_kernels(device.kernel_choice(torch.float32, model.amx_pack_bytes()))
         backend = device.attention_backend()
     result.methods = dict(linear_methods(model))
-    kv = PagedKV(model.num_local_layers, model.num_local_kv_heads, model.config.head_dim, num_blocks=48,
+    kv = PagedKV(model.num_local_layers, model.num_local_kv_heads, model.kv_head_dim, num_blocks=48,
                  block_size=4, backend=backend)
+    kv.kv_caches = [c[:model.kv_planes].contiguous() for c in kv.kv_caches]   # one plane: MLA's latent cache
     names = [str(i) for i in range(len(prompts))]
     chunks = list(zip(names, prompts, strict=True))
     rows: list[torch.Tensor] = []
@@ -121,7 +129,8 @@ def greedy(parallel: ParallelContext, path: str, prompts: list[list[int]], steps
     return result
 
 
-def reference(path: str, prompts: list[list[int]], steps: int, kernels: bool = False) -> RankResult:
+def reference(path: str, prompts: list[list[int]], steps: int, kernels: bool = False,
+              expert_parallel: bool = False) -> RankResult:
     """The whole model in this process, through the same code."""
     threads = torch.get_num_threads()
     try:

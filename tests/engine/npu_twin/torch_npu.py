@@ -5,7 +5,7 @@ so), the documented argument checks (dtypes, ranks, shapes, layouts, masks; Valu
 documented arithmetic in plain PyTorch; plus ``npu``, the twin of ``torch.npu``. It proves that Sluice calls the
 operators as documented; it says nothing about the hardware's speed or rounding.
 
-Add an operator in the module of its kind (``quant``, ``attention``, ``layers``, ``moe``) with ``@operator`` and
+Add an operator in the module of its kind (``quant``, ``attention``, ``mla``, ``layers``, ``moe``) with ``@operator`` and
 export it here.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tests.engine.npu_twin.attention import (
     npu_fused_infer_attention_score,
 )
 from tests.engine.npu_twin.layers import npu_add_rms_norm, npu_rms_norm, npu_rotary_mul, npu_swiglu
+from tests.engine.npu_twin.mla import _npu_paged_attention_mla, _npu_reshape_and_cache_siso
 from tests.engine.npu_twin.moe import (
     npu_grouped_matmul,
     npu_moe_compute_expert_tokens,
@@ -30,4 +31,5 @@ from tests.engine.npu_twin.quant import npu_dynamic_quant, npu_quant_matmul
 __all__ = ["CALLED", "OPERATORS", "npu", "_npu_paged_attention", "_npu_reshape_and_cache",
            "npu_fused_infer_attention_score", "npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu",
            "npu_dynamic_quant", "npu_quant_matmul", "npu_grouped_matmul", "npu_moe_compute_expert_tokens",
-           "npu_moe_finalize_routing", "npu_moe_gating_top_k_softmax", "npu_moe_init_routing"]
+           "npu_moe_finalize_routing", "npu_moe_gating_top_k_softmax", "npu_moe_init_routing",
+           "_npu_paged_attention_mla", "_npu_reshape_and_cache_siso"]
