@@ -37,6 +37,9 @@ DOCUMENTED: dict[str, tuple[str, str]] = {
     "npu_rotary_mul": ("self r1 r2 rotary_mode", ""),
     "npu_dynamic_quant": ("x", "smooth_scales group_index dst_type"),
     "npu_quant_matmul": ("x1 x2 scale", "offset pertoken_scale bias output_dtype"),
+    "_npu_reshape_and_cache_siso": ("key key_cache slot_indices", ""),
+    "_npu_paged_attention_mla": ("query key_cache num_kv_heads num_heads scale_value block_table context_lens "
+                                 "mla_vheadsize out", ""),
 }
 
 
@@ -82,6 +85,26 @@ def _reshape(**change: Any) -> Callable[[], Any]:
     return lambda: twin._npu_reshape_and_cache(**args)
 
 
+def _latent_cache() -> torch.Tensor:
+    return _half(4, 128, 1, 40)
+
+
+def _siso(**change: Any) -> Callable[[], Any]:
+    args: dict[str, Any] = dict(key=_half(3, 1, 40), key_cache=_latent_cache(),
+                                slot_indices=torch.tensor([1, 200, 7], dtype=torch.int32))
+    args.update(change)
+    return lambda: twin._npu_reshape_and_cache_siso(**args)
+
+
+def _mla(**change: Any) -> Callable[[], Any]:
+    args: dict[str, Any] = dict(query=_half(2, 4, 40), key_cache=_latent_cache(), num_kv_heads=1, num_heads=4,
+                                scale_value=0.25, block_table=torch.ones(2, 2, dtype=torch.int32),
+                                context_lens=torch.tensor([3, 130], dtype=torch.int32), mla_vheadsize=32,
+                                out=_half(2, 4, 32))
+    args.update(change)
+    return lambda: twin._npu_paged_attention_mla(**args)
+
+
 REFUSED: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
     "reshape int64 slots": (_reshape(slot_indices=torch.tensor([1, 2, 3])), TypeError, "slot_indices"),
     "reshape float32 key": (_reshape(key=torch.randn(3, 2, 16)), TypeError, "key must have the cache's dtype"),
@@ -100,6 +123,23 @@ REFUSED: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
     "fia mask 128": (_fia(atten_mask=torch.triu(torch.ones(128, 128, dtype=torch.bool), 1)), ValueError, "2048"),
     "fia lower mask": (_fia(atten_mask=torch.tril(torch.ones(2048, 2048, dtype=torch.bool), -1)), ValueError,
                        "above the diagonal"),
+    "siso int64 slots": (_siso(slot_indices=torch.tensor([1, 2, 3])), TypeError, "slot_indices"),
+    "siso float32 key": (_siso(key=torch.randn(3, 1, 40)), TypeError, "key must have the cache's dtype"),
+    "siso two heads": (_siso(key=_half(3, 2, 40)), ValueError, r"key must be \[num_tokens, 1, 40\]"),
+    "siso repeated slot": (_siso(slot_indices=torch.tensor([7, 200, 7], dtype=torch.int32)), ValueError, "repeat"),
+    "siso slot past the cache": (_siso(slot_indices=torch.tensor([1, 512, 7], dtype=torch.int32)), ValueError,
+                                 "out of the cache"),
+    "mla two kv heads": (_mla(key_cache=_half(4, 128, 2, 40), num_kv_heads=2), ValueError, "MQA only"),
+    "mla head size 640": (_mla(query=_half(2, 4, 640), key_cache=_half(2, 128, 1, 640)), ValueError,
+                          r"head_size must be in \(0, 576\]"),
+    "mla block size 256 at 576": (_mla(query=_half(2, 4, 576), key_cache=_half(2, 256, 1, 576)), ValueError,
+                                  "block_size"),
+    "mla vheadsize past the head": (_mla(mla_vheadsize=48, out=_half(2, 4, 48)), ValueError, "mla_vheadsize"),
+    "mla float32 query": (_mla(query=torch.randn(2, 4, 40)), TypeError, "query"),
+    "mla int64 tables": (_mla(block_table=torch.ones(2, 2, dtype=torch.int64)), TypeError, "block_table"),
+    "mla int64 lens": (_mla(context_lens=torch.tensor([3, 130])), TypeError, "context_lens"),
+    "mla out of the head size": (_mla(out=_half(2, 4, 40)), ValueError, "out must be"),
+    "mla too long": (_mla(context_lens=torch.tensor([3, 300], dtype=torch.int32)), ValueError, "context_lens"),
     "rms float64": (lambda: twin.npu_rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8)), TypeError, "x"),
     "rms gamma width": (lambda: twin.npu_rms_norm(_half(2, 8), _half(4)), ValueError, "gamma"),
     "add_rms shapes": (lambda: twin.npu_add_rms_norm(_half(2, 8), _half(3, 8), _half(8)), ValueError, "x1"),
@@ -126,7 +166,8 @@ def test_every_twin_operator_has_a_refusal_case() -> None:
     prefixes = {"reshape": "_npu_reshape_and_cache", "paged": "_npu_paged_attention",
                 "fia": "npu_fused_infer_attention_score", "rms": "npu_rms_norm", "add_rms": "npu_add_rms_norm",
                 "swiglu": "npu_swiglu", "rotary": "npu_rotary_mul", "quant": "npu_dynamic_quant",
-                "matmul": "npu_quant_matmul"}
+                "matmul": "npu_quant_matmul", "siso": "_npu_reshape_and_cache_siso",
+                "mla": "_npu_paged_attention_mla"}
     assert {prefixes[case.split(" ")[0]] for case in REFUSED} == set(twin.OPERATORS) - set(MOE_DOCUMENTED)
 
 
@@ -167,5 +208,5 @@ def test_layers_on_npu_operators_match_the_torch_path(dtype: torch.dtype) -> Non
 
 
 def test_the_refusal_cases_differ_from_an_accepted_call_in_one_argument() -> None:
-    for accepted in (_reshape(), _paged(), _fia()):
+    for accepted in (_reshape(), _paged(), _fia(), _siso(), _mla()):
         accepted()
