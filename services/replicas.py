@@ -37,13 +37,15 @@ def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:
 
 
 def check_model_splits(config: EngineConfig) -> None:
-    """Refuses, before any process starts, a model that does not split over the ranks asked for (ValueError
-    naming the sizes): the engine would refuse it at load, at every restart."""
+    """Refuses, before any process starts, a model whose config the engine cannot honour (an architecture or a
+    model option it does not run: ValueError naming it) or that does not split over the ranks asked for (naming the
+    sizes): the engine would refuse it at load, at every restart."""
+    model = model_config(config.model_path)
     if config.world_size == 1:
         return
     from engine.models import check_parallel_sizes
 
-    check_parallel_sizes(model_config(config.model_path), config.tensor_parallel_size, config.pipeline_parallel_size,
+    check_parallel_sizes(model, config.tensor_parallel_size, config.pipeline_parallel_size,
                          config.enable_expert_parallel)
 
 

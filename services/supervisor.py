@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> None:
         check_model_splits(config)
     except OSError as e:
         build_parser().error(f"cannot read the model's sizes from {config.model_path}: {e}")
-    except ValueError as e:   # "the model's 9 attention heads do not divide over tensor_parallel_size 2"
+    except ValueError as e:   # "the model's 9 attention heads do not divide over tensor_parallel_size 2",
+        # "deepseek_v3: topk_method='greedy' is not supported (...)"
         build_parser().error(str(e))
     supervisor = Supervisor(ns, config, observability, keys, grpc_tls=grpc_tls, rest_tls=rest_tls)
     configure_logging(ns.log_level, observability.log_format, "serve")
