@@ -20,15 +20,13 @@ Not run on Ascend hardware: the calls are checked against a test-only twin writt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, StepLayout
-
-if TYPE_CHECKING:
-    from engine.attention.npu_mla import NpuLatentAttention
+from engine.attention.npu_mla import NpuLatentAttention
 
 # The block size the operators are run with (vLLM-Ascend's; npu_fused_infer_attention_score takes multiples of 128
 # for float16/bfloat16 paged caches, _npu_paged_attention at most 128).
@@ -56,13 +54,12 @@ class NpuAttentionBackend(AttentionBackend):
     def __init__(self, ops: Any) -> None:
         self.ops = ops
         self._masks: dict[torch.device, torch.Tensor] = {}
+        self._latent = NpuLatentAttention(ops)
 
     def latent_attention(self) -> NpuLatentAttention:
         """The latent cache through torch-npu's MLA operators (:mod:`engine.attention.npu_mla`), in the 128-token
         blocks of :meth:`kv_cache_shape` (one plane: ``planes`` 1)."""
-        from engine.attention.npu_mla import NpuLatentAttention
-
-        return NpuLatentAttention(self.ops)
+        return self._latent
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        planes: int = 2) -> tuple[int, ...]:

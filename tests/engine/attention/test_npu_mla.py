@@ -40,8 +40,9 @@ def test_npu_latent_ops_match_the_torch_ops(dtype: torch.dtype) -> None:
         npu_ops.write(latent, npu_cache, meta)
         ref_ops.write(latent, ref_cache, meta)
         assert torch.equal(npu_cache, ref_cache)   # the same slots written with the same values
-        for i in range(num_decodes, meta.num_seqs):
-            assert torch.equal(npu_ops.sequence_latents(npu_cache, meta, i), ref_ops.sequence_latents(ref_cache, meta, i))
+        for i in range(num_decodes, meta.num_seqs):   # what the prefill chunks read back
+            assert torch.equal(npu_ops.sequence_latents(npu_cache, meta, i),
+                               ref_ops.sequence_latents(ref_cache, meta, i))
         if num_decodes:
             query = (torch.randn(num_decodes, HEADS, LATENT, generator=gen) * 2).to(dtype)
             got = npu_ops.decode(query, npu_cache, meta, KV_LORA_RANK, SCALE)

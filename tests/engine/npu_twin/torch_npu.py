@@ -5,8 +5,8 @@ so), the documented argument checks (dtypes, ranks, shapes, layouts, masks; Valu
 documented arithmetic in plain PyTorch; plus ``npu``, the twin of ``torch.npu``. It proves that Sluice calls the
 operators as documented; it says nothing about the hardware's speed or rounding.
 
-Add an operator in the module of its kind (``quant``, ``attention``, ``mla``, ``layers``, ``moe``) with ``@operator`` and
-export it here.
+Add an operator in the module of its kind (``quant``, ``attention``, ``mla``, ``layers``, ``moe``) with
+``@operator`` and export it here.
 """
 from __future__ import annotations
 
