@@ -182,9 +182,10 @@ class LoRAConfig:
 
 
 # --speculative-config methods Sluice runs; vLLM's others are refused by name (they need trained draft heads).
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-FOREIGN_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp", "mtp", "suffix",
-                               "ngram_gpu", "custom_class")
+# "mtp" and "deepseek_mtp" (vLLM's older name) are the target checkpoint's own multi-token prediction layers.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "deepseek_mtp")
+MTP_METHODS = ("mtp", "deepseek_mtp")
+FOREIGN_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "ngram_gpu", "custom_class")
 # vLLM's default n-gram window when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -196,9 +197,11 @@ class SpeculativeConfig:
     ``ngram``: the proposal is the ``num_speculative_tokens`` tokens that followed the most recent earlier
     occurrence of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in
     its prompt and output. ``draft_model``: a smaller model with the target's vocabulary and tokenizer
-    (``model``) proposes them greedily, keeping its own paged KV cache under the target's block tables. Either
-    way the target verifies every proposed token in one forward pass, and what it emits is distributed exactly
-    as without speculation (greedy: the same tokens)."""
+    (``model``) proposes them greedily, keeping its own paged KV cache under the target's block tables. ``mtp``
+    (or ``deepseek_mtp``): the target checkpoint's own multi-token prediction layers propose them greedily from
+    the target's hidden states (DeepSeek-V3 / R1 layout). Either way the target verifies every proposed token in
+    one forward pass, and what it emits is distributed exactly as without speculation (greedy: the same
+    tokens)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
@@ -237,8 +240,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_min", lo)
             object.__setattr__(self, "prompt_lookup_max", hi)
         else:
-            check(isinstance(self.model, str) and bool(self.model), "model",
-                  "the draft_model method needs the draft model's path")
+            if self.method == "draft_model":
+                check(isinstance(self.model, str) and bool(self.model), "model",
+                      "the draft_model method needs the draft model's path")
             for key in ("prompt_lookup_max", "prompt_lookup_min"):
                 check(getattr(self, key) is None, key, "only the ngram method takes it")
 
@@ -407,6 +411,13 @@ class EngineConfig:
               "LoRA adapters are not sharded across tensor or pipeline parallel ranks yet: run LoRA with "
               "tensor_parallel_size and pipeline_parallel_size 1")
         spec = self.speculative_config
+        if spec is not None and spec.method in MTP_METHODS:
+            check(spec.model is None or spec.model == self.model, "speculative_config.model",
+                  f"the {spec.method} method proposes with the target checkpoint's own MTP layers; leave model out "
+                  f"(or give the target's path), not {spec.model!r}")
+            check(self.pipeline_parallel_size == 1, "speculative_config.method",
+                  f"{spec.method} reads the last stage's hidden states on the driver: run it with "
+                  "pipeline_parallel_size 1")
         if spec is not None:
             check(spec.num_speculative_tokens < self.max_num_batched_tokens,
                   "speculative_config.num_speculative_tokens",

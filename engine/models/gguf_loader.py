@@ -2,7 +2,8 @@
 
 llama.cpp's converter permutes the rows of Llama's Q and K projections (to its interleaved RoPE
 layout); ``unpermute_qk`` restores the Hugging Face layout, which our rotate_half RoPE expects.
-Qwen2/Qwen3 files are written unpermuted.
+Qwen2/Qwen3 files are written unpermuted. Mixtral, Qwen-MoE and DeepSeek files (their experts, routers and latent
+attention) are read by ``engine.models.gguf_moe``. A tensor the loader has no place for is refused, naming it.
 
 A tensor-parallel rank reads its shard alone from the memory-mapped file: whole rows of a block-quantized
 tensor, or whole blocks of its columns (when the shard's columns start and end on block boundaries; otherwise
@@ -25,12 +26,16 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from engine.distributed import ParallelContext
-from engine.models import quant
+from engine.models import gguf_moe, quant
 from engine.models.config import ModelConfig, RopeScaling, merge_eos
 from engine.models.llama import CausalLM, build_model
-from engine.models.sharding import Shard
+from engine.models.moe_config import mla_from_hf, moe_from_hf
+from engine.models.sharding import EXPERT, Shard
 
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_SUPPORTED = (*_ARCHITECTURES, *gguf_moe.MOE_GGUF_ARCHITECTURES)
+# Tensors read into the config, not loaded as weights.
+_CONFIG_TENSORS = ("rope_freqs.weight",)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -49,6 +54,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **gguf_moe.MOE_LAYER_NAMES,
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -58,6 +64,8 @@ def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
+    if m is not None and m.group(2) == gguf_moe.CORRECTION_BIAS and m.group(3) == "bias":
+        return f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
     if m is None or m.group(2) not in _LAYER_NAMES:
         return None
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
@@ -115,8 +123,8 @@ def tensor_to_numpy(tensor: ReaderTensor) -> np.ndarray:
 
 def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     gguf_arch = _field(reader, "general.architecture")
-    if gguf_arch not in _ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(_ARCHITECTURES)}")
+    if gguf_arch not in _SUPPORTED:
+        raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(_SUPPORTED)}")
     tensors = {t.name: t for t in reader.tensors}
 
     def key(name: str, default: Any = None) -> Any:
@@ -124,6 +132,15 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
 
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
+    num_kv_heads = int(key("attention.head_count_kv", num_heads))
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    moe_arch = gguf_moe.moe_architecture(gguf_arch, key, tensors)
+    moe = mla = None
+    if moe_arch is not None:   # read as the Hugging Face config it was converted from
+        hf_cfg = gguf_moe.hf_config(moe_arch, gguf_arch, key, tensors)
+        moe, mla = moe_from_hf(hf_cfg, moe_arch), mla_from_hf(hf_cfg, moe_arch)
+    if mla is not None:   # llama.cpp writes MLA as one key-value head of the latent's width
+        num_kv_heads, head_dim = num_heads, mla.qk_head_dim
     vocab = key("vocab_size") or int(tensors["token_embd.weight"].shape[1])
     scaling: RopeScaling | None = None
     scaling_type = key("rope.scaling.type", "none")
@@ -140,14 +157,14 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
                 if (v := _field(reader, f"tokenizer.ggml.{k}")) is not None)
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
-        architecture=_ARCHITECTURES[gguf_arch],
+        architecture=moe_arch or _ARCHITECTURES[gguf_arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
         num_layers=int(key("block_count")),
         num_heads=num_heads,
-        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-        head_dim=int(key("attention.key_length", hidden // num_heads)),
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -159,12 +176,14 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=merge_eos(eos),
         rope_freq_factors=freq_factors,
+        moe=moe,
+        mla=mla,
     )
 
 
 def _permuted(name: str, config: ModelConfig) -> bool:
-    """Whether a tensor's rows are permuted by head (llama.cpp's Llama q/k weights)."""
-    return config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
+    """Whether a tensor's rows are permuted by head (llama.cpp's Llama and Mixtral q/k weights)."""
+    return config.architecture in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight"))
 
 
 def _column_bytes(tensor: ReaderTensor, shard: Shard) -> slice | None:
@@ -206,27 +225,59 @@ def read_blocks(tensor: ReaderTensor, shard: Shard) -> quant.QuantWeight | None:
     return quant.from_gguf_blocks(raw, tensor.tensor_type)
 
 
+Sources = tuple[list[tuple[str, ReaderTensor]], list[tuple[str, ReaderTensor, ReaderTensor]]]
+
+
+def model_tensors(reader: GGUFReader) -> Sources:
+    """Every tensor the model loads under its Hugging Face name (a stacked tensor's experts one view each), and
+    DeepSeek's split latent up projections as (name, attn_k_b, attn_v_b). Raises ValueError naming a tensor the
+    loader has no place for (its weights would otherwise be silently dropped)."""
+    named: list[tuple[str, ReaderTensor]] = []
+    halves: dict[int, dict[str, ReaderTensor]] = {}
+    for tensor in reader.tensors:
+        if (name := hf_name(tensor.name)) is not None:
+            named.append((name, tensor))
+        elif (parts := gguf_moe.expert_parts(tensor)) is not None:
+            named.extend(parts)
+        elif (split := gguf_moe.latent_split(tensor.name)) is not None:
+            halves.setdefault(split[0], {})[split[1]] = tensor
+        elif tensor.name not in _CONFIG_TENSORS:
+            raise ValueError(f"GGUF tensor {tensor.name!r} is not supported: the loader has no place for it")
+    latent = []
+    for layer, pair in sorted(halves.items()):
+        if set(pair) != {"k", "v"}:
+            raise ValueError(f"GGUF layer {layer} has attn_{''.join(pair)}_b without its other half "
+                             "(attn_k_b and attn_v_b together make kv_b_proj)")
+        latent.append((gguf_moe.latent_up_name(layer), pair["k"], pair["v"]))
+    return named, latent
+
+
 def _iter_tensors(reader: GGUFReader, model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's part of every tensor the model loads."""
-    wanted = [(t, name, shard) for t in reader.tensors
-              if (name := hf_name(t.name)) is not None and (shard := model.weight_shard(name)) is not None]
+    named, latent = model_tensors(reader)
+    wanted = [(t, name, shard) for name, t in named if (shard := model.weight_shard(name)) is not None]
     config = model.config
     for tensor, name, shard in tqdm(wanted, desc="Loading GGUF", unit="tensor", file=sys.stderr, leave=False):
         array = read_tensor(tensor, shard)
         if _permuted(name, config):
             array = unpermute_qk(array, array.shape[0] // config.head_dim)
+        if array.ndim == 1 and name.endswith(".mlp.shared_expert_gate.weight"):   # llama.cpp drops its row axis
+            array = array.reshape(1, -1)
         if not array.flags.writeable:  # F32 tensors are views of the read-only memory map
             array = array.copy()
         yield name, torch.from_numpy(array)
+    for name, k_b, v_b in latent:
+        if (shard := model.weight_shard(name)) is not None:
+            joined = gguf_moe.join_latent_up(tensor_to_numpy(k_b), tensor_to_numpy(v_b))
+            yield name, shard.take(torch.from_numpy(joined))
 
 
 def _iter_quantized(reader: GGUFReader, model: CausalLM) -> Iterator[tuple[str, quant.QuantWeight]]:
     """This rank's part of the Q4_0 / Q4_1 / Q8_0 matrices as blocks (engine.models.quant), rows in Hugging Face
-    order."""
+    order. Routed experts are not among them (the fused experts run on their dequantized weights)."""
     config = model.config
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        if name is None or len(tensor.shape) != 2 or not quant.supported(tensor.tensor_type):
+    for name, tensor in model_tensors(reader)[0]:
+        if len(tensor.shape) != 2 or not quant.supported(tensor.tensor_type) or EXPERT.search(name) is not None:
             continue
         shard = model.weight_shard(name)
         weight = read_blocks(tensor, shard) if shard is not None else None

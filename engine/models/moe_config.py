@@ -137,7 +137,9 @@ def moe_from_hf(cfg: dict[str, Any], arch: str) -> MoeConfig | None:
                           topk_group=int(topk_group) if grouped else None,
                           routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
     shared = int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"])
-    return MoeConfig(routing, int(cfg["moe_intermediate_size"]), frozenset(range(first_dense, layers)), shared)
+    # the multi-token prediction layers after the decoder's (engine.models.mtp) have experts too
+    mtp = int(cfg.get("num_nextn_predict_layers") or 0)
+    return MoeConfig(routing, int(cfg["moe_intermediate_size"]), frozenset(range(first_dense, layers + mtp)), shared)
 
 
 def mla_from_hf(cfg: dict[str, Any], arch: str) -> MlaConfig | None:

@@ -142,6 +142,8 @@ class ModelRunner:
         """``child`` continues from ``parent``'s per-sequence state: its grammar matcher's, when constrained."""
         if self.structured is not None:
             self.structured.fork(parent, child)
+        if self.proposer is not None:
+            self.proposer.fork(parent, child)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One step, start to end: ``run(prepare(out))``."""
@@ -255,6 +257,12 @@ class ModelRunner:
                 if lp is not None:
                     runner_out.logprobs[owners[j]] = [lp]
                 j += 1
+        if self.proposer is not None and self.proposer.wants_hidden:
+            # MTP reads every token's hidden state that stands: a verified row's up to its last accepted token.
+            kept = [len(runner_out.sampled[s.request.seq_id]) if id(s) in draft_of else n
+                    for s, n in zip(scheduled, step.row_tokens)]
+            assert self.stage.last_hidden is not None
+            self.proposer.observe(scheduled, step.row_tokens, kept, self.stage.last_hidden)
         if step.masks is not None and self.structured is not None:
             # Constrained rows never speculate: one token each, the first of its sequence's list.
             firsts = list(runner_out.sampled)

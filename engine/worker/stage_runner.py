@@ -40,6 +40,9 @@ class StageRunner:
                                                          model.num_local_kv_heads, model.kv_head_dim, dtype,
                                                          model.kv_planes)
         self.graphs: DecodeGraphs | None = None   # decode steps' CUDA graphs (the worker captures them)
+        # Every token's final hidden states of the last step, kept for a proposer that reads them (MTP; one stage)
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     def prepare(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor) -> StepTensors:
@@ -64,6 +67,8 @@ class StageRunner:
             hidden = self.graphs.forward(input_ids, positions, metas[0]) if self.graphs is not None else None
             if hidden is None:   # not a captured decode step
                 hidden = self.model(input_ids, positions, self.kv_caches, metas[0])
+            if self.keep_hidden:
+                self.last_hidden = hidden
             if len(needed) < len(hidden):
                 hidden = hidden.index_select(0, torch.from_numpy(needed).to(hidden.device))
             return hidden, needed

@@ -3,18 +3,19 @@ runner (the model runner on the driver, a :class:`StageRunner` that follows it o
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from common.errors import InvalidRequestError
-from engine.config import EngineConfig
+from engine.config import MTP_METHODS, EngineConfig
 from engine.device import Device, get_device
 from engine.distributed import ParallelContext, stage_layers
 from engine.models import CausalLM, ModelConfig, load_model, resolve_dtype
 from engine.models.layers.linear import linear_methods
+from engine.models.mtp import MtpModel, load_mtp
 from engine.worker.cuda_graphs import capture_decode_graphs, graphs_off_reason
 from engine.worker.kv_profile import kv_cache_budget, profile_step
 from engine.worker.lora_manager import LoRAManager
@@ -22,6 +23,7 @@ from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.worker.sampler import Sampler
 from engine.worker.spec_decode import Proposer
 from engine.worker.spec_decode.draft_model import DraftModelProposer
+from engine.worker.spec_decode.mtp import MtpProposer
 from engine.worker.spec_decode.ngram import NgramProposer
 from engine.worker.stage_runner import StageRunner
 from engine.worker.step_inputs import StepInputs
@@ -99,6 +101,9 @@ class Worker:
         if spec is not None and spec.method == "draft_model" and parallel.is_driver:   # unsharded, rank 0 only
             assert spec.model is not None
             self.draft = load_draft_model(spec.model, self.model.config, self.dtype, self.device)
+        self.mtp: MtpModel | None = None    # the checkpoint's own multi-token prediction layers (unsharded)
+        if spec is not None and spec.method in MTP_METHODS and parallel.is_driver:
+            self.mtp = self._load_mtp(spec.method)
         self.runner: ModelRunner | None = None   # the driver's
         self.stage: StageRunner | None = None
 
@@ -126,9 +131,12 @@ class Worker:
                                                             for s in range(par.pp_size)))
         # the same on every rank: its KV heads (or MLA's one latent) and their width, the model's real bytes
         heads, width, planes = self.model.num_local_kv_heads, self.model.kv_head_dim, self.model.kv_planes
-        # A draft model keeps its own keys and values under the same block ids.
+        # A draft model (or the MTP layers) keeps its own keys and values under the same block ids.
         draft = (block_bytes(self.draft.config.num_layers, self.draft.config.num_kv_heads,
                              self.draft.config.head_dim) if self.draft is not None else 0)
+        if self.mtp is not None:
+            draft += (block_bytes(self.mtp.num_layers, 1, mc.mla.latent_dim, 1) if mc.mla is not None
+                      else block_bytes(self.mtp.num_layers, mc.num_kv_heads, mc.head_dim))
         per_block = max(block_bytes(largest_stage, heads, width, planes),
                         block_bytes(self.model.num_local_layers, heads, width, planes) + draft)
         if self.device.name == "cpu":
@@ -174,6 +182,7 @@ class Worker:
         """This rank's KV cache and the runner of its part of each step."""
         stage = StageRunner(self.model, self.device, num_blocks=num_blocks, block_size=self.config.block_size,
                             dtype=self.kv_cache_dtype, activation_dtype=self.dtype)
+        stage.keep_hidden = self.mtp is not None   # the MTP proposer reads every token's hidden state
         eager = graphs_off_reason(self.config, self.device.name, self.parallel.world_size, stage.backend,
                                   self.model.config)
         if eager is None:
@@ -205,6 +214,11 @@ class Worker:
         spec = self.config.speculative_config
         if spec is None:
             return None
+        if self.mtp is not None:
+            return MtpProposer(self.mtp, self.model, self.device, num_blocks=num_blocks,
+                               block_size=self.config.block_size,
+                               max_num_tokens=self.config.max_num_batched_tokens, dtype=self.kv_cache_dtype,
+                               num_speculative_tokens=spec.num_speculative_tokens)
         if self.draft is not None:
             return DraftModelProposer(self.draft, self.device, num_blocks=num_blocks,
                                       block_size=self.config.block_size,
@@ -213,6 +227,22 @@ class Worker:
                                       num_speculative_tokens=spec.num_speculative_tokens)
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+
+    def _load_mtp(self, method: str) -> MtpModel:
+        """The target checkpoint's MTP layers with their kernels chosen (InvalidRequestError naming the method when
+        the checkpoint has none, or when they would need the target's sharded embedding)."""
+        try:
+            mtp = load_mtp(self.config.model_path, self.dtype, self.device.torch_device)
+        except (OSError, ValueError, KeyError) as e:
+            raise InvalidRequestError("speculative_config.method", f"{method}: {e}") from e
+        if mtp.embed_tokens is None and self.parallel.tp_size > 1:
+            raise InvalidRequestError("speculative_config.method",
+                                      f"{method}: the checkpoint's MTP layers carry no embedding and lm_head of their "
+                                      "own, and the target's are split over the tensor ranks")
+        mtp.use_kernels(self.device.kernel_choice(self.dtype))
+        logger.info("speculative decoding: %d MTP layer(s) of the checkpoint%s", mtp.num_layers,
+                    "" if mtp.embed_tokens is not None else " (the target's embedding and lm_head)")
+        return mtp
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Reads and validates an adapter into the host cache (InvalidRequestError naming the file and field)."""

@@ -12,11 +12,16 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.core.request import SequenceId
     from engine.core.scheduler_output import ScheduledRequest
 
 
 class Proposer(Protocol):
+    # Whether it reads the target's hidden states (``observe``): the stage keeps every token's for it.
+    wants_hidden: bool
+
     def propose(self, scheduled: list[ScheduledRequest]) -> list[np.ndarray]:
         """One int64 array per row of ``scheduled``: its proposed tokens (empty where it has no lookahead, or
         nothing worth proposing), at most ``num_spec_tokens`` long."""
@@ -29,6 +34,13 @@ class Proposer(Protocol):
 
     def forget(self, seq_ids: list[SequenceId]) -> None:
         """Sequences that ended or were preempted: drop what was kept for them."""
+
+    def fork(self, parent: SequenceId, child: SequenceId) -> None:
+        """``child`` (n > 1) continues from ``parent``: it inherits what was kept for it."""
+
+    def observe(self, scheduled: list[ScheduledRequest], row_tokens: list[int], kept: list[int],
+                hidden: torch.Tensor) -> None:
+        """The step's final hidden states of every flat token (only called when ``wants_hidden``)."""
 
 
 class DraftLengths:

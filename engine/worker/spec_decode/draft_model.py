@@ -30,6 +30,8 @@ _EMPTY = np.empty(0, dtype=np.int64)
 
 
 class DraftModelProposer:
+    wants_hidden = False
+
     def __init__(self, model: CausalLM, device: Device, *, num_blocks: int, block_size: int, max_num_tokens: int,
                  dtype: torch.dtype, vocab_size: int, num_speculative_tokens: int) -> None:
         self.model = model
@@ -122,6 +124,13 @@ class DraftModelProposer:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.backend.copy_blocks(self.kv_caches, copies)
+
+    def fork(self, parent: SequenceId, child: SequenceId) -> None:
+        pass   # nothing per sequence that a fork needs
+
+    def observe(self, scheduled: list[ScheduledRequest], row_tokens: list[int], kept: list[int],
+                hidden: torch.Tensor) -> None:
+        pass   # reads no hidden states (wants_hidden is False)
 
     def forget(self, seq_ids: list[SequenceId]) -> None:
         self.lengths.forget(seq_ids)

@@ -14,6 +14,8 @@ import numpy as np
 from engine.worker.spec_decode import DraftLengths
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.core.request import SequenceId
     from engine.core.scheduler_output import ScheduledRequest
 
@@ -49,6 +51,8 @@ def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
 class NgramProposer:
     """Proposes from each speculating row's own ids (prompt and output so far)."""
 
+    wants_hidden = False
+
     def __init__(self, min_n: int, max_n: int, num_speculative_tokens: int) -> None:
         self.min_n = min_n
         self.max_n = max_n
@@ -72,6 +76,13 @@ class NgramProposer:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         pass
+
+    def fork(self, parent: SequenceId, child: SequenceId) -> None:
+        pass   # nothing per sequence that a fork needs
+
+    def observe(self, scheduled: list[ScheduledRequest], row_tokens: list[int], kept: list[int],
+                hidden: torch.Tensor) -> None:
+        pass   # reads no hidden states (wants_hidden is False)
 
     def forget(self, seq_ids: list[SequenceId]) -> None:
         self.lengths.forget(seq_ids)

@@ -41,7 +41,7 @@ def test_scheduler_batches_chunks_hits_and_preempts_like_transformers(model: tup
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
     assert got == expected
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.scheduler.prefix_cache_hits > 0   # the shared 12 tokens: blocks of the latent (or KV) cache reused
+    assert llm.engine.scheduler.prefix_cache_hits > 0   # the shared 12 tokens: latent (or KV) blocks reused
     info = llm.engine.info()
     assert info["free_kv_blocks"] == info["total_kv_blocks"]
 
