@@ -5,6 +5,7 @@ are read in ``engine.models.moe_config``.)
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,13 +18,38 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3") + MOE_ARCHITECT
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. ``rope_type`` is "linear" or "llama3" (Llama 3.1 style)."""
+    """RoPE frequency scaling. ``rope_type`` is "linear", "llama3" (Llama 3.1 style) or "yarn" (YaRN: frequencies
+    between ``beta_fast`` and ``beta_slow`` rotations blended from interpolated to kept, cos and sin scaled by
+    ``attention_factor``; DeepSeek-V2/V3, Qwen2.5's long-context configs)."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_from_hf(scaling: dict[str, Any], max_position_embeddings: int) -> RopeScaling:
+    """transformers' ``_compute_yarn_parameters`` reading of a yarn ``rope_scaling`` / ``rope_parameters``."""
+    original = int(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                     else _yarn_mscale(factor))
+    return RopeScaling("yarn", factor, original_max_position_embeddings=original,
+                       beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+                       attention_factor=float(attention), truncate=bool(scaling.get("truncate", True)))
 
 
 @dataclass(frozen=True)
@@ -109,7 +135,9 @@ def rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta, RopeScaling(
             "llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
             float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+    if rope_type == "yarn":
+        return theta, yarn_from_hf(scaling, int(cfg.get("max_position_embeddings", 4096)))
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3, yarn)")
 
 
 def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, has_lm_head: bool) -> ModelConfig:

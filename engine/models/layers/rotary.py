@@ -15,11 +15,31 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """float32 [head_dim / 2], computed the way transformers does so logits match it exactly."""
     dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if config.rope_scaling is not None:
+    if config.rope_scaling is not None and config.rope_scaling.rope_type == "yarn":
+        inv_freq = _yarn(dim, config.rope_theta, config.rope_scaling)
+    elif config.rope_scaling is not None:
         inv_freq = _scale(inv_freq, config.rope_scaling)
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     return inv_freq
+
+
+def _yarn(dim: int, base: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's blend of interpolated and kept frequencies, as transformers' ``_compute_yarn_parameters``."""
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001   # no singularity
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -62,8 +82,10 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(self.config).to(device)
         positions = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
-        self.cos_cache = freqs.cos().to(dtype)
-        self.sin_cache = freqs.sin().to(dtype)
+        scaling = self.config.rope_scaling
+        attention = scaling.attention_factor if scaling is not None else 1.0   # YaRN's; 1 otherwise
+        self.cos_cache = (freqs.cos() * attention).to(dtype)
+        self.sin_cache = (freqs.sin() * attention).to(dtype)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,3 +206,31 @@ def test_unsupported_options_are_refused_naming_them(kind: str, change: dict[str
     _, ckpt = write_checkpoint(kind, tmp_path, **change)
     with pytest.raises(ValueError, match=named.replace("(", r"\(")):
         load_model(str(ckpt), torch.float32)
+
+
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+         "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+@pytest.mark.parametrize(("kind", "rope"), [
+    # DeepSeek-V2-Lite / V3's form: mscale and mscale_all_dim (attention factor 1, the softmax scale corrected)
+    ("deepseek_v3", {**_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    ("deepseek_v2_lite", {**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8}),
+    # Qwen's long-context form: cos and sin scaled by 0.1 ln(factor) + 1
+    ("qwen3_moe", _YARN),
+])
+def test_yarn_rope_scaling_matches_transformers(kind: str, rope: dict[str, object], tmp_path: Path) -> None:
+    from tests.engine.models.moe_factory import build
+
+    hf = build(kind, rope_parameters=rope, max_position_embeddings=256)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), torch.float32)
+    assert ours.config.rope_scaling is not None and ours.config.rope_scaling.rope_type == "yarn"
+    tokens = _prompt(12, seed=5)
+    kv = _paged(ours)
+    logits = _run(ours, kv, [("a", tokens)])
+    torch.testing.assert_close(logits, _hf_logits(hf, tokens), atol=TOL, rtol=0)
+    for _ in range(5):
+        tokens.append(int(logits[-1].argmax()))
+        logits = _run(ours, kv, [("a", tokens[-1:])])
+        torch.testing.assert_close(logits[0], _hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
