@@ -12,7 +12,7 @@ Further proposals chain the layer on its own output (the last MTP layer again wh
 layers, as vLLM does). Keys that rejected proposals leave behind are rewritten by the next catch-up, which always
 covers every position before the pending token.
 
-A fork (``n`` > 1) inherits its parent's hidden states. A sequence that reaches a prefix-cache hit reads MTP keys
+The sequences a prompt forks into (``n`` > 1) all get its hidden states. A sequence that reaches a prefix-cache hit reads MTP keys
 the sequence that computed those blocks wrote, as a draft model's does; where that sequence ended before its last
 hidden states were used, those keys are missing, which costs acceptance, never exactness.
 """
@@ -71,7 +71,10 @@ class MtpProposer:
         offset = 0
         for s, n, k in zip(scheduled, row_tokens, kept, strict=True):
             if k:
-                self.pending.setdefault(s.request.seq_id, []).append((s.start, hidden[offset:offset + k].clone()))
+                states = hidden[offset:offset + k].clone()
+                # a row sampling for several sequences (n > 1 forks after the prompt) hands them all its states
+                for seq_id in {s.request.seq_id, *s.sample_seq_ids}:
+                    self.pending.setdefault(seq_id, []).append((s.start, states))
             offset += n
 
     def fork(self, parent: SequenceId, child: SequenceId) -> None:
