@@ -41,6 +41,9 @@ def check_model_splits(config: EngineConfig) -> None:
     model option it does not run: ValueError naming it) or that does not split over the ranks asked for (naming the
     sizes): the engine would refuse it at load, at every restart."""
     model = model_config(config.model_path)
+    from engine.worker.model_checks import check_model_options
+
+    check_model_options(model, config)
     if config.world_size == 1:
         return
     from engine.models import check_parallel_sizes

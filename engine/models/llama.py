@@ -311,6 +311,10 @@ class CausalLM(nn.Module):
         were quantized."""
         count = 0
         for module in self.modules():
+            if isinstance(module, FusedMoE) and module.int8 is None:
+                module.quantize_w8a8()
+                count += 2 * module.num_local_experts
+                continue
             if isinstance(module, Linear) and module.int8 is None:
                 if module.weight is None:
                     raise RuntimeError("quantize_w8a8 runs after the weights load and before use_kernels")
@@ -336,6 +340,10 @@ class CausalLM(nn.Module):
                 raise ValueError(f"{hf_name}: an int8 embedding table is not supported (a W8A8 checkpoint lists it, "
                                  "or a tied lm_head, in quantization_config.ignore)")
             shards.setdefault(target[0], {})[target[1]] = weight
+        experts = {name: parts for name, parts in shards.items() if ".mlp.experts." in name}
+        count = self._load_int8_experts(experts)
+        for name in experts:
+            del shards[name]
         for name, parts in shards.items():
             module = self.get_submodule(name.removesuffix(".weight"))
             if len(parts) != num_parts(name, self.plan) or not isinstance(module, Linear):
@@ -353,12 +361,34 @@ class CausalLM(nn.Module):
             module.int8 = Int8Weight(fused.qweight.to(module.weight.device), fused.scale.to(module.weight.device))
             module.quant = None
             module.weight = None  # type: ignore[assignment]
-        return len(shards)
+        return len(shards) + count
+
+    def _load_int8_experts(self, shards: dict[str, dict[int, Int8Weight]]) -> int:
+        """A checkpoint's int8 experts (``mlp.experts.w13`` parts 2e / 2e + 1: expert e's gate and up, ``w2`` part e)
+        into their layers' ``FusedMoE.int8``; every expert of a layer must come as int8. Returns the products."""
+        count = 0
+        layers = {name.rsplit(".", 1)[0] for name in shards}
+        for layer_name in layers:
+            module = self.get_submodule(layer_name)
+            assert isinstance(module, FusedMoE)
+            w13, w2 = shards.get(f"{layer_name}.w13", {}), shards.get(f"{layer_name}.w2", {})
+            n = module.num_local_experts
+            if len(w13) != 2 * n or len(w2) != n:
+                raise ValueError(f"{layer_name}: the experts' weights must all be int8 or all float (got int8 for "
+                                 f"{len(w13) + len(w2)} of {3 * n})")
+            module.int8 = ([Int8Weight(torch.cat([w13[2 * e].qweight, w13[2 * e + 1].qweight]),
+                                       torch.cat([w13[2 * e].scale, w13[2 * e + 1].scale])) for e in range(n)],
+                           [w2[e] for e in range(n)])
+            module._free_float()
+            count += 2 * n
+        return count
 
     @property
     def int8_linears(self) -> int:
-        """How many linears hold W8A8 int8 weights waiting for ``use_kernels`` to hand them to their method."""
-        return sum(1 for m in self.modules() if isinstance(m, Linear) and m.int8 is not None)
+        """How many linears (an expert's two products counted as two) hold W8A8 int8 weights waiting for
+        ``use_kernels`` to hand them to their method."""
+        return (sum(1 for m in self.modules() if isinstance(m, Linear) and m.int8 is not None)
+                + sum(2 * m.num_local_experts for m in self.modules() if isinstance(m, FusedMoE) and m.int8 is not None))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies tensors named as in a Hugging Face checkpoint into this model's fused layout: each this rank's

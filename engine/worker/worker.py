@@ -15,10 +15,12 @@ from engine.device import Device, get_device
 from engine.distributed import ParallelContext, stage_layers
 from engine.models import CausalLM, ModelConfig, load_model, resolve_dtype
 from engine.models.layers.linear import linear_methods
+from engine.models.loader import read_model_config
 from engine.models.mtp import MtpModel, load_mtp
 from engine.worker.cuda_graphs import capture_decode_graphs, graphs_off_reason
 from engine.worker.kv_profile import kv_cache_budget, profile_step
 from engine.worker.lora_manager import LoRAManager
+from engine.worker.model_checks import check_model_options
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.worker.sampler import Sampler
 from engine.worker.spec_decode import Proposer
@@ -83,6 +85,7 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
                                else resolve_dtype(config.kv_cache_dtype, config.device))
+        check_model_options(read_model_config(config.model_path), config)
         self.model = load_model(config.model_path, self.dtype, self.device.torch_device, parallel=parallel,
                                 quantization=config.quantization)
         if (int8 := self.model.int8_linears) or config.quantization is not None:

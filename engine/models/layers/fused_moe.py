@@ -18,9 +18,10 @@ from torch import nn
 
 from engine.device.kernel_choice import KernelChoice
 from engine.models.layers.activation import silu_and_mul
-from engine.models.layers.linear import linear, onednn_linear, onednn_pack
+from engine.models.layers.linear import Linear, LinearMethod, linear, onednn_linear, onednn_pack, w8a8_method
 from engine.models.layers.moe_method import FusedMoEMethod, expert_order
 from engine.models.moe_config import Routing
+from engine.models.w8a8 import Int8Weight, quantize_weight
 
 
 class GroupedMoEMethod(FusedMoEMethod):
@@ -61,6 +62,26 @@ class GroupedMoEMethod(FusedMoEMethod):
         return out.to(x.dtype)
 
 
+# What an expert's int8 linear methods read as their layer: no bias.
+_BIASLESS = Linear(1, 1, bias=False)
+
+
+class Int8GroupedMoEMethod(GroupedMoEMethod):
+    """W8A8 experts (``--quantization w8a8``, or a compressed-tensors int8 checkpoint): the grouping of
+    :class:`GroupedMoEMethod`, each active expert's two products by the W8A8 method of its int8 weights (oneDNN's int8
+    GEMM, or the portable exact one: ``linear.w8a8_method``), activations quantized per token as every W8A8 layer's."""
+
+    def __init__(self, layer: FusedMoE, choice: KernelChoice) -> None:
+        assert layer.int8 is not None
+        self.packed = None
+        self.act = silu_and_mul if choice.ops is None else choice.ops.silu_and_mul
+        self.w13: list[LinearMethod] = [w8a8_method(w, choice) for w in layer.int8[0]]
+        self.w2: list[LinearMethod] = [w8a8_method(w, choice) for w in layer.int8[1]]
+
+    def _products(self, layer: FusedMoE, e: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.w2[e].apply(_BIASLESS, self.act(self.w13[e].apply(_BIASLESS, rows)))
+
+
 class FusedMoE(nn.Module):
     """This rank's routed experts of one layer (see the module docstring)."""
 
@@ -80,6 +101,17 @@ class FusedMoE(nn.Module):
         self.correction_bias = (nn.Parameter(torch.empty(routing.num_experts), requires_grad=False)
                                 if routing.correction_bias else None)
         self.method: FusedMoEMethod = GroupedMoEMethod(self, onednn=False)
+        # W8A8: each local expert's int8 w13 and w2, set before ``use_kernels`` (the float weights then freed)
+        self.int8: tuple[list[Int8Weight], list[Int8Weight]] | None = None
+
+    def quantize_w8a8(self) -> None:
+        """Every expert's weights quantized per output channel (``w8a8.quantize_weight``); the float ones freed."""
+        self.int8 = ([quantize_weight(w) for w in self.w13], [quantize_weight(w) for w in self.w2])
+        self._free_float()
+
+    def _free_float(self) -> None:
+        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
 
     def use_kernels(self, choice: KernelChoice) -> None:
         self.method = choose_moe_method(self, choice)
@@ -97,6 +129,11 @@ def choose_moe_method(layer: FusedMoE, choice: KernelChoice) -> FusedMoEMethod:
     """The method of one MoE layer, from the device's choice: torch-npu's MoE operators on the NPU, the Triton
     fused-MoE kernels on CUDA (where triton imports), oneDNN-packed experts on the CPU when linears are packed,
     PyTorch's products otherwise. The accelerators' modules are imported only when chosen."""
+    if layer.int8 is not None:
+        if choice.npu_ops is not None or choice.triton_moe:
+            raise ValueError("W8A8 experts run on the CPU only: the NPU's grouped int8 matmul and a CUDA int8 MoE "
+                             "kernel are not wired (quantization w8a8 on a mixture-of-experts model)")
+        return Int8GroupedMoEMethod(layer, choice)
     if choice.npu_ops is not None:
         from engine.models.layers.fused_moe_npu import NpuMoEMethod
 
