@@ -387,8 +387,9 @@ class CausalLM(nn.Module):
     def int8_linears(self) -> int:
         """How many linears (an expert's two products counted as two) hold W8A8 int8 weights waiting for
         ``use_kernels`` to hand them to their method."""
-        return (sum(1 for m in self.modules() if isinstance(m, Linear) and m.int8 is not None)
-                + sum(2 * m.num_local_experts for m in self.modules() if isinstance(m, FusedMoE) and m.int8 is not None))
+        modules = list(self.modules())
+        return (sum(1 for m in modules if isinstance(m, Linear) and m.int8 is not None)
+                + sum(2 * m.num_local_experts for m in modules if isinstance(m, FusedMoE) and m.int8 is not None))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies tensors named as in a Hugging Face checkpoint into this model's fused layout: each this rank's

@@ -12,9 +12,9 @@ Further proposals chain the layer on its own output (the last MTP layer again wh
 layers, as vLLM does). Keys that rejected proposals leave behind are rewritten by the next catch-up, which always
 covers every position before the pending token.
 
-The sequences a prompt forks into (``n`` > 1) all get its hidden states. A sequence that reaches a prefix-cache hit reads MTP keys
-the sequence that computed those blocks wrote, as a draft model's does; where that sequence ended before its last
-hidden states were used, those keys are missing, which costs acceptance, never exactness.
+The sequences a prompt forks into (``n`` > 1) all get its hidden states. A sequence that reaches a prefix-cache hit
+reads MTP keys the sequence that computed those blocks wrote, as a draft model's does; where that sequence ended
+before its last hidden states were used, those keys are missing, which costs acceptance, never exactness.
 """
 from __future__ import annotations
 
