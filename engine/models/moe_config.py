@@ -130,11 +130,13 @@ def moe_from_hf(cfg: dict[str, Any], arch: str) -> MoeConfig | None:
         if scoring != "softmax":
             _refuse(arch, "scoring_func", scoring, "DeepSeek-V2 scores with softmax")
         grouped = method == "group_limited_greedy"
+        if grouped and (groups is None or topk_group is None):
+            _refuse(arch, "topk_method", method, "group_limited_greedy needs n_group and topk_group")
         routing = Routing(num_experts, int(cfg["num_experts_per_tok"]),
                           # DeepSeek's own code renormalises when norm_topk_prob (V2 and V2-Lite ship False)
                           renormalize=bool(cfg.get("norm_topk_prob", False)),
-                          num_groups=int(groups) if grouped else None,
-                          topk_group=int(topk_group) if grouped else None,
+                          num_groups=int(groups) if grouped and groups is not None else None,
+                          topk_group=int(topk_group) if grouped and topk_group is not None else None,
                           routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
     shared = int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"])
     # the multi-token prediction layers after the decoder's (engine.models.mtp) have experts too

@@ -164,11 +164,10 @@ class MtpProposer:
         return out, ends
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
-        if self.mtp.head is not None:
-            logits = self.mtp.head(hidden)
-        else:
-            logits = self.target.compute_logits(hidden, dtype=None)
-        return logits[:, :self.vocab_size].argmax(dim=-1).tolist()
+        logits: torch.Tensor = (self.mtp.head(hidden) if self.mtp.head is not None
+                                else self.target.compute_logits(hidden, dtype=None))
+        tokens: list[int] = logits[:, :self.vocab_size].argmax(dim=-1).tolist()
+        return tokens
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def accepted(self, seq_id: SequenceId, num_accepted: int) -> None:
