@@ -218,7 +218,8 @@ class SpeculativeConfig:
 
         if self.method in FOREIGN_SPECULATIVE_METHODS:
             raise InvalidRequestError(f"{flag}.method", f"{self.method!r} is not supported: Sluice speculates with "
-                                                        f"{' or '.join(SPECULATIVE_METHODS)}")
+                                                        f"{', '.join(SPECULATIVE_METHODS[:-1])} or "
+                                                        f"{SPECULATIVE_METHODS[-1]}")
         check(self.method in SPECULATIVE_METHODS, "method",
               f"unknown method {self.method!r} (supported: {', '.join(SPECULATIVE_METHODS)})")
         k = self.num_speculative_tokens

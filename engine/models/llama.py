@@ -1,11 +1,13 @@
-"""The Llama block family: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm).
+"""The decoder-only model of every family Sluice serves: the Llama block family (Llama 2/3, SmolLM2, Mistral,
+Qwen2/2.5 with q/k/v bias, Qwen3 with q/k RMSNorm) and the mixture-of-experts families (Mixtral, Qwen2/3-MoE,
+DeepSeek-V2/V3 with latent attention), their layers built per ``engine.models.decoder_layer``.
 
-Layout differs from transformers in two fused projections — q/k/v is one Linear and gate/up is one
-Linear — so each layer runs three matmuls fewer; ``load_weights`` splices the checkpoint's separate
-tensors into them. The residual stream is carried beside the hidden states (vLLM's layout) so that each
-residual add is fused into the RMSNorm after it. Sliding-window attention (Mistral v0.1, some Qwen2 configs)
-is ignored: every layer attends over the full context, which is exact while sequences are shorter than the
-window. The layers pick their kernels once, in ``use_kernels``; the forward pass does not branch on them.
+Layout differs from transformers in fused projections — q/k/v is one Linear, gate/up is one Linear, a layer's
+routed experts are two stacked parameters — so each layer runs fewer matmuls; ``load_weights`` splices the
+checkpoint's separate tensors into them (``engine.models.weight_names``). Sliding-window attention (Mistral v0.1,
+some Qwen2 configs) is ignored: every layer attends over the full context, which is exact while sequences are
+shorter than the window. The layers pick their kernels once, in ``use_kernels``; the forward pass does not branch
+on them.
 
 One rank of a tensor × pipeline parallel replica builds and loads only its shard of its stage
 (``engine.models.sharding``): ``layers[i]`` is the model's layer ``start_layer + i``.
@@ -22,14 +24,13 @@ from engine.attention.backend import AttentionMetadata
 from engine.device.kernel_choice import KernelChoice
 from engine.distributed import ParallelContext
 from engine.models.config import ModelConfig
-from engine.models.layers.activation import SiluAndMul
+from engine.models.decoder_layer import KERNEL_LAYERS, DecoderLayer
 from engine.models.layers.embedding import Embedding, VocabParallelEmbedding
 from engine.models.layers.fused_moe import FusedMoE
-from engine.models.layers.linear import Linear, RowParallelLinear
+from engine.models.layers.linear import Linear
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding
-from engine.models.mla import MlaAttention
-from engine.models.moe import MoeGate, SparseMoeBlock
+from engine.models.moe import MoeGate
 from engine.models.quant import QuantWeight, cat_rows, pad_rows
 from engine.models.sharding import Shard, ShardPlan, check_parallel_sizes
 from engine.models.w8a8 import Int8Weight, quantize_weight
@@ -37,101 +38,6 @@ from engine.models.weight_names import local_part, map_name, num_parts, part_vie
 
 # The hidden states and the residual stream a pipeline stage hands the next.
 Intermediate = tuple[torch.Tensor, torch.Tensor]
-
-
-def _row_linear(in_features: int, out_features: int, bias: bool, parallel: ParallelContext) -> Linear:
-    """o_proj / down_proj: row-parallel over the tensor ranks, a plain Linear without tensor parallelism."""
-    if parallel.tp_size > 1:
-        return RowParallelLinear(in_features, out_features, bias, parallel)
-    return Linear(in_features, out_features, bias=bias)
-
-
-class Attention(nn.Module):
-    """Self-attention over this rank's query heads and the KV heads they read (``plan``)."""
-
-    def __init__(self, config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding,
-                 parallel: ParallelContext) -> None:
-        super().__init__()
-        self.config = config
-        self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
-        self.q_size, self.kv_size = plan.q_size, plan.kv_size
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = _row_linear(self.q_size, config.hidden_size, config.o_proj_bias, parallel)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, on_heads=True) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, on_heads=True) if config.qk_norm else None
-        self.rotary = rotary  # one module shared by every layer; its buffers are not persistent
-        self.scale = config.head_dim ** -0.5
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        head_dim = self.config.head_dim
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, plan: ShardPlan, parallel: ParallelContext) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * plan.intermediate_size, bias=False)
-        self.down_proj = _row_linear(plan.intermediate_size, config.hidden_size, False, parallel)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
-def _mlp(config: ModelConfig, plan: ShardPlan, layer: int, parallel: ParallelContext) -> nn.Module:
-    """Layer ``layer``'s MLP: the routed (and shared) experts of a mixture-of-experts layer, else a dense one."""
-    if config.moe is None or not config.is_moe_layer(layer):
-        return MLP(config, plan, parallel)
-    start, count = plan.experts
-    return SparseMoeBlock(config.hidden_size, config.moe, plan.moe_intermediate_size,
-                          plan.shared_intermediate_size if config.moe.shared_intermediate_size else 0,
-                          start, count, parallel)
-
-
-def _attention(config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding,
-               parallel: ParallelContext) -> nn.Module:
-    if config.mla is not None:
-        return MlaAttention(config.hidden_size, config.mla, plan.num_heads, config.rms_norm_eps, rotary, parallel)
-    return Attention(config, plan, rotary, parallel)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding, parallel: ParallelContext,
-                 layer: int) -> None:
-        """``layer``: the model's index of this layer (which decides a mixture-of-experts model's dense layers)."""
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = _attention(config, plan, rotary, parallel)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = _mlp(config, plan, layer, parallel)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x``: the previous layer's MLP output (or the embeddings, with ``residual`` None). Returns this layer's
-        MLP output and the residual stream (the sum of everything before it)."""
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, positions, kv_cache, meta),
-                                                                 residual)
-        return self.mlp(h), residual
-
-
-# The layers that pick a kernel in ``use_kernels``.
-KERNEL_LAYERS = (Linear, RMSNorm, SiluAndMul, RotaryEmbedding, FusedMoE)
 
 
 class CausalLM(nn.Module):

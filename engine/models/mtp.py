@@ -29,11 +29,11 @@ from torch import nn
 from engine.attention.backend import AttentionMetadata
 from engine.distributed import ParallelContext
 from engine.models.config import ModelConfig, config_from_hf
+from engine.models.decoder_layer import KERNEL_LAYERS, DecoderLayer
 from engine.models.layers.fused_moe import FusedMoE
 from engine.models.layers.linear import Linear
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding
-from engine.models.llama import KERNEL_LAYERS, DecoderLayer
 from engine.models.loader import safetensors_files
 from engine.models.moe import MoeGate
 from engine.models.sharding import ShardPlan

@@ -217,14 +217,16 @@ class ModelRunner:
             # One compute_logits call per entry of inputs.logits_rows, in its order: the other tensor ranks of
             # stage 0 make the same calls to gather the vocabulary.
             prompt_logprobs = self._prompt_logprobs(scheduled, step.chunks, hidden, needed, inputs)
-            if not sampling:
+            if not sampling:   # prefill chunks only: every token stands
+                self._observe_hidden(scheduled, step.row_tokens, step.row_tokens)
                 return RunnerOutput(prompt_logprobs=prompt_logprobs)
             logits = self.stage.logits(hidden, needed, inputs.logits_rows[-1])
             runner_out = RunnerOutput(prompt_logprobs=prompt_logprobs)
             beams = [i for i, s in enumerate(sampling) if s.num_beam_candidates]
             if beams:   # their proposals, not samples; the other rows' logits stay, in order
                 logits = self._propose(sampling, logits, beams, step.counts, runner_out)
-                if not sampled:
+                if not sampled:   # beams only: no row verifies a proposal
+                    self._observe_hidden(scheduled, step.row_tokens, step.row_tokens)
                     return runner_out
             if step.row_of != list(range(logits.shape[0])):
                 logits = logits.index_select(0, torch.tensor(step.row_of, device=logits.device))
@@ -257,18 +259,23 @@ class ModelRunner:
                 if lp is not None:
                     runner_out.logprobs[owners[j]] = [lp]
                 j += 1
-        if self.proposer is not None and self.proposer.wants_hidden:
-            # MTP reads every token's hidden state that stands: a verified row's up to its last accepted token.
-            kept = [len(runner_out.sampled[s.request.seq_id]) if id(s) in draft_of else n
-                    for s, n in zip(scheduled, step.row_tokens)]
-            assert self.stage.last_hidden is not None
-            self.proposer.observe(scheduled, step.row_tokens, kept, self.stage.last_hidden)
+        # A verified row's tokens stand up to its last accepted one.
+        self._observe_hidden(scheduled, step.row_tokens,
+                             [len(runner_out.sampled[s.request.seq_id]) if id(s) in draft_of else n
+                              for s, n in zip(scheduled, step.row_tokens)])
         if step.masks is not None and self.structured is not None:
             # Constrained rows never speculate: one token each, the first of its sequence's list.
             firsts = list(runner_out.sampled)
             runner_out.grammar_complete, runner_out.grammar_failed = self.structured.advance(
                 firsts, [runner_out.sampled[seq_id][0] for seq_id in firsts])
         return runner_out
+
+    def _observe_hidden(self, scheduled: list[ScheduledRequest], row_tokens: list[int], kept: list[int]) -> None:
+        """A proposer that reads the target's hidden states (MTP) gets every token's that stands (``kept`` of each
+        row's ``row_tokens``)."""
+        if self.proposer is not None and self.proposer.wants_hidden:
+            assert self.stage.last_hidden is not None
+            self.proposer.observe(scheduled, row_tokens, kept, self.stage.last_hidden)
 
     def _run(self, inputs: StepInputs, buffer: int, fed: FedInputs | None) -> tuple[torch.Tensor | None, np.ndarray]:
         """Hand the step to the other ranks, then run this rank's part of it (``StageRunner.run``). ``fed``: the

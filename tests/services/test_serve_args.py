@@ -246,8 +246,8 @@ def test_the_engine_cli_takes_the_same_engine_flags() -> None:
      "sluice engine: error: --data-parallel-size: one engine is one replica: `sluice serve --data-parallel-size N` "
      "runs N engines behind its gateways"),
     (["engine", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'],
-     "sluice engine: error: --speculative-config.method: 'eagle' is not supported: Sluice speculates with ngram or "
-     "draft_model"),
+     "sluice engine: error: --speculative-config.method: 'eagle' is not supported: Sluice speculates with ngram, "
+     "draft_model, mtp or deepseek_mtp"),
     (["services.cli", "serve", "--speculative-config", '{"model": "/nonexistent/draft", "num_speculative_tokens": 2}'],
      "sluice serve: error: --speculative-config.model: '/nonexistent/draft' does not exist"),
     (["engine", "--speculative-config", '{"model": "/nonexistent/draft", "num_speculative_tokens": 2}'],
@@ -282,8 +282,8 @@ def test_a_speculative_method_sluice_lacks_stops_serve(capsys: pytest.CaptureFix
         supervisor.main(["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'])
     assert info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "sluice serve: error: --speculative-config.method: 'medusa' is not supported: Sluice speculates with ngram "
-        "or draft_model")
+        "sluice serve: error: --speculative-config.method: 'medusa' is not supported: Sluice speculates with ngram, "
+        "draft_model, mtp or deepseek_mtp")
 
 
 def test_v0_speculative_flags_name_their_replacement(capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,3 +58,15 @@ def test_expert_parallel_engine_gives_the_single_process_tokens(model: tuple[Pre
     finally:
         llm.close()
     assert got == expected
+
+
+@pytest.mark.parametrize("settings", [{"num_scheduler_steps": 3}, {"async_scheduling": True}],
+                         ids=["multi-step", "async-scheduling"])
+def test_multi_step_and_async_scheduling_give_the_same_tokens(model: tuple[PreTrainedModel, Path],
+                                                              settings: dict[str, object]) -> None:
+    hf, path = model
+    prompts = _prompts()[:4]
+    expected = [greedy_reference(hf, p, MAX_TOKENS) for p in prompts]
+    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=64, seed=0, **settings)  # type: ignore[arg-type]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)] == expected
