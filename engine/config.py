@@ -300,6 +300,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16                     # tokens per KV block (--device npu: 128, the operators' size)
     enable_prefix_caching: bool = True
+    # vLLM's --disable-sliding-window: every layer attends over the whole context, which is capped at the model's
+    # sliding window (so the answers stay the model's own).
+    disable_sliding_window: bool = False
     kv_cache_memory: int | None = None       # bytes of KV cache on CPU; None = 2 GiB
     num_kv_blocks: int | None = None         # exact block count (overrides the two above)
     device_memory_utilization: float = 0.9   # share of device memory on accelerators

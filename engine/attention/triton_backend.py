@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, StepLayout
+from engine.attention.torch_backend import windowed_attention
 from engine.kernels import triton_paged
 
 # Keys of AttentionMetadata.derived this backend fills in build_metadata.
@@ -39,8 +40,11 @@ class TritonAttentionBackend(AttentionBackend):
         return meta
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         triton_paged.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        if window is not None and max(meta.seq_lens_host) > window:
+            # the kernels have no window: the windowed PyTorch path (its gather reads the window's blocks only)
+            return windowed_attention(query, kv_cache, meta, scale, window)
         query_start = meta.derived[QUERY_START]
         max_query_len = meta.derived[MAX_QUERY_LEN]
         assert isinstance(query_start, torch.Tensor) and isinstance(max_query_len, int)

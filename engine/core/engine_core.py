@@ -66,7 +66,7 @@ class EngineCore:
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = set(mc.eos_token_ids)
         try:
-            self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
+            self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings, mc.sliding_window)
             num_blocks = self.executor.initialize_cache(self.eos_token_ids, grammar_vocabulary)
         except BaseException:
             self.executor.shutdown()   # the other ranks of a replica end with it
@@ -110,13 +110,17 @@ class EngineCore:
         self.executor.shutdown()
 
     # -- sizing -------------------------------------------------------------------------------------------
-    def _resolve_max_model_len(self, model_max: int) -> int:
+    def _resolve_max_model_len(self, model_max: int, sliding_window: int | None) -> int:
+        """--max-model-len, or the model's context (at most 8192); with --disable-sliding-window, at most the model's
+        sliding window (as vLLM caps it: every layer then attends over all of it, which is what the window saw)."""
         wanted = self.config.max_model_len
+        limit, what = model_max, f"the model's context length {model_max}"
+        if self.config.disable_sliding_window and sliding_window is not None and sliding_window < model_max:
+            limit, what = sliding_window, f"the model's sliding window {sliding_window} (--disable-sliding-window)"
         if wanted is None:
-            return min(model_max, _MAX_DEFAULT_MODEL_LEN)
-        if wanted > model_max:
-            raise InvalidRequestError(
-                "max_model_len", f"{wanted} exceeds the model's context length {model_max}")
+            return min(limit, _MAX_DEFAULT_MODEL_LEN)
+        if wanted > limit:
+            raise InvalidRequestError("max_model_len", f"{wanted} exceeds {what}")
         return wanted
 
     # -- requests -----------------------------------------------------------------------------------------

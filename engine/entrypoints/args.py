@@ -137,6 +137,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "llguidance (auto, guidance and llguidance all mean it)")
     g.add_argument("--guided-decoding-backend", default=None,
                    help="vLLM's older flag for the structured-output backend: auto, guidance or llguidance")
+    g.add_argument("--disable-sliding-window", action="store_true", default=False,
+                   help="sliding-window models: full attention in every layer, the context capped at the window "
+                        "(vLLM's flag)")
     par = parser.add_argument_group("parallelism (vLLM's flag names; docs/distributed.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                      help="ranks each layer is split over (attention heads, MLP columns, vocabulary)")

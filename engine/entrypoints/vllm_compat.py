@@ -135,8 +135,6 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--disable-async-output-proc",), "output processing (detokenization, stop strings) already runs "
                                                  "in the tokenizer service, apart from the engine's step loop",
                kind="switch"),
-    CompatFlag(("--disable-sliding-window",), "Sluice's attention always covers the whole context (no sliding "
-                                              "window)", kind="switch"),
     CompatFlag(("--use-v2-block-manager",), "Sluice has one block manager", kind="switch"),
     CompatFlag(("--disable-custom-all-reduce",), "Sluice's all-reduce is always torch.distributed's (gloo, NCCL or "
                                                  "HCCL)", kind="switch"),

@@ -76,6 +76,10 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     moe: MoeConfig | None = None  # routed experts (in ``moe.moe_layers``), shared experts
     mla: MlaConfig | None = None  # multi-head latent attention (DeepSeek) instead of q/k/v heads
+    # Sliding-window attention: a query sees the last ``sliding_window`` keys (itself included), in the layers of
+    # ``sliding_layers`` (None: every layer; Qwen2's max_window_layers and transformers' layer_types pick some).
+    sliding_window: int | None = None
+    sliding_layers: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -90,6 +94,12 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """The dimensions RoPE rotates in each head: all of them, or MLA's ``qk_rope_head_dim``."""
         return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None for full attention."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.moe_layers
@@ -159,6 +169,7 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
     theta, scaling = rope_from_hf(cfg)
     tie = cfg.get("tie_word_embeddings")
     generation_cfg = generation_cfg or {}
+    window, window_layers = sliding_window_from_hf(cfg, arch)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -182,4 +193,41 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
         eos_token_ids=merge_eos(_token_ids(cfg.get("eos_token_id")), _token_ids(generation_cfg.get("eos_token_id"))),
         moe=moe_from_hf(cfg, arch),
         mla=mla,
+        sliding_window=window,
+        sliding_layers=window_layers,
     )
+
+
+def sliding_window_from_hf(cfg: dict[str, Any], arch: str) -> tuple[int | None, frozenset[int] | None]:
+    """(window, the layers that use it) as transformers reads them. Qwen2 / Qwen3 (and their MoE) only with
+    ``use_sliding_window``; Qwen2 / Qwen3 / Qwen2-MoE per layer from ``layer_types`` when the config lists them, else
+    Qwen2 and Qwen3 from layer ``max_window_layers`` on and Qwen2-MoE on the even layers below it (transformers'
+    rules); Mistral, Mixtral and Qwen3-MoE in every layer (transformers ignores their ``layer_types``). A window no
+    shorter than the context changes nothing and is dropped."""
+    window = cfg.get("sliding_window")
+    layers = int(cfg["num_hidden_layers"])
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        window = None
+    if arch not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not window:
+        return None, None
+    window = int(window)
+    if window < 0:
+        raise ValueError(f"sliding_window={window} must be positive")
+    if window >= int(cfg.get("max_position_embeddings", 4096)):
+        return None, None
+    types = cfg.get("layer_types") if arch in ("qwen2", "qwen3", "qwen2_moe") else None
+    max_window_layers = int(cfg.get("max_window_layers", layers))
+    if types is not None:
+        unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+        if unknown:
+            raise ValueError(f"layer_types {unknown} are not supported (full_attention, sliding_attention)")
+        chosen = frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif arch in ("qwen2", "qwen3"):
+        chosen = frozenset(range(max_window_layers, layers))
+    elif arch == "qwen2_moe":
+        chosen = frozenset(i for i in range(layers) if (i + 1) % 2 and i < max_window_layers)
+    else:
+        chosen = frozenset(range(layers))
+    if not chosen:
+        return None, None
+    return window, None if len(chosen) == layers else chosen

@@ -33,9 +33,11 @@ class Attention(nn.Module):
     """Self-attention over this rank's query heads and the KV heads they read (``plan``)."""
 
     def __init__(self, config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding,
-                 parallel: ParallelContext) -> None:
+                 parallel: ParallelContext, window: int | None = None) -> None:
+        """``window``: this layer's sliding window (None: full attention)."""
         super().__init__()
         self.config = config
+        self.window = window
         self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
         self.q_size, self.kv_size = plan.q_size, plan.kv_size
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
@@ -57,7 +59,7 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -82,11 +84,13 @@ def _mlp(config: ModelConfig, plan: ShardPlan, layer: int, parallel: ParallelCon
                           start, count, parallel)
 
 
-def _attention(config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding,
-               parallel: ParallelContext) -> nn.Module:
+def _attention(config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding, parallel: ParallelContext,
+               layer: int) -> nn.Module:
     if config.mla is not None:
+        if config.window_of(layer) is not None:
+            raise ValueError("sliding_window is not supported with multi-head latent attention")
         return MlaAttention(config.hidden_size, config.mla, plan.num_heads, config.rms_norm_eps, rotary, parallel)
-    return Attention(config, plan, rotary, parallel)
+    return Attention(config, plan, rotary, parallel, config.window_of(layer))
 
 
 class DecoderLayer(nn.Module):
@@ -95,7 +99,7 @@ class DecoderLayer(nn.Module):
         """``layer``: the model's index of this layer (which decides a mixture-of-experts model's dense layers)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = _attention(config, plan, rotary, parallel)
+        self.self_attn = _attention(config, plan, rotary, parallel, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = _mlp(config, plan, layer, parallel)
 

@@ -4,10 +4,10 @@ DeepSeek-V2/V3 with latent attention), their layers built per ``engine.models.de
 
 Layout differs from transformers in fused projections — q/k/v is one Linear, gate/up is one Linear, a layer's
 routed experts are two stacked parameters — so each layer runs fewer matmuls; ``load_weights`` splices the
-checkpoint's separate tensors into them (``engine.models.weight_names``). Sliding-window attention (Mistral v0.1,
-some Qwen2 configs) is ignored: every layer attends over the full context, which is exact while sequences are
-shorter than the window. The layers pick their kernels once, in ``use_kernels``; the forward pass does not branch
-on them.
+checkpoint's separate tensors into them (``engine.models.weight_names``). Sliding-window layers (Mistral, Mixtral,
+Qwen2/3 with ``use_sliding_window``; ``ModelConfig.window_of``) attend over their last ``sliding_window``
+positions in every backend; the blocks that fall out of every window stay allocated until the sequence ends. The
+layers pick their kernels once, in ``use_kernels``; the forward pass does not branch on them.
 
 One rank of a tensor × pipeline parallel replica builds and loads only its shard of its stage
 (``engine.models.sharding``): ``layers[i]`` is the model's layer ``start_layer + i``.
@@ -24,7 +24,7 @@ from engine.attention.backend import AttentionMetadata
 from engine.device.kernel_choice import KernelChoice
 from engine.distributed import ParallelContext
 from engine.models.config import ModelConfig
-from engine.models.decoder_layer import KERNEL_LAYERS, DecoderLayer
+from engine.models.decoder_layer import KERNEL_LAYERS, Attention, DecoderLayer
 from engine.models.layers.embedding import Embedding, VocabParallelEmbedding
 from engine.models.layers.fused_moe import FusedMoE
 from engine.models.layers.linear import Linear
@@ -87,6 +87,13 @@ class CausalLM(nn.Module):
     def kv_bytes_per_token(self, element_size: int) -> int:
         """What one token takes in this rank's caches, every local layer."""
         return self.kv_planes * self.num_local_layers * self.num_local_kv_heads * self.kv_head_dim * element_size
+
+    def disable_sliding_window(self) -> None:
+        """Every layer attends over the whole context (``--disable-sliding-window``; the engine caps the context at
+        the window, so that this changes no answer)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.window = None
 
     def keep_float32(self) -> None:
         """Routers and DeepSeek's correction bias stay float32 in any model dtype (they decide the experts)."""

@@ -88,6 +88,8 @@ class Worker:
         check_model_options(read_model_config(config.model_path), config)
         self.model = load_model(config.model_path, self.dtype, self.device.torch_device, parallel=parallel,
                                 quantization=config.quantization)
+        if config.disable_sliding_window:
+            self.model.disable_sliding_window()
         if (int8 := self.model.int8_linears) or config.quantization is not None:
             # A compressed-tensors checkpoint brings its own int8 weights; w8a8 quantized the float ones at load.
             logger.info("W8A8 int8: %d linears of this rank (quantization %s); the embedding stays %s",

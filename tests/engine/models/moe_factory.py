@@ -105,11 +105,16 @@ def write_checkpoint(kind: str, path: Path, seed: int = 0, **config_changes: Any
     for key, value in config_changes.items():
         setattr(model.config, key, value)
     model.save_pretrained(path)
+    write_tokenizer(path)
+    return model, path
+
+
+def write_tokenizer(path: Path) -> None:
+    """A word-level tokenizer of VOCAB words ``w0`` .. ``w127`` into checkpoint directory ``path``."""
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(path / "tokenizer.json"))
-    return model, path
 
 
 def greedy_reference(model: PreTrainedModel, prompt: list[int], max_tokens: int) -> list[int]:

@@ -1,0 +1,167 @@
+"""Sliding-window attention against transformers on tiny random checkpoints whose window is shorter than the prompt:
+Mistral (every layer), Qwen2 with ``use_sliding_window`` from ``max_window_layers`` on (local and global layers
+interleaved), and a config that lists ``layer_types``. Logits within 1e-4 (float32) over a prefill and decode steps
+past the window, in a mixed step of decodes and chunked prefill, and on a prefix-cache hit; on the PyTorch path and
+the CPU kernels' (whose fast paths hand windowed steps to the windowed gather)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+from engine import LLM, InvalidRequestError, SamplingParams
+from engine.attention.backend import AttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.device import CpuDevice
+from engine.models import CausalLM, load_model
+from engine.models.config import config_from_hf
+from engine.models.decoder_layer import Attention
+from tests.engine.kernel_probe import prepare, uses_cpu_ops
+from tests.engine.models.moe_factory import randomize, write_tokenizer
+from tests.engine.paged_factory import PagedKV
+
+TOL = 1e-4
+WINDOW = 6
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+               tie_word_embeddings=False)
+
+VARIANTS: dict[str, Callable[[], PreTrainedModel]] = {
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=WINDOW)),
+    # layers 1 and 2 local, layer 0 global
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=WINDOW,
+                                                  max_window_layers=1)),
+    # transformers' own per-layer list: local, global, local
+    "layer_types": lambda: Qwen2ForCausalLM(Qwen2Config(
+        **_COMMON, use_sliding_window=True, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+WINDOWED = {"mistral": [0, 1, 2], "qwen2": [1, 2], "layer_types": [0, 2]}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[PreTrainedModel, Path]]:
+    out = {}
+    for kind, make in VARIANTS.items():
+        torch.manual_seed(0)
+        hf = make().eval()
+        randomize(hf, 1)
+        path = tmp_path_factory.mktemp(kind)
+        hf.save_pretrained(path)
+        write_tokenizer(path)
+        out[kind] = (hf, path)
+    return out
+
+
+@pytest.fixture(scope="module", params=[(v, p) for v in VARIANTS for p in ("torch", "cpu-kernels")],
+                ids=lambda vp: "+".join(vp))
+def pair(request: pytest.FixtureRequest, checkpoints: dict[str, tuple[PreTrainedModel, Path]]
+         ) -> tuple[str, PreTrainedModel, CausalLM]:
+    kind, path = request.param
+    hf, ckpt = checkpoints[kind]
+    ours = load_model(str(ckpt), torch.float32)
+    if path == "cpu-kernels":
+        prepare(ours, torch.float32)
+        assert uses_cpu_ops(ours)
+    return kind, hf, ours
+
+
+def _backend(model: CausalLM) -> AttentionBackend:
+    return CpuDevice().attention_backend() if uses_cpu_ops(model) else TorchAttentionBackend()
+
+
+def _run(model: CausalLM, kv: PagedKV, chunks: list[tuple[str, list[int]]]) -> torch.Tensor:
+    step = kv.step(chunks)
+    with torch.no_grad():
+        return model.compute_logits(model(step.input_ids, step.positions, kv.kv_caches, step.meta))
+
+
+def _hf(hf: PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_the_windows_are_read_per_layer(pair: tuple[str, PreTrainedModel, CausalLM]) -> None:
+    kind, _, ours = pair
+    windows = [layer.self_attn.window for layer in ours.layers]
+    assert [i for i, w in enumerate(windows) if w is not None] == WINDOWED[kind]
+    assert {w for w in windows if w is not None} == {WINDOW}
+
+
+def test_prefill_and_decode_past_the_window_match_transformers(pair: tuple[str, PreTrainedModel, CausalLM]) -> None:
+    _, hf, ours = pair
+    tokens = _prompt(15, 2)   # longer than the window: the full-attention answer would differ
+    kv = PagedKV(ours.num_local_layers, ours.num_local_kv_heads, ours.kv_head_dim, block_size=4, backend=_backend(ours))
+    logits = _run(ours, kv, [("a", tokens)])
+    torch.testing.assert_close(logits, _hf(hf, tokens), atol=TOL, rtol=0)
+    for _ in range(12):
+        tokens.append(int(logits[-1].argmax()))
+        logits = _run(ours, kv, [("a", tokens[-1:])])
+        torch.testing.assert_close(logits[0], _hf(hf, tokens)[-1], atol=TOL, rtol=0)
+
+
+def test_mixed_steps_chunks_and_prefix_hits_match_transformers(pair: tuple[str, PreTrainedModel, CausalLM]) -> None:
+    _, hf, ours = pair
+    a, b, c = _prompt(11, 3), _prompt(4, 4), _prompt(17, 5)
+    kv = PagedKV(ours.num_local_layers, ours.num_local_kv_heads, ours.kv_head_dim, block_size=4, backend=_backend(ours))
+    _run(ours, kv, [("a", a[:10]), ("b", b[:3]), ("c", c[:9])])
+    logits = _run(ours, kv, [("a", a[10:]), ("b", b[3:]), ("c", c[9:])])   # two decodes, a chunk after 9 tokens
+    torch.testing.assert_close(logits[0], _hf(hf, a)[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[1], _hf(hf, b)[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[2:], _hf(hf, c)[9:], atol=TOL, rtol=0)
+    d = c[:12] + _prompt(6, 6)   # a prefix hit on c's first three blocks
+    kv.tables["d"], kv.tokens["d"] = kv.tables["c"][:3], list(d[:12])
+    torch.testing.assert_close(_run(ours, kv, [("d", d[12:])]), _hf(hf, d)[12:], atol=TOL, rtol=0)
+
+
+def test_the_engine_gives_transformers_greedy_tokens_and_disable_caps_the_context(
+        checkpoints: dict[str, tuple[PreTrainedModel, Path]]) -> None:
+    hf, path = checkpoints["qwen2"]
+    prompt = _prompt(9, 7)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=32, max_num_batched_tokens=8, seed=0)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert llm.generate({"prompt_token_ids": prompt}, sp)[0].outputs[0].token_ids == ids[9:]
+    # vLLM's --disable-sliding-window: full attention, the context capped at the window
+    capped = LLM(str(path), dtype="float32", num_kv_blocks=16, disable_sliding_window=True)
+    assert capped.engine.max_model_len == WINDOW
+    assert all(m.window is None for m in capped.engine.executor.worker.model.modules() if isinstance(m, Attention))
+    with pytest.raises(InvalidRequestError, match="max_model_len.*sliding window 6"):
+        LLM(str(path), dtype="float32", num_kv_blocks=16, disable_sliding_window=True, max_model_len=64)
+
+
+def test_a_window_the_qwen2_config_does_not_switch_on_is_not_read() -> None:
+    cfg = {"model_type": "qwen2", **_COMMON, "sliding_window": WINDOW, "use_sliding_window": False}
+    assert config_from_hf(cfg, None, True).sliding_window is None
+    on = config_from_hf({**cfg, "use_sliding_window": True, "max_window_layers": 3}, None, True)
+    assert on.sliding_window is None   # no layer from max_window_layers on: no window anywhere
+    with pytest.raises(ValueError, match="layer_types"):
+        config_from_hf({"model_type": "qwen2", **_COMMON, "sliding_window": WINDOW, "use_sliding_window": True,
+                        "layer_types": ["chunked_attention"] * 3}, None, True)
+    # Mistral's layer_types are ignored by transformers: every layer keeps the window
+    mistral = config_from_hf({"model_type": "mistral", **_COMMON, "sliding_window": WINDOW,
+                              "layer_types": ["full_attention"] * 3}, None, True)
+    assert [mistral.window_of(i) for i in range(3)] == [WINDOW] * 3
+
+
+def test_a_window_the_npu_cannot_run_is_refused_naming_it(checkpoints: dict[str, tuple[PreTrainedModel, Path]]
+                                                         ) -> None:
+    from engine.config import EngineConfig
+    from engine.models.loader import read_model_config
+    from engine.worker.model_checks import check_model_options
+
+    _, path = checkpoints["mistral"]
+    model = read_model_config(str(path))
+    with pytest.raises(InvalidRequestError, match="sliding_window: the model's sliding window .6 tokens"):
+        check_model_options(model, EngineConfig(model=str(path), device="npu"))
+    check_model_options(model, EngineConfig(model=str(path), device="npu", disable_sliding_window=True))
