@@ -13,7 +13,9 @@ from engine.models.moe_config import MOE_ARCHITECTURES, MlaConfig, MoeConfig, ml
 
 # model_type values this engine implements: the Llama block layout, and the mixture-of-experts families (Mixtral
 # and Qwen-MoE on Llama/Qwen attention; DeepSeek-V2/V3 on multi-head latent attention).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3") + MOE_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_ARCHITECTURES
+# The MLP activations: SiLU (every family) or GELU's tanh approximation (Gemma).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,17 @@ class ModelConfig:
     # ``sliding_layers`` (None: every layer; Qwen2's max_window_layers and transformers' layer_types pick some).
     sliding_window: int | None = None
     sliding_layers: frozenset[int] | None = None
+    # Gemma 3: GeGLU, queries scaled by query_pre_attn_scalar, embeddings by sqrt(hidden), norms of (1 + weight)
+    # (the offset is added to the weights at load), a norm after attention and around the MLP, local layers on
+    # their own rope base, logits soft-capped.
+    hidden_act: str = "silu"
+    attn_scale: float | None = None          # None: head_dim ** -0.5
+    embed_scale: bool = False
+    norm_weight_offset: float = 0.0
+    sandwich_norms: bool = False
+    rope_local_theta: float | None = None
+    rope_local_layers: frozenset[int] = frozenset()
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -89,6 +102,9 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"{self.architecture}: hidden_act={self.hidden_act!r} is not supported "
+                             f"({', '.join(ACTIVATIONS)})")
 
     @property
     def rotary_dim(self) -> int:
@@ -170,6 +186,12 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
     tie = cfg.get("tie_word_embeddings")
     generation_cfg = generation_cfg or {}
     window, window_layers = sliding_window_from_hf(cfg, arch)
+    gemma = gemma3_from_hf(cfg) if arch == "gemma3_text" else {}
+    per_type = cfg.get("rope_parameters")
+    if arch == "gemma3_text" and isinstance(per_type, dict) and "full_attention" in per_type:
+        # transformers 5 writes one rope per layer type: the global layers' is the model's
+        theta, scaling = rope_from_hf({**cfg, "rope_parameters": per_type["full_attention"], "rope_scaling": None})
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     return ModelConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -188,14 +210,42 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
         # Qwen2 always has q/k/v bias and never an o_proj bias; Llama/Qwen3's flag covers all four.
         attention_bias=True if arch in ("qwen2", "qwen2_moe") else bias,
         o_proj_bias=bias and arch not in ("qwen2", "qwen2_moe"),
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         eos_token_ids=merge_eos(_token_ids(cfg.get("eos_token_id")), _token_ids(generation_cfg.get("eos_token_id"))),
         moe=moe_from_hf(cfg, arch),
         mla=mla,
         sliding_window=window,
         sliding_layers=window_layers,
+        hidden_act=str(act),
+        **gemma,
     )
+
+
+def gemma3_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 text's quirks as ModelConfig fields, as transformers' ``modeling_gemma3`` computes them."""
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if cfg.get(key):
+            raise ValueError(f"gemma3_text: {key}={cfg[key]!r} is not supported")
+    params = cfg.get("rope_parameters") or {}
+    local = (params.get("sliding_attention") or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    if (params.get("sliding_attention") or {}).get("rope_type", "default") != "default":
+        raise ValueError("gemma3_text: rope scaling of the sliding layers is not supported")
+    softcap = cfg.get("final_logit_softcapping")
+    return dict(attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5, embed_scale=True,
+                norm_weight_offset=1.0, sandwich_norms=True, rope_local_theta=float(local),
+                rope_local_layers=frozenset(i for i, t in enumerate(_gemma3_layer_types(cfg))
+                                            if t == "sliding_attention"),
+                final_logit_softcapping=float(softcap) if softcap else None)
+
+
+def _gemma3_layer_types(cfg: dict[str, Any]) -> list[str]:
+    types = cfg.get("layer_types")
+    if types is not None:
+        return list(types)
+    pattern = int(cfg.get("sliding_window_pattern", 6))
+    layers = int(cfg["num_hidden_layers"])
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
 
 
 def sliding_window_from_hf(cfg: dict[str, Any], arch: str) -> tuple[int | None, frozenset[int] | None]:
@@ -208,14 +258,15 @@ def sliding_window_from_hf(cfg: dict[str, Any], arch: str) -> tuple[int | None, 
     layers = int(cfg["num_hidden_layers"])
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None
-    if arch not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not window:
+    if arch not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma3_text") or not window:
         return None, None
     window = int(window)
     if window < 0:
         raise ValueError(f"sliding_window={window} must be positive")
     if window >= int(cfg.get("max_position_embeddings", 4096)):
         return None, None
-    types = cfg.get("layer_types") if arch in ("qwen2", "qwen3", "qwen2_moe") else None
+    types = (cfg.get("layer_types") if arch in ("qwen2", "qwen3", "qwen2_moe")
+             else _gemma3_layer_types(cfg) if arch == "gemma3_text" else None)
     max_window_layers = int(cfg.get("max_window_layers", layers))
     if types is not None:
         unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})

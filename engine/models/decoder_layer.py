@@ -12,7 +12,7 @@ from torch import nn
 from engine.attention.backend import AttentionMetadata
 from engine.distributed import ParallelContext
 from engine.models.config import ModelConfig
-from engine.models.layers.activation import SiluAndMul
+from engine.models.layers.activation import GeluAndMul, SiluAndMul
 from engine.models.layers.fused_moe import FusedMoE
 from engine.models.layers.linear import Linear, RowParallelLinear
 from engine.models.layers.norm import RMSNorm
@@ -44,8 +44,8 @@ class Attention(nn.Module):
         self.o_proj = _row_linear(self.q_size, config.hidden_size, config.o_proj_bias, parallel)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, on_heads=True) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, on_heads=True) if config.qk_norm else None
-        self.rotary = rotary  # one module shared by every layer; its buffers are not persistent
-        self.scale = config.head_dim ** -0.5
+        self.rotary = rotary  # shared by the layers of its kind; its buffers are not persistent
+        self.scale = config.attn_scale if config.attn_scale is not None else config.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -68,7 +68,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * plan.intermediate_size, bias=False)
         self.down_proj = _row_linear(plan.intermediate_size, config.hidden_size, False, parallel)
-        self.act = SiluAndMul()
+        self.act: nn.Module = GeluAndMul() if config.hidden_act == "gelu_pytorch_tanh" else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -102,6 +102,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = _attention(config, plan, rotary, parallel, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = _mlp(config, plan, layer, parallel)
+        # Gemma 3's sandwich: the attention's and the MLP's outputs normalised before their residual adds
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,10 +118,13 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, positions, kv_cache, meta),
-                                                                 residual)
+        attn = self.self_attn(h, positions, kv_cache, meta)
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            h, residual = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attn), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.mlp(h), residual
 
 
 # The layers that pick a kernel in ``use_kernels``.
-KERNEL_LAYERS = (Linear, RMSNorm, SiluAndMul, RotaryEmbedding, FusedMoE)
+KERNEL_LAYERS = (Linear, RMSNorm, SiluAndMul, GeluAndMul, RotaryEmbedding, FusedMoE)

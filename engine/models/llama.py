@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -52,6 +53,9 @@ class CausalLM(nn.Module):
         self.plan = plan = ShardPlan.of(config, parallel)
         self.start_layer, self.end_layer = plan.layers
         self.rotary = RotaryEmbedding(config)
+        # Gemma 3's local layers rotate on a base of their own, unscaled
+        self.rotary_local = (RotaryEmbedding(replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
+                             if config.rope_local_theta is not None else None)
         self.embed_tokens: Embedding | None = None
         self.lm_head: Linear | None = None
         if plan.is_first_stage:
@@ -61,9 +65,14 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, plan.vocab_rows, bias=False)
             self.lm_head.is_lm_head = True
             self.lm_head.shares_weight = config.tie_word_embeddings
-        self.layers = nn.ModuleList(DecoderLayer(config, plan, self.rotary, parallel, layer)
+        self.layers = nn.ModuleList(DecoderLayer(config, plan, self._rotary_of(layer), parallel, layer)
                                     for layer in range(self.start_layer, self.end_layer))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if plan.is_last_stage else None
+
+    def _rotary_of(self, layer: int) -> RotaryEmbedding:
+        if self.rotary_local is not None and layer in self.config.rope_local_layers:
+            return self.rotary_local
+        return self.rotary
 
     @property
     def num_local_layers(self) -> int:
@@ -115,6 +124,8 @@ class CausalLM(nn.Module):
         residual: torch.Tensor | None = None
         if self.embed_tokens is not None:
             x = self.embed_tokens(input_ids)
+            if self.config.embed_scale:   # Gemma: by sqrt(hidden), rounded to the table's dtype as transformers does
+                x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         elif intermediate is not None:
             x, residual = intermediate
         else:
@@ -140,6 +151,9 @@ class CausalLM(nn.Module):
         vocab = self.config.vocab_size
         if logits.shape[-1] != vocab:  # the last rank's padding rows
             logits = logits[..., :vocab].contiguous()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits if dtype is None else logits.to(dtype)
 
     def use_kernels(self, choice: KernelChoice) -> None:
@@ -328,6 +342,8 @@ class CausalLM(nn.Module):
                 if dest.shape != tensor.shape:
                     raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != expected "
                                      f"{tuple(dest.shape)}")
+                if self.config.norm_weight_offset and name.endswith("norm.weight"):   # Gemma's (1 + weight)
+                    tensor = tensor.float() + self.config.norm_weight_offset
                 dest.copy_(tensor)
             loaded.add((name, part))
         missing = [n for n in params if not all((n, s) in loaded for s in range(num_parts(n, self.plan)))]
@@ -354,4 +370,6 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     model = model.to_empty(device=device)
     model.tie_weights()
     model.rotary.build_cache(device, dtype)
+    if model.rotary_local is not None:
+        model.rotary_local.build_cache(device, dtype)
     return model.eval().requires_grad_(False)

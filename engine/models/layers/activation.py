@@ -16,6 +16,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class GeluAndMul(nn.Module):
+    """GeGLU: ``gelu_tanh(gate) * up`` of ``x = [gate | up]`` (Gemma's ``gelu_pytorch_tanh``), in PyTorch ops on
+    every device (no fused kernel)."""
+
+    def use_kernels(self, choice: KernelChoice) -> None:
+        pass   # PyTorch's ops everywhere
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul(x)
+
+
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` of ``x = [gate | up]`` (the last dimension split in halves)."""
 
