@@ -303,6 +303,9 @@ class EngineConfig:
     # vLLM's --disable-sliding-window: every layer attends over the whole context, which is capped at the model's
     # sliding window (so the answers stay the model's own).
     disable_sliding_window: bool = False
+    # vLLM's --generation-config: auto (the model's generation_config.json gives the default sampling parameters of
+    # requests that do not set them), vllm (vLLM's defaults), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
     kv_cache_memory: int | None = None       # bytes of KV cache on CPU; None = 2 GiB
     num_kv_blocks: int | None = None         # exact block count (overrides the two above)
     device_memory_utilization: float = 0.9   # share of device memory on accelerators

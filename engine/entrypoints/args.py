@@ -137,6 +137,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "llguidance (auto, guidance and llguidance all mean it)")
     g.add_argument("--guided-decoding-backend", default=None,
                    help="vLLM's older flag for the structured-output backend: auto, guidance or llguidance")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="default sampling parameters of requests that set none: the model's generation_config.json "
+                        "(auto), vLLM's own (vllm), or a folder's generation_config.json")
     g.add_argument("--disable-sliding-window", action="store_true", default=False,
                    help="sliding-window models: full attention in every layer, the context capped at the window "
                         "(vLLM's flag)")

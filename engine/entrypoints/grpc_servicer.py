@@ -31,6 +31,7 @@ from engine.core.outputs import EngineCoreOutput
 from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.draft_check import check_draft_tokenizer
+from engine.entrypoints.generation_config import generation_defaults, log_defaults
 from engine.entrypoints.grpc_lora import adapters_to_pb, load_adapter, unload_adapter
 from engine.entrypoints.grpc_wire import abort_targets_from_pb, output_to_pb, sampling_params_from_pb, wire_error
 from engine.entrypoints.lora_registry import LoRARegistry
@@ -75,6 +76,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._shm: Any = None  # ShmReader, created on first registration
         # Tells callers a restarted engine from this one (GetInfoResponse.instance_id).
         self.instance_id = uuid.uuid4().hex
+        # The model's default sampling parameters for the fields a request leaves unset (--generation-config).
+        self.sampling_defaults: dict[str, Any] = {}
 
     @property
     def engine(self) -> AsyncEngine:
@@ -130,7 +133,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except ShmNotRegisteredError as e:
             context.set_trailing_metadata(((ERROR_REASON_KEY, engine_pb2.ErrorReason.Name(e.reason)),))
             raise
-        params = sampling_params_from_pb(request)
+        params = sampling_params_from_pb(request, self.sampling_defaults)
         lora = self.lora_request(request.lora_adapter)   # an unknown name: NOT_FOUND (common.grpc_errors)
         label = request.client_request_id or request.request_id
         REQUEST_ID.set(label)  # this call's task serves this request only
@@ -240,7 +243,7 @@ class _StreamCall:
             if rid in self.mux.requests:
                 raise InvalidRequestError("request_id", f"request {rid!r} is already running")
             prompt, released_slot = self._servicer.read_prompt(request)
-            params = sampling_params_from_pb(request)
+            params = sampling_params_from_pb(request, self._servicer.sampling_defaults)
             lora = self._servicer.lora_request(request.lora_adapter)
             done = self._engine.submit(rid, prompt, params, self, priority=request.priority, lora_request=lora)
         except Exception as e:  # noqa: BLE001 — refused: the error entry is its terminal event
@@ -320,6 +323,8 @@ async def serve(config: EngineConfig, host: str, port: int, *, shutdown_grace: f
     observer = (RequestObserver(config.model_name, tracing=tracing, log_requests=log_requests)
                 if tracing is not None or log_requests else None)
     servicer = EngineServicer(registry=registry, observer=observer)
+    servicer.sampling_defaults = generation_defaults(config.generation_config, config.model_path)
+    log_defaults(servicer.sampling_defaults, config.generation_config)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     bound = bind(server, host, port, tls)
     await server.start()

@@ -5,6 +5,7 @@ Protobuf messages are converted here and in the servicer, nowhere else (the core
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from common.errors import InvalidRequestError
@@ -29,9 +30,15 @@ _EARLY_STOPPING: dict[int, EarlyStopping] = {
 
 
 # -- wire ↔ domain --------------------------------------------------------------------------------------------
-def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest) -> SamplingParams:
+def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest,
+                            defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """``defaults``: the model's default sampling parameters (``generation_config.generation_defaults``), for the
+    fields the request leaves unset."""
     s, st = req.sampling, req.stopping
-    kw: dict[str, Any] = {"n": req.n or 1}
+    defaults = dict(defaults or {})
+    if req.HasField("beam_search"):   # beams take no sampling parameters: only the length default applies
+        defaults = {k: v for k, v in defaults.items() if k == "max_tokens"}
+    kw: dict[str, Any] = {"n": req.n or 1, **defaults}
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if s.HasField(name):
             kw[name] = getattr(s, name)
@@ -41,7 +48,10 @@ def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest) -> SamplingPa
         kw["seed"] = s.seed
     if s.logit_bias:
         kw["logit_bias"] = dict(s.logit_bias)
-    kw["max_tokens"] = st.max_tokens if st.HasField("max_tokens") else None
+    if st.HasField("max_tokens"):
+        kw["max_tokens"] = st.max_tokens
+    else:
+        kw["max_tokens"] = kw.get("max_tokens")   # the model's max_new_tokens, else up to the context
     kw["min_tokens"] = st.min_tokens
     kw["stop_token_ids"] = list(st.stop_token_ids)
     kw["ignore_eos"] = st.ignore_eos

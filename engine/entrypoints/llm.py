@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The offline API is an entry point: OpenMP's defaults are set before the imports below load torch.
+from engine.entrypoints.generation_config import generation_defaults, log_defaults
 from engine.entrypoints.process import set_openmp_defaults
 
 set_openmp_defaults()
@@ -122,6 +123,8 @@ class LLM:
                                                       "(lora_request=LoRARequest(name, id, path)), not by name")
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
         check_draft_tokenizer(self.config, self.tokenizer)
+        self.sampling_defaults = generation_defaults(self.config.generation_config, self.config.model_path)
+        log_defaults(self.sampling_defaults, self.config.generation_config)
         # The core never reads text: the vocabulary structured outputs mask with is handed to it from here.
         self.engine = EngineCore(self.config, grammar_vocabulary=GrammarVocabulary.from_tokenizer(self.tokenizer))
         # A replica's other ranks (mp, ray) stop with this LLM: at close(), when it is collected, or at exit.
@@ -233,10 +236,14 @@ class LLM:
                        "regions, which slows every step. Build the LLM on the thread that calls generate.",
                        here.name, self._built_on.name)
 
-    @staticmethod
-    def _broadcast_params(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters of a call that passes none: the model's generation_config.json defaults
+        (``generation_config="auto"``, the default), or vLLM's own (``"vllm"``)."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def _broadcast_params(self, sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if sp is None:
-            return [SamplingParams() for _ in range(n)]
+            return [self.get_default_sampling_params() for _ in range(n)]
         if isinstance(sp, SamplingParams):
             return [sp] * n
         if len(sp) != n:

@@ -154,9 +154,6 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
         json='{"method": "ngram", "prompt_lookup_max": ..., "num_speculative_tokens": ...}')), type=int),
     CompatFlag(("--ngram-prompt-lookup-min",), None, refuse_always(_SPEC_V0.format(
         json='{"method": "ngram", "prompt_lookup_min": ..., "num_speculative_tokens": ...}')), type=int),
-    CompatFlag(("--generation-config",), "Sluice's default sampling parameters are vLLM's own",
-               refuse_unless(lambda v: v == "vllm", "Sluice does not take default sampling parameters from the "
-                                                    "model's generation_config.json (only 'vllm' is accepted)")),
     CompatFlag(("--override-generation-config",), None, refuse_always(_OVERRIDE)),
     CompatFlag(("--hf-overrides",), None, refuse_always(_OVERRIDE)),
     CompatFlag(("--rope-scaling",), None, refuse_always(_OVERRIDE)),

@@ -60,6 +60,7 @@ SAME_NAME: list[tuple[str, str, object]] = [
     ("--seed 7", "seed", 7),
     ("--enable-expert-parallel", "enable_expert_parallel", True),
     ("--disable-sliding-window", "disable_sliding_window", True),
+    ("--generation-config vllm", "generation_config", "vllm"),
     ("--no-enable-prefix-caching", "enable_prefix_caching", False),
     ("--tokenizer /m/tok", "tokenizer", "/m/tok"),
     ("--max-logprobs 5", "max_logprobs", 5),
@@ -92,7 +93,6 @@ REFUSED = [
     "--cpu-offload-gb 4", "--distributed-executor-backend external_launcher",
     "--speculative-model m",
     "--num-speculative-tokens 3", "--ngram-prompt-lookup-max 4", "--ngram-prompt-lookup-min 1",
-    "--generation-config auto",
     "--override-generation-config {}", "--hf-overrides {}", "--rope-scaling {}", "--rope-theta 1e6",
     "--task embed", "--limit-mm-per-prompt image=2", "--kv-transfer-config {}", "--enable-sleep-mode",
     "--skip-tokenizer-init", "--root-path /api", "--middleware m.M", "--response-role bot",
@@ -106,7 +106,7 @@ NO_EFFECT = [
     "--use-v2-block-manager", "--disable-custom-all-reduce",
     "--compilation-config 3", "--additional-config {}",
     "--max-parallel-loading-workers 2", "--tokenizer-pool-size 4",
-    "--generation-config vllm", "--task generate", "--response-role assistant", "--api-server-count 1",
+    "--task generate", "--response-role assistant", "--api-server-count 1",
     "--disable-frontend-multiprocessing",
 ]
 IMPLEMENTED = ["--num-gpu-blocks-override", "--uvicorn-log-level"]   # effects tested below
