@@ -104,8 +104,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] for the step's new tokens; writes key/value into
         kv_cache at meta.slot_mapping, then attends each new token causally over its sequence's cached
         context and itself — over its last ``window`` positions only (itself included), when given (a
-        sliding-window layer). Returns [T, Hq, D]."""
+        sliding-window layer), with scores soft-capped to ``softcap`` when given (Gemma 2). Returns [T, Hq, D]."""

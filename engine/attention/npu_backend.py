@@ -93,10 +93,11 @@ class NpuAttentionBackend(AttentionBackend):
         )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         assert isinstance(meta, NpuAttentionMetadata), "NpuAttentionBackend reads the metadata it builds"
-        if window is not None:   # refused at load (engine.worker.model_checks): the operators' window is not wired
-            raise ValueError("sliding-window attention is not wired to the NPU's operators")
+        if window is not None or softcap is not None:   # refused at load (engine.worker.model_checks)
+            raise ValueError("sliding windows and soft-capped attention are not wired to the NPU's operators")
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
         num_heads = query.shape[1]

@@ -44,44 +44,61 @@ def _window_blocks(block_tables: torch.Tensor, first: torch.Tensor, count: int, 
     return block_tables.gather(1, idx), start * block_size
 
 
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """query [..., Hq, Q, D] over keys / values [..., Hkv, S, D] under a boolean ``mask`` (True: seen); with
+    ``softcap``, scores are soft-capped (``tanh(s / c) * c``) before the softmax, as Gemma 2 does (SDPA cannot)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = query.shape[-3] // keys.shape[-3]
+    keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype), values)
+
+
 def windowed_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                       window: int) -> torch.Tensor:
-    """Sliding-window attention over the paged cache (the step's keys and values already written): each query at
-    position p sees keys p - window + 1 .. p. Only the blocks that hold a row's window are gathered, so a step costs
-    the window, not the context. query [T, Hq, D] -> [T, Hq, D], in the step's row order."""
+                       window: int | None, softcap: float | None = None) -> torch.Tensor:
+    """Attention over the paged cache (the step's keys and values already written) for what the fast paths do not
+    run: a sliding window (each query at position p sees keys p - window + 1 .. p; only the blocks that hold a row's
+    window are gathered, so a step costs the window, not the context) and soft-capped scores. query [T, Hq, D] ->
+    [T, Hq, D], in the step's row order."""
     bs = meta.block_size
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
     outputs: list[torch.Tensor] = []
     nd = meta.num_decodes
     device = query.device
     if nd:
-        count = -(-window // bs) + 1
         seq_lens = meta.seq_lens[:nd]
-        first = (seq_lens - window).clamp(min=0)
+        if window is None:
+            count = -(-max(meta.seq_lens_host[:nd]) // bs)
+            first = torch.zeros_like(seq_lens)
+        else:
+            count = -(-window // bs) + 1
+            first = (seq_lens - window).clamp(min=0)
         tables, base = _window_blocks(meta.block_tables[:nd], first, count, bs)
         keys, values = gather_kv(kv_cache, tables, count)
         positions = base[:, None] + torch.arange(count * bs, device=device)[None, :]
         mask = (positions >= first[:, None]) & (positions < seq_lens[:, None])
-        out = F.scaled_dot_product_attention(query[:nd].unsqueeze(2), keys.to(query.dtype).transpose(1, 2),
-                                             values.to(query.dtype).transpose(1, 2), attn_mask=mask[:, None, None, :],
-                                             scale=scale, enable_gqa=True)
+        out = _attend(query[:nd].unsqueeze(2), keys.to(query.dtype).transpose(1, 2),
+                      values.to(query.dtype).transpose(1, 2), mask[:, None, None, :], scale, softcap)
         outputs.append(out.squeeze(2))
     start = nd
     for i in range(nd, meta.num_seqs):
         q_len, seq_len = meta.query_lens[i], meta.seq_lens_host[i]
         end = start + q_len
-        first_key = max(0, seq_len - q_len - window + 1)
+        first_key = 0 if window is None else max(0, seq_len - q_len - window + 1)
         count = -(-(seq_len - (first_key // bs) * bs) // bs)
         tables, base = _window_blocks(meta.block_tables[i:i + 1],
                                       torch.tensor([first_key], device=meta.block_tables.device), count, bs)
         keys, values = gather_kv(kv_cache, tables, count)
         k_pos = int(base[0]) + torch.arange(count * bs, device=device)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
-        out = F.scaled_dot_product_attention(query[start:end].transpose(0, 1)[None],
-                                             keys[0].to(query.dtype).transpose(0, 1)[None],
-                                             values[0].to(query.dtype).transpose(0, 1)[None], attn_mask=mask,
-                                             scale=scale, enable_gqa=True)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        out = _attend(query[start:end].transpose(0, 1)[None], keys[0].to(query.dtype).transpose(0, 1)[None],
+                      values[0].to(query.dtype).transpose(0, 1)[None], mask, scale, softcap)
         outputs.append(out[0].transpose(0, 1))
         start = end
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
@@ -115,14 +132,16 @@ class TorchAttentionBackend(AttentionBackend):
         self.prefill_kernel = prefill_kernel
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         if (self.kv_writer is not None and key.dtype == kv_cache.dtype == value.dtype and kv_cache.is_contiguous()
                 and key.stride(-1) == value.stride(-1) == 1 and key.stride(-2) == value.stride(-2) == key.shape[-1]):
             self.kv_writer(key, value, kv_cache, meta.slot_mapping)
         else:
             write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        if window is not None and max(meta.seq_lens_host) > window:   # some query sees past its window
-            return windowed_attention(query, kv_cache, meta, scale, window)
+        if softcap is not None or (window is not None and max(meta.seq_lens_host) > window):
+            # soft-capped scores, or some query sees past its window: the explicit path
+            return windowed_attention(query, kv_cache, meta, scale, window, softcap)
         outputs: list[torch.Tensor] = []
         if meta.num_decodes > 0:
             outputs.append(self._decode(query[:meta.num_decodes], kv_cache, meta, scale))

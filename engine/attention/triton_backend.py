@@ -40,11 +40,12 @@ class TritonAttentionBackend(AttentionBackend):
         return meta
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         triton_paged.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        if window is not None and max(meta.seq_lens_host) > window:
-            # the kernels have no window: the windowed PyTorch path (its gather reads the window's blocks only)
-            return windowed_attention(query, kv_cache, meta, scale, window)
+        if softcap is not None or (window is not None and max(meta.seq_lens_host) > window):
+            # the kernels have no window nor soft-capping: the PyTorch path (its gather reads the window's blocks)
+            return windowed_attention(query, kv_cache, meta, scale, window, softcap)
         query_start = meta.derived[QUERY_START]
         max_query_len = meta.derived[MAX_QUERY_LEN]
         assert isinstance(query_start, torch.Tensor) and isinstance(max_query_len, int)

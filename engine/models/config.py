@@ -13,7 +13,7 @@ from engine.models.moe_config import MOE_ARCHITECTURES, MlaConfig, MoeConfig, ml
 
 # model_type values this engine implements: the Llama block layout, and the mixture-of-experts families (Mixtral
 # and Qwen-MoE on Llama/Qwen attention; DeepSeek-V2/V3 on multi-head latent attention).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text") + MOE_ARCHITECTURES
 # The MLP activations: SiLU (every family) or GELU's tanh approximation (Gemma).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -93,6 +93,7 @@ class ModelConfig:
     rope_local_theta: float | None = None
     rope_local_layers: frozenset[int] = frozenset()
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None   # Gemma 2: attention scores soft-capped before the softmax
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -186,7 +187,7 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
     tie = cfg.get("tie_word_embeddings")
     generation_cfg = generation_cfg or {}
     window, window_layers = sliding_window_from_hf(cfg, arch)
-    gemma = gemma3_from_hf(cfg) if arch == "gemma3_text" else {}
+    gemma = gemma3_from_hf(cfg) if arch == "gemma3_text" else gemma2_from_hf(cfg) if arch == "gemma2" else {}
     per_type = cfg.get("rope_parameters")
     if arch == "gemma3_text" and isinstance(per_type, dict) and "full_attention" in per_type:
         # transformers 5 writes one rope per layer type: the global layers' is the model's
@@ -222,11 +223,21 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
     )
 
 
+def gemma2_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's quirks as ModelConfig fields, as transformers' ``modeling_gemma2`` computes them: Gemma 3's minus
+    the q/k norms and the local rope base, plus attention-score soft-capping."""
+    softcap, attn_softcap = cfg.get("final_logit_softcapping"), cfg.get("attn_logit_softcapping")
+    return dict(attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5, embed_scale=True,
+                norm_weight_offset=1.0, sandwich_norms=True,
+                final_logit_softcapping=float(softcap) if softcap else None,
+                attn_logit_softcapping=float(attn_softcap) if attn_softcap else None)
+
+
 def gemma3_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3 text's quirks as ModelConfig fields, as transformers' ``modeling_gemma3`` computes them."""
-    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if cfg.get(key):
-            raise ValueError(f"gemma3_text: {key}={cfg[key]!r} is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"gemma3_text: use_bidirectional_attention={cfg['use_bidirectional_attention']!r} is not "
+                         "supported")
     params = cfg.get("rope_parameters") or {}
     local = (params.get("sliding_attention") or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
     if (params.get("sliding_attention") or {}).get("rope_type", "default") != "default":
@@ -236,7 +247,9 @@ def gemma3_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
                 norm_weight_offset=1.0, sandwich_norms=True, rope_local_theta=float(local),
                 rope_local_layers=frozenset(i for i, t in enumerate(_gemma3_layer_types(cfg))
                                             if t == "sliding_attention"),
-                final_logit_softcapping=float(softcap) if softcap else None)
+                final_logit_softcapping=float(softcap) if softcap else None,
+                attn_logit_softcapping=float(cfg["attn_logit_softcapping"]) if cfg.get("attn_logit_softcapping")
+                else None)
 
 
 def _gemma3_layer_types(cfg: dict[str, Any]) -> list[str]:
@@ -258,7 +271,8 @@ def sliding_window_from_hf(cfg: dict[str, Any], arch: str) -> tuple[int | None, 
     layers = int(cfg["num_hidden_layers"])
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None
-    if arch not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma3_text") or not window:
+    if arch not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma2",
+                    "gemma3_text") or not window:
         return None, None
     window = int(window)
     if window < 0:
@@ -266,7 +280,9 @@ def sliding_window_from_hf(cfg: dict[str, Any], arch: str) -> tuple[int | None, 
     if window >= int(cfg.get("max_position_embeddings", 4096)):
         return None, None
     types = (cfg.get("layer_types") if arch in ("qwen2", "qwen3", "qwen2_moe")
-             else _gemma3_layer_types(cfg) if arch == "gemma3_text" else None)
+             else _gemma3_layer_types(cfg) if arch == "gemma3_text"
+             else cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                             for i in range(layers)] if arch == "gemma2" else None)
     max_window_layers = int(cfg.get("max_window_layers", layers))
     if types is not None:
         unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})

@@ -59,7 +59,8 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
+        out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window,
+                                   self.config.attn_logit_softcapping)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -59,7 +59,7 @@ def graphs_off_reason(config: EngineConfig, device_name: str, world_size: int,
     if model is not None and (model.moe is not None or model.mla is not None):
         return ("the mixture-of-experts and latent-attention layers read host counts each step (expert groups, "
                 "context lengths)")
-    if model is not None and model.sliding_window is not None:
+    if model is not None and (model.sliding_window is not None or model.attn_logit_softcapping is not None):
         return "sliding-window layers pick their path from host context lengths each step"
     if world_size > 1:
         return f"{world_size} ranks: collectives are not captured"

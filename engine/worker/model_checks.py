@@ -20,6 +20,9 @@ def check_model_options(model: ModelConfig, config: EngineConfig) -> None:
                                                     "not wired to the NPU's attention operators: give "
                                                     "--disable-sliding-window (the context is then capped at the "
                                                     "window)")
+    if model.attn_logit_softcapping is not None and config.device == "npu":
+        raise InvalidRequestError("attn_logit_softcapping", f"{model.architecture}'s soft-capped attention scores "
+                                                            "are not wired to the NPU's attention operators")
     if config.quantization is not None and model.moe is not None and config.device != "cpu":
         raise InvalidRequestError("quantization", f"W8A8 experts run on the CPU only ({config.device} has no int8 "
                                                   "mixture-of-experts kernel wired)")

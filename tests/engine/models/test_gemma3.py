@@ -149,8 +149,7 @@ def test_the_engine_gives_transformers_greedy_tokens(checkpoint: tuple[PreTraine
     assert got == [greedy_reference(hf, p, 10) for p in prompts]
 
 
-@pytest.mark.parametrize(("key", "value"), [("attn_logit_softcapping", 50.0),
-                                            ("use_bidirectional_attention", True),
+@pytest.mark.parametrize(("key", "value"), [("use_bidirectional_attention", True),
                                             ("hidden_activation", "relu")])
 def test_options_not_built_are_refused_naming_them(checkpoint: tuple[PreTrainedModel, Path], key: str,
                                                    value: object) -> None:
