@@ -14,7 +14,8 @@ from engine import LLM, SamplingParams
 from engine.models import CausalLM, load_model
 from tests.engine.kernel_probe import prepare, uses_cpu_ops
 from tests.engine.models.moe_factory import greedy_reference, randomize, write_tokenizer
-from tests.engine.models.test_gemma3 import TOL, _hf, _paged, _prompt, _run
+from tests.engine.models.paged_run import hf_logits, paged, prompt, run
+from tests.engine.models.test_gemma3 import TOL
 
 WINDOW = 6
 
@@ -48,29 +49,29 @@ def test_prefill_and_decode_past_the_window_match_transformers(pair: tuple[PreTr
     hf, ours = pair
     assert [layer.self_attn.window for layer in ours.layers] == [WINDOW, None, WINDOW, None]
     assert ours.config.attn_logit_softcapping == 5.0 and not ours.config.qk_norm
-    tokens = _prompt(13, 2)
-    kv = _paged(ours)
-    logits = _run(ours, kv, [("a", tokens)])
-    torch.testing.assert_close(logits, _hf(hf, tokens), atol=TOL, rtol=0)
+    tokens = prompt(13, 2)
+    kv = paged(ours)
+    logits = run(ours, kv, [("a", tokens)])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=TOL, rtol=0)
     for _ in range(12):
         tokens.append(int(logits[-1].argmax()))
-        logits = _run(ours, kv, [("a", tokens[-1:])])
-        torch.testing.assert_close(logits[0], _hf(hf, tokens)[-1], atol=TOL, rtol=0)
+        logits = run(ours, kv, [("a", tokens[-1:])])
+        torch.testing.assert_close(logits[0], hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
 
 
 def test_mixed_step_with_a_chunk_matches_transformers(pair: tuple[PreTrainedModel, CausalLM]) -> None:
     hf, ours = pair
-    a, b = _prompt(9, 3), _prompt(15, 4)
-    kv = _paged(ours)
-    _run(ours, kv, [("a", a[:8]), ("b", b[:7])])
-    logits = _run(ours, kv, [("a", a[8:]), ("b", b[7:])])
-    torch.testing.assert_close(logits[0], _hf(hf, a)[-1], atol=TOL, rtol=0)
-    torch.testing.assert_close(logits[1:], _hf(hf, b)[7:], atol=TOL, rtol=0)
+    a, b = prompt(9, 3), prompt(15, 4)
+    kv = paged(ours)
+    run(ours, kv, [("a", a[:8]), ("b", b[:7])])
+    logits = run(ours, kv, [("a", a[8:]), ("b", b[7:])])
+    torch.testing.assert_close(logits[0], hf_logits(hf, a)[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[1:], hf_logits(hf, b)[7:], atol=TOL, rtol=0)
 
 
 def test_the_engine_gives_transformers_greedy_tokens(checkpoint: tuple[PreTrainedModel, Path]) -> None:
     hf, path = checkpoint
-    prompts = [_prompt(n, 20 + n) for n in (4, 10)]
+    prompts = [prompt(n, 20 + n) for n in (4, 10)]
     llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=48, max_num_batched_tokens=8, seed=0)
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]

@@ -12,14 +12,12 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedModel
 
 from engine import LLM, SamplingParams
-from engine.attention.backend import AttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.device import CpuDevice
 from engine.models import CausalLM, load_model
 from engine.models.config import config_from_hf
 from engine.models.layers.activation import GeluAndMul
 from tests.engine.kernel_probe import prepare, uses_cpu_ops
 from tests.engine.models.moe_factory import greedy_reference, randomize, write_tokenizer
+from tests.engine.models.paged_run import backend_for, hf_logits, paged, prompt, run
 from tests.engine.paged_factory import PagedKV
 
 TOL = 1e-4
@@ -62,30 +60,6 @@ def pair(request: pytest.FixtureRequest, checkpoint: tuple[PreTrainedModel, Path
     return hf, ours
 
 
-def _backend(model: CausalLM) -> AttentionBackend:
-    return CpuDevice().attention_backend() if uses_cpu_ops(model) else TorchAttentionBackend()
-
-
-def _paged(model: CausalLM) -> PagedKV:
-    return PagedKV(model.num_local_layers, model.num_local_kv_heads, model.kv_head_dim, block_size=4,
-                   backend=_backend(model))
-
-
-def _run(model: CausalLM, kv: PagedKV, chunks: list[tuple[str, list[int]]]) -> torch.Tensor:
-    step = kv.step(chunks)
-    with torch.no_grad():
-        return model.compute_logits(model(step.input_ids, step.positions, kv.kv_caches, step.meta))
-
-
-def _hf(hf: PreTrainedModel, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(input_ids=torch.tensor([ids])).logits[0].float()
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_the_config_is_read_as_transformers_reads_it(pair: tuple[PreTrainedModel, CausalLM]) -> None:
     _, ours = pair
     cfg = ours.config
@@ -99,27 +73,27 @@ def test_the_config_is_read_as_transformers_reads_it(pair: tuple[PreTrainedModel
 
 def test_prefill_and_decode_past_the_window_match_transformers(pair: tuple[PreTrainedModel, CausalLM]) -> None:
     hf, ours = pair
-    tokens = _prompt(13, 2)
-    kv = _paged(ours)
-    logits = _run(ours, kv, [("a", tokens)])
-    torch.testing.assert_close(logits, _hf(hf, tokens), atol=TOL, rtol=0)
+    tokens = prompt(13, 2)
+    kv = paged(ours)
+    logits = run(ours, kv, [("a", tokens)])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=TOL, rtol=0)
     for _ in range(15):
         tokens.append(int(logits[-1].argmax()))
-        logits = _run(ours, kv, [("a", tokens[-1:])])
-        torch.testing.assert_close(logits[0], _hf(hf, tokens)[-1], atol=TOL, rtol=0)
+        logits = run(ours, kv, [("a", tokens[-1:])])
+        torch.testing.assert_close(logits[0], hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
 
 
 def test_mixed_step_chunks_and_a_prefix_hit_match_transformers(pair: tuple[PreTrainedModel, CausalLM]) -> None:
     hf, ours = pair
-    a, b = _prompt(9, 3), _prompt(15, 4)
-    kv = _paged(ours)
-    _run(ours, kv, [("a", a[:8]), ("b", b[:7])])
-    logits = _run(ours, kv, [("a", a[8:]), ("b", b[7:])])
-    torch.testing.assert_close(logits[0], _hf(hf, a)[-1], atol=TOL, rtol=0)
-    torch.testing.assert_close(logits[1:], _hf(hf, b)[7:], atol=TOL, rtol=0)
-    c = b[:12] + _prompt(5, 5)
+    a, b = prompt(9, 3), prompt(15, 4)
+    kv = paged(ours)
+    run(ours, kv, [("a", a[:8]), ("b", b[:7])])
+    logits = run(ours, kv, [("a", a[8:]), ("b", b[7:])])
+    torch.testing.assert_close(logits[0], hf_logits(hf, a)[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[1:], hf_logits(hf, b)[7:], atol=TOL, rtol=0)
+    c = b[:12] + prompt(5, 5)
     kv.tables["c"], kv.tokens["c"] = kv.tables["b"][:3], list(c[:12])
-    torch.testing.assert_close(_run(ours, kv, [("c", c[12:])]), _hf(hf, c)[12:], atol=TOL, rtol=0)
+    torch.testing.assert_close(run(ours, kv, [("c", c[12:])]), hf_logits(hf, c)[12:], atol=TOL, rtol=0)
 
 
 def test_bfloat16_stays_as_close_to_float32_as_transformers_bfloat16(checkpoint: tuple[PreTrainedModel, Path]
@@ -129,11 +103,11 @@ def test_bfloat16_stays_as_close_to_float32_as_transformers_bfloat16(checkpoint:
     hf16 = Gemma3ForCausalLM(gemma3_config()).eval()
     hf16.load_state_dict(hf.state_dict())
     hf16 = hf16.to(torch.bfloat16)
-    tokens = _prompt(12, 6)
+    tokens = prompt(12, 6)
     kv = PagedKV(ours.num_local_layers, ours.num_local_kv_heads, ours.kv_head_dim, block_size=4,
-                 dtype=torch.bfloat16, backend=_backend(ours))
-    got = _run(ours, kv, [("a", tokens)]).float()
-    ref = _hf(hf, tokens)
+                 dtype=torch.bfloat16, backend=backend_for(ours))
+    got = run(ours, kv, [("a", tokens)]).float()
+    ref = hf_logits(hf, tokens)
     with torch.no_grad():
         ref16 = hf16(input_ids=torch.tensor([tokens])).logits[0].float()
     ours_err, theirs_err = float((got - ref).norm() / ref.norm()), float((ref16 - ref).norm() / ref.norm())
@@ -142,7 +116,7 @@ def test_bfloat16_stays_as_close_to_float32_as_transformers_bfloat16(checkpoint:
 
 def test_the_engine_gives_transformers_greedy_tokens(checkpoint: tuple[PreTrainedModel, Path]) -> None:
     hf, path = checkpoint
-    prompts = [_prompt(n, 10 + n) for n in (5, 11, 8)]
+    prompts = [prompt(n, 10 + n) for n in (5, 11, 8)]
     llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=48, max_num_batched_tokens=12, seed=0)
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]

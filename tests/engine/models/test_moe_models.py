@@ -9,15 +9,13 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.device import CpuDevice
 from engine.models import CausalLM, load_model
 from engine.models.layers.fused_moe import FusedMoE, GroupedMoEMethod
 from engine.models.mla import MlaAttention
 from engine.models.moe import SparseMoeBlock
 from tests.engine.kernel_probe import kernels_chosen, prepare, uses_cpu_ops
 from tests.engine.models.moe_factory import VARIANTS, VOCAB, write_checkpoint
+from tests.engine.models.paged_run import backend_for, hf_logits, paged, prompt, run
 from tests.engine.paged_factory import PagedKV
 
 TOL = 1e-4
@@ -42,34 +40,6 @@ def pair(request: pytest.FixtureRequest, checkpoints: dict[str, tuple[PreTrained
     return hf, ours
 
 
-def _backend(model: CausalLM) -> AttentionBackend:
-    return CpuDevice().attention_backend() if uses_cpu_ops(model) else TorchAttentionBackend()
-
-
-def _paged(model: CausalLM, block_size: int = 4) -> PagedKV:
-    kv = PagedKV(model.num_local_layers, model.num_local_kv_heads, model.kv_head_dim, block_size=block_size,
-                 backend=_backend(model))
-    kv.kv_caches = [c[:model.kv_planes].contiguous() for c in kv.kv_caches]   # garbage-filled, as the factory's
-    return kv
-
-
-def _run(model: CausalLM, kv: PagedKV, chunks: list[tuple[str, list[int]]]) -> torch.Tensor:
-    step = kv.step(chunks)
-    with torch.no_grad():
-        hidden = model(step.input_ids, step.positions, kv.kv_caches, step.meta)
-        assert isinstance(hidden, torch.Tensor)
-        return model.compute_logits(hidden)
-
-
-def _hf_logits(hf: PreTrainedModel, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(input_ids=torch.tensor([ids])).logits[0].float()
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_layers_built_as_the_config_says(pair: tuple[PreTrainedModel, CausalLM]) -> None:
     hf, ours = pair
     cfg = ours.config
@@ -88,62 +58,62 @@ def test_layers_built_as_the_config_says(pair: tuple[PreTrainedModel, CausalLM])
 
 def test_prefill_then_greedy_decode_match_transformers(pair: tuple[PreTrainedModel, CausalLM]) -> None:
     hf, ours = pair
-    tokens = _prompt(10, seed=2)
-    kv = _paged(ours)
-    logits = _run(ours, kv, [("a", tokens)])
-    torch.testing.assert_close(logits, _hf_logits(hf, tokens), atol=TOL, rtol=0)
+    tokens = prompt(10, seed=2)
+    kv = paged(ours)
+    logits = run(ours, kv, [("a", tokens)])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=TOL, rtol=0)
     for _ in range(20):  # 30 tokens in blocks of 4: crosses many scattered blocks
         tokens.append(int(logits[-1].argmax()))
-        logits = _run(ours, kv, [("a", tokens[-1:])])
-        torch.testing.assert_close(logits[0], _hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
+        logits = run(ours, kv, [("a", tokens[-1:])])
+        torch.testing.assert_close(logits[0], hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
     assert len(set(tokens[10:])) > 3   # the model says something: a check that cannot pass on constant logits
 
 
 def test_mixed_step_of_decodes_and_prefill_chunks_matches_transformers(pair: tuple[PreTrainedModel, CausalLM]
                                                                         ) -> None:
     hf, ours = pair
-    a, b, c, d = _prompt(7, 3), _prompt(5, 4), _prompt(13, 5), _prompt(3, 6)
-    kv = _paged(ours)
-    _run(ours, kv, [("a", a[:6]), ("b", b[:4]), ("c", c[:6])])  # c's prompt is chunked: 6 now, 7 next step
-    logits = _run(ours, kv, [("a", a[6:]), ("b", b[4:]), ("c", c[6:]), ("d", d)])
+    a, b, c, d = prompt(7, 3), prompt(5, 4), prompt(13, 5), prompt(3, 6)
+    kv = paged(ours)
+    run(ours, kv, [("a", a[:6]), ("b", b[:4]), ("c", c[:6])])  # c's prompt is chunked: 6 now, 7 next step
+    logits = run(ours, kv, [("a", a[6:]), ("b", b[4:]), ("c", c[6:]), ("d", d)])
     assert logits.shape == (1 + 1 + 7 + 3, VOCAB)
-    torch.testing.assert_close(logits[0], _hf_logits(hf, a)[-1], atol=TOL, rtol=0)
-    torch.testing.assert_close(logits[1], _hf_logits(hf, b)[-1], atol=TOL, rtol=0)
-    torch.testing.assert_close(logits[2:9], _hf_logits(hf, c)[6:], atol=TOL, rtol=0)
-    torch.testing.assert_close(logits[9:], _hf_logits(hf, d), atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[0], hf_logits(hf, a)[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[1], hf_logits(hf, b)[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[2:9], hf_logits(hf, c)[6:], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[9:], hf_logits(hf, d), atol=TOL, rtol=0)
 
 
 def test_prefix_cache_hit_reads_another_sequences_cache(pair: tuple[PreTrainedModel, CausalLM]) -> None:
     """Sequence b starts on a's first two full blocks (what the block manager hands out on a prefix hit) and
     computes only its own tokens after them, in one chunk and then decoding."""
     hf, ours = pair
-    a = _prompt(11, 7)
-    kv = _paged(ours)
-    _run(ours, kv, [("a", a)])
-    b = a[:8] + _prompt(5, 8)
+    a = prompt(11, 7)
+    kv = paged(ours)
+    run(ours, kv, [("a", a)])
+    b = a[:8] + prompt(5, 8)
     kv.tables["b"] = kv.tables["a"][:2]
     kv.tokens["b"] = list(b[:8])
-    logits = _run(ours, kv, [("b", b[8:])])
-    torch.testing.assert_close(logits, _hf_logits(hf, b)[8:], atol=TOL, rtol=0)
+    logits = run(ours, kv, [("b", b[8:])])
+    torch.testing.assert_close(logits, hf_logits(hf, b)[8:], atol=TOL, rtol=0)
     b.append(int(logits[-1].argmax()))
-    logits = _run(ours, kv, [("a", [int(_hf_logits(hf, a)[-1].argmax())]), ("b", b[-1:])])
-    torch.testing.assert_close(logits[1], _hf_logits(hf, b)[-1], atol=TOL, rtol=0)
+    logits = run(ours, kv, [("a", [int(hf_logits(hf, a)[-1].argmax())]), ("b", b[-1:])])
+    torch.testing.assert_close(logits[1], hf_logits(hf, b)[-1], atol=TOL, rtol=0)
 
 
 def test_recompute_after_preemption_continues_the_same(pair: tuple[PreTrainedModel, CausalLM]) -> None:
     """Preemption by recompute: the sequence's blocks are dropped and its prompt plus output prefilled again (in two
     chunks here), then it decodes on."""
     hf, ours = pair
-    tokens = _prompt(6, 9)
-    kv = _paged(ours)
-    logits = _run(ours, kv, [("a", tokens)])
+    tokens = prompt(6, 9)
+    kv = paged(ours)
+    logits = run(ours, kv, [("a", tokens)])
     for _ in range(4):
         tokens.append(int(logits[-1].argmax()))
-        logits = _run(ours, kv, [("a", tokens[-1:])])
+        logits = run(ours, kv, [("a", tokens[-1:])])
     tokens.append(int(logits[-1].argmax()))
-    _run(ours, kv, [("again", tokens[:7])])
-    logits = _run(ours, kv, [("again", tokens[7:])])
-    torch.testing.assert_close(logits, _hf_logits(hf, tokens)[7:], atol=TOL, rtol=0)
+    run(ours, kv, [("again", tokens[:7])])
+    logits = run(ours, kv, [("again", tokens[7:])])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens)[7:], atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
@@ -156,12 +126,12 @@ def test_bfloat16_stays_as_close_to_float32_as_transformers_bfloat16(
     hf16.load_state_dict(hf.state_dict())
     hf16 = hf16.to(torch.bfloat16)
     kv = PagedKV(ours.num_local_layers, ours.num_local_kv_heads, ours.kv_head_dim, block_size=4,
-                 dtype=torch.bfloat16, backend=_backend(ours))
+                 dtype=torch.bfloat16, backend=backend_for(ours))
     kv.kv_caches = [c[:ours.kv_planes].contiguous() for c in kv.kv_caches]
-    a, b = _prompt(9, 7), _prompt(6, 8)
-    logits = _run(ours, kv, [("a", a), ("b", b)])
+    a, b = prompt(9, 7), prompt(6, 8)
+    logits = run(ours, kv, [("a", a), ("b", b)])
     got = torch.stack([logits[8], logits[14]]).float()
-    ref = torch.stack([_hf_logits(hf, a)[-1], _hf_logits(hf, b)[-1]])
+    ref = torch.stack([hf_logits(hf, a)[-1], hf_logits(hf, b)[-1]])
     with torch.no_grad():
         ref16 = torch.stack([hf16(input_ids=torch.tensor([a])).logits[0, -1],
                              hf16(input_ids=torch.tensor([b])).logits[0, -1]]).float()
@@ -226,11 +196,11 @@ def test_yarn_rope_scaling_matches_transformers(kind: str, rope: dict[str, objec
     hf.save_pretrained(tmp_path)
     ours = load_model(str(tmp_path), torch.float32)
     assert ours.config.rope_scaling is not None and ours.config.rope_scaling.rope_type == "yarn"
-    tokens = _prompt(12, seed=5)
-    kv = _paged(ours)
-    logits = _run(ours, kv, [("a", tokens)])
-    torch.testing.assert_close(logits, _hf_logits(hf, tokens), atol=TOL, rtol=0)
+    tokens = prompt(12, seed=5)
+    kv = paged(ours)
+    logits = run(ours, kv, [("a", tokens)])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=TOL, rtol=0)
     for _ in range(5):
         tokens.append(int(logits[-1].argmax()))
-        logits = _run(ours, kv, [("a", tokens[-1:])])
-        torch.testing.assert_close(logits[0], _hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
+        logits = run(ours, kv, [("a", tokens[-1:])])
+        torch.testing.assert_close(logits[0], hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)

@@ -13,15 +13,12 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from engine import LLM, InvalidRequestError, SamplingParams
-from engine.attention.backend import AttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.device import CpuDevice
 from engine.models import CausalLM, load_model
 from engine.models.config import config_from_hf
 from engine.models.decoder_layer import Attention
 from tests.engine.kernel_probe import prepare, uses_cpu_ops
 from tests.engine.models.moe_factory import randomize, write_tokenizer
-from tests.engine.paged_factory import PagedKV
+from tests.engine.models.paged_run import hf_logits, paged, prompt, run
 
 TOL = 1e-4
 WINDOW = 6
@@ -69,25 +66,6 @@ def pair(request: pytest.FixtureRequest, checkpoints: dict[str, tuple[PreTrained
     return kind, hf, ours
 
 
-def _backend(model: CausalLM) -> AttentionBackend:
-    return CpuDevice().attention_backend() if uses_cpu_ops(model) else TorchAttentionBackend()
-
-
-def _run(model: CausalLM, kv: PagedKV, chunks: list[tuple[str, list[int]]]) -> torch.Tensor:
-    step = kv.step(chunks)
-    with torch.no_grad():
-        return model.compute_logits(model(step.input_ids, step.positions, kv.kv_caches, step.meta))
-
-
-def _hf(hf: PreTrainedModel, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(input_ids=torch.tensor([ids])).logits[0].float()
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_the_windows_are_read_per_layer(pair: tuple[str, PreTrainedModel, CausalLM]) -> None:
     kind, _, ours = pair
     windows = [layer.self_attn.window for layer in ours.layers]
@@ -97,41 +75,41 @@ def test_the_windows_are_read_per_layer(pair: tuple[str, PreTrainedModel, Causal
 
 def test_prefill_and_decode_past_the_window_match_transformers(pair: tuple[str, PreTrainedModel, CausalLM]) -> None:
     _, hf, ours = pair
-    tokens = _prompt(15, 2)   # longer than the window: the full-attention answer would differ
-    kv = PagedKV(ours.num_local_layers, ours.num_local_kv_heads, ours.kv_head_dim, block_size=4, backend=_backend(ours))
-    logits = _run(ours, kv, [("a", tokens)])
-    torch.testing.assert_close(logits, _hf(hf, tokens), atol=TOL, rtol=0)
+    tokens = prompt(15, 2)   # longer than the window: the full-attention answer would differ
+    kv = paged(ours)
+    logits = run(ours, kv, [("a", tokens)])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=TOL, rtol=0)
     for _ in range(12):
         tokens.append(int(logits[-1].argmax()))
-        logits = _run(ours, kv, [("a", tokens[-1:])])
-        torch.testing.assert_close(logits[0], _hf(hf, tokens)[-1], atol=TOL, rtol=0)
+        logits = run(ours, kv, [("a", tokens[-1:])])
+        torch.testing.assert_close(logits[0], hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
 
 
 def test_mixed_steps_chunks_and_prefix_hits_match_transformers(pair: tuple[str, PreTrainedModel, CausalLM]) -> None:
     _, hf, ours = pair
-    a, b, c = _prompt(11, 3), _prompt(4, 4), _prompt(17, 5)
-    kv = PagedKV(ours.num_local_layers, ours.num_local_kv_heads, ours.kv_head_dim, block_size=4, backend=_backend(ours))
-    _run(ours, kv, [("a", a[:10]), ("b", b[:3]), ("c", c[:9])])
-    logits = _run(ours, kv, [("a", a[10:]), ("b", b[3:]), ("c", c[9:])])   # two decodes, a chunk after 9 tokens
-    torch.testing.assert_close(logits[0], _hf(hf, a)[-1], atol=TOL, rtol=0)
-    torch.testing.assert_close(logits[1], _hf(hf, b)[-1], atol=TOL, rtol=0)
-    torch.testing.assert_close(logits[2:], _hf(hf, c)[9:], atol=TOL, rtol=0)
-    d = c[:12] + _prompt(6, 6)   # a prefix hit on c's first three blocks
+    a, b, c = prompt(11, 3), prompt(4, 4), prompt(17, 5)
+    kv = paged(ours)
+    run(ours, kv, [("a", a[:10]), ("b", b[:3]), ("c", c[:9])])
+    logits = run(ours, kv, [("a", a[10:]), ("b", b[3:]), ("c", c[9:])])   # two decodes, a chunk after 9 tokens
+    torch.testing.assert_close(logits[0], hf_logits(hf, a)[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[1], hf_logits(hf, b)[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[2:], hf_logits(hf, c)[9:], atol=TOL, rtol=0)
+    d = c[:12] + prompt(6, 6)   # a prefix hit on c's first three blocks
     kv.tables["d"], kv.tokens["d"] = kv.tables["c"][:3], list(d[:12])
-    torch.testing.assert_close(_run(ours, kv, [("d", d[12:])]), _hf(hf, d)[12:], atol=TOL, rtol=0)
+    torch.testing.assert_close(run(ours, kv, [("d", d[12:])]), hf_logits(hf, d)[12:], atol=TOL, rtol=0)
 
 
 def test_the_engine_gives_transformers_greedy_tokens_and_disable_caps_the_context(
         checkpoints: dict[str, tuple[PreTrainedModel, Path]]) -> None:
     hf, path = checkpoints["qwen2"]
-    prompt = _prompt(9, 7)
-    ids = list(prompt)
+    start = prompt(9, 7)
+    ids = list(start)
     with torch.no_grad():
         for _ in range(12):
             ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
     llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=32, max_num_batched_tokens=8, seed=0)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    assert llm.generate({"prompt_token_ids": prompt}, sp)[0].outputs[0].token_ids == ids[9:]
+    assert llm.generate({"prompt_token_ids": start}, sp)[0].outputs[0].token_ids == ids[9:]
     # vLLM's --disable-sliding-window: full attention, the context capped at the window
     capped = LLM(str(path), dtype="float32", num_kv_blocks=16, disable_sliding_window=True)
     assert capped.engine.max_model_len == WINDOW
