@@ -13,7 +13,7 @@ from engine.models.moe_config import MOE_ARCHITECTURES, MlaConfig, MoeConfig, ml
 
 # model_type values this engine implements: the Llama block layout, and the mixture-of-experts families (Mixtral
 # and Qwen-MoE on Llama/Qwen attention; DeepSeek-V2/V3 on multi-head latent attention).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text") + MOE_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text") + MOE_ARCHITECTURES
 # The MLP activations: SiLU (every family) or GELU's tanh approximation (Gemma).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -192,7 +192,13 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
     if arch == "gemma3_text" and isinstance(per_type, dict) and "full_attention" in per_type:
         # transformers 5 writes one rope per layer type: the global layers' is the model's
         theta, scaling = rope_from_hf({**cfg, "rope_parameters": per_type["full_attention"], "rope_scaling": None})
+    if arch == "phi3" and scaling is not None and scaling.rope_type == "yarn":
+        raise ValueError("phi3: rope_scaling 'yarn' is Phi's longrope there (transformers reads it so), which is not "
+                         "supported")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"{arch}: partial_rotary_factor={partial!r} is not supported (RoPE over the whole head)")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -271,7 +277,7 @@ def sliding_window_from_hf(cfg: dict[str, Any], arch: str) -> tuple[int | None, 
     layers = int(cfg["num_hidden_layers"])
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None
-    if arch not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma2",
+    if arch not in ("mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma2",
                     "gemma3_text") or not window:
         return None, None
     window = int(window)

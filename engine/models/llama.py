@@ -35,7 +35,7 @@ from engine.models.moe import MoeGate
 from engine.models.quant import QuantWeight, cat_rows, pad_rows
 from engine.models.sharding import Shard, ShardPlan, check_parallel_sizes
 from engine.models.w8a8 import Int8Weight, quantize_weight
-from engine.models.weight_names import local_part, map_name, num_parts, part_view
+from engine.models.weight_names import ALL_PARTS, local_part, map_name, num_parts, part_view
 
 # The hidden states and the residual stream a pipeline stage hands the next.
 Intermediate = tuple[torch.Tensor, torch.Tensor]
@@ -345,7 +345,10 @@ class CausalLM(nn.Module):
                 if self.config.norm_weight_offset and name.endswith("norm.weight"):   # Gemma's (1 + weight)
                     tensor = tensor.float() + self.config.norm_weight_offset
                 dest.copy_(tensor)
-            loaded.add((name, part))
+            if part == ALL_PARTS:
+                loaded.update((name, s) for s in range(num_parts(name, self.plan)))
+            else:
+                loaded.add((name, part))
         missing = [n for n in params if not all((n, s) in loaded for s in range(num_parts(n, self.plan)))]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"

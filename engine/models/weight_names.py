@@ -19,6 +19,8 @@ from engine.models.sharding import EXPERT, ShardPlan
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 _EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
+# The part of a tensor that fills every part of its fused parameter at once.
+ALL_PARTS = -1
 
 
 def map_name(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
@@ -39,6 +41,8 @@ def map_name(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
             return f"{prefix}mlp.experts.w2", expert
         return f"{prefix}mlp.experts.w13", 2 * expert + _EXPERT_PART[proj]
     name = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+    if ".self_attn.qkv_proj." in name or ".mlp.gate_up_proj." in name:
+        return name, ALL_PARTS   # fused in the checkpoint already (Phi-3)
     if config.mla is None:
         for part, index in _QKV.items():
             if f".self_attn.{part}." in name:
@@ -64,6 +68,8 @@ def num_parts(param_name: str, plan: ShardPlan) -> int:
 
 def local_part(param_name: str, part: int, plan: ShardPlan) -> int:
     """A part index as this rank numbers it (its first expert is its expert 0)."""
+    if part == ALL_PARTS:
+        return part
     if param_name.endswith(".mlp.experts.w13"):
         return part - 2 * plan.experts[0]
     if param_name.endswith(".mlp.experts.w2"):
@@ -72,7 +78,9 @@ def local_part(param_name: str, part: int, plan: ShardPlan) -> int:
 
 
 def part_view(param: torch.Tensor, name: str, part: int, plan: ShardPlan) -> torch.Tensor:
-    """The rows of (local) part ``part`` of a fused parameter (this rank's sizes)."""
+    """The rows of (local) part ``part`` of a fused parameter (this rank's sizes); ``ALL_PARTS``: all of it."""
+    if part == ALL_PARTS:
+        return param
     if ".qkv_proj." in name:
         sizes = [plan.q_size, plan.kv_size, plan.kv_size]
         return param.narrow(0, sum(sizes[:part]), sizes[part])
