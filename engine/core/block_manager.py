@@ -46,6 +46,10 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra
     return hash((parent_hash, token_ids, extra_keys))
 
 
+# A table entry whose block was given back: outside every layer's sliding window, never read again.
+RELEASED = -1
+
+
 class BlockManager:
     """A pool of ``num_blocks`` KV blocks shared by all requests.
 
@@ -235,7 +239,8 @@ class BlockManager:
         its head (a cached tail is useless without the head before it).
         """
         for block_id in reversed(request.block_ids):
-            self._release(block_id)
+            if block_id != RELEASED:
+                self._release(block_id)
         request.block_ids = []
         request.num_seen_blocks = 0
 
@@ -246,6 +251,22 @@ class BlockManager:
         keep = -(-num_tokens // self.block_size)
         while len(request.block_ids) > keep:
             self._release(request.block_ids.pop())
+
+    def release_outside_window(self, request: Request, window: int) -> int:
+        """Give back the blocks of ``request`` that no future query reads: every layer attends over its last
+        ``window`` positions, and the next query sits at ``num_computed_tokens``, so a block whose last position is
+        below ``num_computed_tokens - window + 1`` is done with. Its table entry becomes ``RELEASED`` (the windowed
+        attention never gathers it); a cached block waits on the LRU list for a prefix hit, as any freed one.
+        Returns how many blocks were given back."""
+        done = (request.num_computed_tokens - window + 1) // self.block_size
+        count = 0
+        for i in range(min(done, len(request.block_ids))):
+            block_id = request.block_ids[i]
+            if block_id != RELEASED:
+                self._release(block_id)
+                request.block_ids[i] = RELEASED
+                count += 1
+        return count
 
     def _release(self, block_id: int) -> None:
         """Drop one hold on a block; unheld, it waits on the LRU list when registered, else it is plain free."""
@@ -261,7 +282,8 @@ class BlockManager:
         if child.block_ids:
             raise ValueError(f"{child.seq_id} already holds blocks")
         for block_id in parent.block_ids:
-            self._ref_counts[block_id] += 1
+            if block_id != RELEASED:
+                self._ref_counts[block_id] += 1
         child.block_ids = list(parent.block_ids)
         child.block_hashes = list(parent.block_hashes)
         child.num_seen_blocks = parent.num_seen_blocks
@@ -284,9 +306,10 @@ class BlockManager:
         """
         held: Counter[int] = Counter()
         for request in holders:
-            if len(set(request.block_ids)) != len(request.block_ids):
+            ids = [b for b in request.block_ids if b != RELEASED]
+            if len(set(ids)) != len(ids):
                 raise AssertionError(f"{request.seq_id} holds a block twice: {request.block_ids}")
-            held.update(request.block_ids)
+            held.update(ids)
         free, evictable = list(self._free), list(self._evictable)
         if len(set(free)) != len(free) or set(free) & set(evictable):
             raise AssertionError(f"a block is listed twice: free={free} evictable={evictable}")

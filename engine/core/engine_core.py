@@ -29,6 +29,7 @@ from engine.executor.base import make_executor
 from engine.worker.structured_output import GrammarVocabulary
 
 if TYPE_CHECKING:
+    from engine.models import ModelConfig
     from engine.worker.model_runner import RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class EngineCore:
             raise
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, reclaim_window=self._reclaim_window(mc))
         self._pending: list[EngineCoreOutput] = []
         # Where a multi-step step streams the outputs of each pass but its last as the pass ends (the AsyncEngine
         # sets it); None: ``step`` returns them all.
@@ -108,6 +109,17 @@ class EngineCore:
         if self._async is not None:
             self._async.close()
         self.executor.shutdown()
+
+    def _reclaim_window(self, mc: ModelConfig) -> int | None:
+        """The window past which a sequence's blocks are given back: when every layer of the model slides
+        (Mistral, Phi-3; not models that interleave global layers), none reads before it. Not with a draft model,
+        whose own cache under the same blocks attends over the whole context."""
+        window: int | None = mc.sliding_window
+        if (window is None or mc.sliding_layers is not None or self.config.disable_sliding_window
+                or (self.config.speculative_config is not None
+                    and self.config.speculative_config.method == "draft_model")):
+            return None
+        return window
 
     # -- sizing -------------------------------------------------------------------------------------------
     def _resolve_max_model_len(self, model_max: int, sliding_window: int | None) -> int:

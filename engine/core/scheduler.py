@@ -56,8 +56,11 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, num_blocks: int, *, eos_token_ids: set[int] | frozenset[int],
-                 max_model_len: int) -> None:
+                 max_model_len: int, reclaim_window: int | None = None) -> None:
+        """``reclaim_window``: every layer of the model attends over this many last positions: a running
+        sequence's blocks before its window are given back as it goes."""
         self.config = config
+        self.reclaim_window = reclaim_window
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -348,6 +351,8 @@ class Scheduler:
             request.num_computed_tokens = max(request.num_computed_tokens, end)
             self.num_prompt_tokens += max(0, min(end, request.num_prompt_tokens) - s.start)
             self.block_manager.cache_blocks(request, end)
+            if self.reclaim_window is not None:
+                self.block_manager.release_outside_window(request, self.reclaim_window)
             if prompt_logprobs and (chunk := prompt_logprobs.get(request.seq_id)) is not None:
                 request.add_prompt_logprobs(chunk)   # before a fork below copies them
             seq_ids = s.sample_seq_ids

@@ -6,7 +6,7 @@ Layout differs from transformers in fused projections — q/k/v is one Linear, g
 routed experts are two stacked parameters — so each layer runs fewer matmuls; ``load_weights`` splices the
 checkpoint's separate tensors into them (``engine.models.weight_names``). Sliding-window layers (Mistral, Mixtral,
 Qwen2/3 with ``use_sliding_window``; ``ModelConfig.window_of``) attend over their last ``sliding_window``
-positions in every backend; the blocks that fall out of every window stay allocated until the sequence ends. The
+positions in every backend; when every layer slides, the scheduler gives back the blocks behind the window. The
 layers pick their kernels once, in ``use_kernels``; the forward pass does not branch on them.
 
 One rank of a tensor × pipeline parallel replica builds and loads only its shard of its stage

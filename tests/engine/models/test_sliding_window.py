@@ -143,3 +143,43 @@ def test_a_window_the_npu_cannot_run_is_refused_naming_it(checkpoints: dict[str,
     with pytest.raises(InvalidRequestError, match="sliding_window: the model's sliding window .6 tokens"):
         check_model_options(model, EngineConfig(model=str(path), device="npu"))
     check_model_options(model, EngineConfig(model=str(path), device="npu", disable_sliding_window=True))
+
+
+def test_blocks_outside_every_window_are_given_back_with_the_same_outputs(
+        checkpoints: dict[str, tuple[PreTrainedModel, Path]]) -> None:
+    """Mistral (every layer slides, window 6, blocks of 4): a long generation holds at most the window plus one block
+    (and the one being written) per sequence, counted from the block manager, and still gives transformers' tokens;
+    Qwen2 here interleaves a global layer, so it keeps every block."""
+    from engine.core.block_manager import RELEASED
+    from engine.core.engine_core import EngineCore
+    from engine.core.request import SequenceId
+
+    hf, path = checkpoints["mistral"]
+    starts = [prompt(5, 40), prompt(9, 41)]
+    expected = []
+    for start in starts:
+        ids = list(start)
+        with torch.no_grad():
+            for _ in range(30):
+                ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        expected.append(ids[len(start):])
+    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=32, seed=0)
+    core: EngineCore = llm.engine
+    assert core.scheduler.reclaim_window == WINDOW
+    for i, start in enumerate(starts):
+        core.add_request(f"r{i}", start, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    held, released, tokens = 0, 0, {0: [], 1: []}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens[int(out.request_id[1:])] += out.new_token_ids
+        for i in range(2):
+            request = core.scheduler.requests.get(SequenceId(f"r{i}"))
+            if request is not None and request.block_ids:
+                held = max(held, sum(1 for b in request.block_ids if b != RELEASED))
+                released = max(released, request.block_ids.count(RELEASED))
+    assert [tokens[0], tokens[1]] == expected
+    # window 6 in blocks of 4: 2 blocks for the window, 1 it straddles, 1 being written; never the ~10 of the context
+    assert released > 0 and held <= -(-WINDOW // 4) + 2, (held, released)
+    info = core.info()
+    assert info["free_kv_blocks"] == info["total_kv_blocks"]
+    assert LLM(str(checkpoints["qwen2"][1]), dtype="float32", num_kv_blocks=16).engine.scheduler.reclaim_window is None
