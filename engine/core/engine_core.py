@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_MAX_DEFAULT_MODEL_LEN = 8192
 
 
 @dataclass
@@ -73,6 +72,7 @@ class EngineCore:
             self.executor.shutdown()   # the other ranks of a replica end with it
             raise
         self.num_blocks = num_blocks
+        self.max_model_len = self._fit_max_model_len(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
                                    max_model_len=self.max_model_len, reclaim_window=self._reclaim_window(mc))
         self._pending: list[EngineCoreOutput] = []
@@ -123,17 +123,32 @@ class EngineCore:
 
     # -- sizing -------------------------------------------------------------------------------------------
     def _resolve_max_model_len(self, model_max: int, sliding_window: int | None) -> int:
-        """--max-model-len, or the model's context (at most 8192); with --disable-sliding-window, at most the model's
+        """--max-model-len, or the model's declared context; with --disable-sliding-window, at most the model's
         sliding window (as vLLM caps it: every layer then attends over all of it, which is what the window saw)."""
         wanted = self.config.max_model_len
         limit, what = model_max, f"the model's context length {model_max}"
         if self.config.disable_sliding_window and sliding_window is not None and sliding_window < model_max:
             limit, what = sliding_window, f"the model's sliding window {sliding_window} (--disable-sliding-window)"
         if wanted is None:
-            return min(limit, _MAX_DEFAULT_MODEL_LEN)
+            return limit
         if wanted > limit:
             raise InvalidRequestError("max_model_len", f"{wanted} exceeds {what}")
         return wanted
+
+    def _fit_max_model_len(self, num_blocks: int) -> int:
+        """The context against the KV cache: when one sequence of ``max_model_len`` cannot fit, say so with the
+        arithmetic — and, when the length was the model's default rather than asked for, lower it to what fits (an
+        asked-for length stays: its requests end at the cache's capacity, finish reason "length")."""
+        capacity = num_blocks * self.config.block_size
+        if capacity >= self.max_model_len:
+            return self.max_model_len
+        asked = self.config.max_model_len is not None
+        logger.warning("the KV cache holds %d blocks x %d tokens = %d tokens, fewer than max_model_len %d (%s): %s; "
+                       "give more cache memory (--kv-cache-memory / --gpu-memory-utilization) or a smaller "
+                       "--max-model-len", num_blocks, self.config.block_size, capacity, self.max_model_len,
+                       "asked for" if asked else "the model's context",
+                       "a sequence ends where the cache is full" if asked else f"max_model_len lowered to {capacity}")
+        return self.max_model_len if asked else capacity
 
     # -- requests -----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
