@@ -42,3 +42,27 @@ def hf_logits(hf: PreTrainedModel, ids: list[int]) -> torch.Tensor:
 
 def prompt(n: int, seed: int, vocab: int = 128) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_prefill_then_greedy_decode(hf: PreTrainedModel, model: CausalLM, tokens: list[int], steps: int,
+                                      atol: float = 1e-4) -> list[int]:
+    """``tokens`` prefilled in one step, then ``steps`` greedy decode steps through ``model``'s paged cache, every
+    step's logits within ``atol`` of transformers' for the same ids. Returns the whole sequence."""
+    tokens = list(tokens)
+    kv = paged(model)
+    logits = run(model, kv, [("a", tokens)])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=atol, rtol=0)
+    for _ in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits = run(model, kv, [("a", tokens[-1:])])
+        torch.testing.assert_close(logits[0], hf_logits(hf, tokens)[-1], atol=atol, rtol=0)
+    return tokens
+
+
+def greedy_continuation(hf: PreTrainedModel, start: list[int], steps: int) -> list[int]:
+    """transformers' own greedy continuation of ``start`` (``steps`` ids, no eos stop)."""
+    ids = list(start)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(start):]

@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.models import CausalLM, load_model
 from tests.engine.kernel_probe import prepare, uses_cpu_ops
 from tests.engine.models.moe_factory import greedy_reference, randomize, write_tokenizer
-from tests.engine.models.paged_run import hf_logits, paged, prompt, run
+from tests.engine.models.paged_run import assert_prefill_then_greedy_decode, hf_logits, paged, prompt, run
 from tests.engine.models.test_gemma3 import TOL
 
 WINDOW = 6
@@ -49,14 +49,7 @@ def test_prefill_and_decode_past_the_window_match_transformers(pair: tuple[PreTr
     hf, ours = pair
     assert [layer.self_attn.window for layer in ours.layers] == [WINDOW, None, WINDOW, None]
     assert ours.config.attn_logit_softcapping == 5.0 and not ours.config.qk_norm
-    tokens = prompt(13, 2)
-    kv = paged(ours)
-    logits = run(ours, kv, [("a", tokens)])
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=TOL, rtol=0)
-    for _ in range(12):
-        tokens.append(int(logits[-1].argmax()))
-        logits = run(ours, kv, [("a", tokens[-1:])])
-        torch.testing.assert_close(logits[0], hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
+    assert_prefill_then_greedy_decode(hf, ours, prompt(13, 2), 12)
 
 
 def test_mixed_step_with_a_chunk_matches_transformers(pair: tuple[PreTrainedModel, CausalLM]) -> None:

@@ -17,7 +17,7 @@ from engine.models.config import config_from_hf
 from engine.models.layers.activation import GeluAndMul
 from tests.engine.kernel_probe import prepare, uses_cpu_ops
 from tests.engine.models.moe_factory import greedy_reference, randomize, write_tokenizer
-from tests.engine.models.paged_run import backend_for, hf_logits, paged, prompt, run
+from tests.engine.models.paged_run import assert_prefill_then_greedy_decode, backend_for, hf_logits, paged, prompt, run
 from tests.engine.paged_factory import PagedKV
 
 TOL = 1e-4
@@ -73,14 +73,7 @@ def test_the_config_is_read_as_transformers_reads_it(pair: tuple[PreTrainedModel
 
 def test_prefill_and_decode_past_the_window_match_transformers(pair: tuple[PreTrainedModel, CausalLM]) -> None:
     hf, ours = pair
-    tokens = prompt(13, 2)
-    kv = paged(ours)
-    logits = run(ours, kv, [("a", tokens)])
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=TOL, rtol=0)
-    for _ in range(15):
-        tokens.append(int(logits[-1].argmax()))
-        logits = run(ours, kv, [("a", tokens[-1:])])
-        torch.testing.assert_close(logits[0], hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
+    assert_prefill_then_greedy_decode(hf, ours, prompt(13, 2), 15)
 
 
 def test_mixed_step_chunks_and_a_prefix_hit_match_transformers(pair: tuple[PreTrainedModel, CausalLM]) -> None:

@@ -15,7 +15,7 @@ from engine.models.mla import MlaAttention
 from engine.models.moe import SparseMoeBlock
 from tests.engine.kernel_probe import kernels_chosen, prepare, uses_cpu_ops
 from tests.engine.models.moe_factory import VARIANTS, VOCAB, write_checkpoint
-from tests.engine.models.paged_run import backend_for, hf_logits, paged, prompt, run
+from tests.engine.models.paged_run import assert_prefill_then_greedy_decode, backend_for, hf_logits, paged, prompt, run
 from tests.engine.paged_factory import PagedKV
 
 TOL = 1e-4
@@ -58,14 +58,7 @@ def test_layers_built_as_the_config_says(pair: tuple[PreTrainedModel, CausalLM])
 
 def test_prefill_then_greedy_decode_match_transformers(pair: tuple[PreTrainedModel, CausalLM]) -> None:
     hf, ours = pair
-    tokens = prompt(10, seed=2)
-    kv = paged(ours)
-    logits = run(ours, kv, [("a", tokens)])
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=TOL, rtol=0)
-    for _ in range(20):  # 30 tokens in blocks of 4: crosses many scattered blocks
-        tokens.append(int(logits[-1].argmax()))
-        logits = run(ours, kv, [("a", tokens[-1:])])
-        torch.testing.assert_close(logits[0], hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
+    tokens = assert_prefill_then_greedy_decode(hf, ours, prompt(10, seed=2), 20)
     assert len(set(tokens[10:])) > 3   # the model says something: a check that cannot pass on constant logits
 
 

@@ -16,7 +16,7 @@ from engine.models.config import config_from_hf
 from engine.models.sharding import check_parallel_sizes
 from tests.engine.kernel_probe import prepare
 from tests.engine.models.moe_factory import greedy_reference, randomize, write_tokenizer
-from tests.engine.models.paged_run import hf_logits, paged, prompt, run
+from tests.engine.models.paged_run import assert_prefill_then_greedy_decode, prompt
 
 TOL = 1e-4
 
@@ -46,14 +46,7 @@ def test_prefill_and_decode_past_the_window_match_transformers(checkpoint: tuple
     if kernels:
         prepare(ours, torch.float32)
     assert [layer.self_attn.window for layer in ours.layers] == [7, 7]
-    tokens = prompt(12, 2)
-    kv = paged(ours)
-    logits = run(ours, kv, [("a", tokens)])
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=TOL, rtol=0)
-    for _ in range(10):
-        tokens.append(int(logits[-1].argmax()))
-        logits = run(ours, kv, [("a", tokens[-1:])])
-        torch.testing.assert_close(logits[0], hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
+    assert_prefill_then_greedy_decode(hf, ours, prompt(12, 2), 10)
 
 
 def test_the_engine_gives_transformers_greedy_tokens(checkpoint: tuple[PreTrainedModel, Path]) -> None:

@@ -18,7 +18,14 @@ from engine.models.config import config_from_hf
 from engine.models.decoder_layer import Attention
 from tests.engine.kernel_probe import prepare, uses_cpu_ops
 from tests.engine.models.moe_factory import randomize, write_tokenizer
-from tests.engine.models.paged_run import hf_logits, paged, prompt, run
+from tests.engine.models.paged_run import (
+    assert_prefill_then_greedy_decode,
+    greedy_continuation,
+    hf_logits,
+    paged,
+    prompt,
+    run,
+)
 
 TOL = 1e-4
 WINDOW = 6
@@ -75,14 +82,8 @@ def test_the_windows_are_read_per_layer(pair: tuple[str, PreTrainedModel, Causal
 
 def test_prefill_and_decode_past_the_window_match_transformers(pair: tuple[str, PreTrainedModel, CausalLM]) -> None:
     _, hf, ours = pair
-    tokens = prompt(15, 2)   # longer than the window: the full-attention answer would differ
-    kv = paged(ours)
-    logits = run(ours, kv, [("a", tokens)])
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=TOL, rtol=0)
-    for _ in range(12):
-        tokens.append(int(logits[-1].argmax()))
-        logits = run(ours, kv, [("a", tokens[-1:])])
-        torch.testing.assert_close(logits[0], hf_logits(hf, tokens)[-1], atol=TOL, rtol=0)
+    # longer than the window: the full-attention answer would differ
+    assert_prefill_then_greedy_decode(hf, ours, prompt(15, 2), 12)
 
 
 def test_mixed_steps_chunks_and_prefix_hits_match_transformers(pair: tuple[str, PreTrainedModel, CausalLM]) -> None:
@@ -103,13 +104,9 @@ def test_the_engine_gives_transformers_greedy_tokens_and_disable_caps_the_contex
         checkpoints: dict[str, tuple[PreTrainedModel, Path]]) -> None:
     hf, path = checkpoints["qwen2"]
     start = prompt(9, 7)
-    ids = list(start)
-    with torch.no_grad():
-        for _ in range(12):
-            ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
     llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=32, max_num_batched_tokens=8, seed=0)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    assert llm.generate({"prompt_token_ids": start}, sp)[0].outputs[0].token_ids == ids[9:]
+    assert llm.generate({"prompt_token_ids": start}, sp)[0].outputs[0].token_ids == greedy_continuation(hf, start, 12)
     # vLLM's --disable-sliding-window: full attention, the context capped at the window
     capped = LLM(str(path), dtype="float32", num_kv_blocks=16, disable_sliding_window=True)
     assert capped.engine.max_model_len == WINDOW
@@ -156,13 +153,7 @@ def test_blocks_outside_every_window_are_given_back_with_the_same_outputs(
 
     hf, path = checkpoints["mistral"]
     starts = [prompt(5, 40), prompt(9, 41)]
-    expected = []
-    for start in starts:
-        ids = list(start)
-        with torch.no_grad():
-            for _ in range(30):
-                ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-        expected.append(ids[len(start):])
+    expected = [greedy_continuation(hf, start, 30) for start in starts]
     llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=32, seed=0)
     core: EngineCore = llm.engine
     assert core.scheduler.reclaim_window == WINDOW
