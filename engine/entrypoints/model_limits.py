@@ -7,16 +7,16 @@ import json
 from pathlib import Path
 
 from common.grpc_server import MESSAGE_HEADROOM_BYTES
+from common.model_context import DEFAULT_CONTEXT_LENGTH, declared_context
 
-# The loaders' default when a model does not say (engine.models.config, gguf_loader).
-_DEFAULT_CONTEXT_LENGTH = 4096
 # A token id on the wire: a packed varint, at most 4 bytes below 2**28 (every vocabulary).
 ID_WIRE_BYTES = 4
 
 
 def model_context_length(model_path: str) -> int:
-    """The model's context length (``max_position_embeddings``, or a GGUF's ``<arch>.context_length``): the
-    most any engine serving it takes as ``max_model_len``. Raises OSError or ValueError naming the file."""
+    """The model's context length (``max_position_embeddings``, times a dynamic-NTK rope's factor, or a GGUF's
+    ``<arch>.context_length``): the most any engine serving it takes as ``max_model_len``. Raises OSError or
+    ValueError naming the file."""
     path = Path(model_path)
     if path.is_file() and path.suffix == ".gguf":
         from engine.text.gguf_tokenizer import read_gguf_metadata
@@ -25,9 +25,8 @@ def model_context_length(model_path: str) -> int:
             return f"{meta.get('general.architecture')}.context_length"
 
         meta = read_gguf_metadata(model_path, until=lambda meta: key(meta) in meta)
-        return int(meta.get(key(meta), _DEFAULT_CONTEXT_LENGTH))  # type: ignore[call-overload]
-    config = json.loads((path / "config.json").read_text())
-    return int(config.get("max_position_embeddings", _DEFAULT_CONTEXT_LENGTH))
+        return int(meta.get(key(meta), DEFAULT_CONTEXT_LENGTH))  # type: ignore[call-overload]
+    return declared_context(json.loads((path / "config.json").read_text()))
 
 
 def engine_max_request_bytes(max_model_len: int) -> int:

@@ -9,20 +9,24 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from common.model_context import declared_context
 from engine.models.moe_config import MOE_ARCHITECTURES, MlaConfig, MoeConfig, mla_from_hf, moe_from_hf
 
 # model_type values this engine implements: the Llama block layout, and the mixture-of-experts families (Mixtral
 # and Qwen-MoE on Llama/Qwen attention; DeepSeek-V2/V3 on multi-head latent attention).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text") + MOE_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "glm", "glm4",
+                           "internlm3") + MOE_ARCHITECTURES
 # The MLP activations: SiLU (every family) or GELU's tanh approximation (Gemma).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. ``rope_type`` is "linear", "llama3" (Llama 3.1 style) or "yarn" (YaRN: frequencies
+    """RoPE frequency scaling. ``rope_type`` is "linear", "llama3" (Llama 3.1 style), "yarn" (YaRN: frequencies
     between ``beta_fast`` and ``beta_slow`` rotations blended from interpolated to kept, cos and sin scaled by
-    ``attention_factor``; DeepSeek-V2/V3, Qwen2.5's long-context configs)."""
+    ``attention_factor``; DeepSeek-V2/V3, Qwen2.5's long-context configs), "dynamic" (NTK-aware: the base raised
+    for a context ``factor`` times ``original_max_position_embeddings``) or "longrope" (Phi-3: per-frequency divisors,
+    ``short_factor`` for contexts up to ``original_max_position_embeddings``, ``long_factor`` beyond)."""
 
     rope_type: str
     factor: float
@@ -33,6 +37,8 @@ class RopeScaling:
     beta_slow: float = 1.0
     attention_factor: float = 1.0
     truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -94,6 +100,10 @@ class ModelConfig:
     rope_local_layers: frozenset[int] = frozenset()
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None   # Gemma 2: attention scores soft-capped before the softmax
+    # RoPE over the first ``partial_rotary_factor`` of each head (Phi-4-mini, GLM); GLM rotates adjacent pairs of
+    # dimensions (GPT-J's interleaved layout) where the others rotate the two halves.
+    partial_rotary_factor: float = 1.0
+    rope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -109,8 +119,9 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The dimensions RoPE rotates in each head: all of them, or MLA's ``qk_rope_head_dim``."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        """The dimensions RoPE rotates in each head: all of them, the first ``partial_rotary_factor`` of them, or
+        MLA's ``qk_rope_head_dim``."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else int(self.head_dim * self.partial_rotary_factor)
 
     def window_of(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None for full attention."""
@@ -164,7 +175,32 @@ def rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
     if rope_type == "yarn":
         return theta, yarn_from_hf(scaling, int(cfg.get("max_position_embeddings", 4096)))
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3, yarn)")
+    if rope_type == "dynamic":
+        return theta, RopeScaling("dynamic", float(scaling["factor"]),
+                                  original_max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)))
+    if rope_type in ("longrope", "su"):   # "su": Phi-3's first name for it
+        return theta, longrope_from_hf(scaling, cfg)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} "
+                     "(supported: default, linear, llama3, yarn, dynamic, longrope)")
+
+
+def longrope_from_hf(scaling: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
+    """transformers' ``_compute_longrope_parameters`` reading: the context ratio as the factor when none is given,
+    and the attention factor sqrt(1 + ln(factor) / ln(original)) when none is given."""
+    original = int(scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                   or 0)
+    if not original:
+        raise ValueError("longrope rope scaling without original_max_position_embeddings")
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else int(cfg.get("max_position_embeddings", 4096)) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention),
+                       short_factor=tuple(float(v) for v in scaling["short_factor"]),
+                       long_factor=tuple(float(v) for v in scaling["long_factor"]))
+
 
 
 def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, has_lm_head: bool) -> ModelConfig:
@@ -174,20 +210,22 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
     does not say.
     """
     arch = cfg.get("model_type", "")
-    if cfg.get("mlp_bias"):
+    if cfg.get("mlp_bias", cfg.get("bias") if arch == "internlm3" else None):
         raise ValueError("mlp_bias=True is not supported")
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     mla = mla_from_hf(cfg, arch)
     head_dim = (mla.qk_head_dim if mla is not None else None) or cfg.get("head_dim") or hidden // num_heads
-    bias = bool(cfg.get("attention_bias", False))
+    # GLM's projections carry q/k/v biases unless the config says otherwise; InternLM3's hub configs say qkv_bias
+    bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("glm", "glm4"))))
     if mla is not None and bias:
         raise ValueError("attention_bias=True is not supported with multi-head latent attention")
     theta, scaling = rope_from_hf(cfg)
     tie = cfg.get("tie_word_embeddings")
     generation_cfg = generation_cfg or {}
     window, window_layers = sliding_window_from_hf(cfg, arch)
-    gemma = gemma3_from_hf(cfg) if arch == "gemma3_text" else gemma2_from_hf(cfg) if arch == "gemma2" else {}
+    gemma = (gemma3_from_hf(cfg) if arch == "gemma3_text" else gemma2_from_hf(cfg) if arch == "gemma2"
+             else {"sandwich_norms": True} if arch == "glm4" else {})
     per_type = cfg.get("rope_parameters")
     if arch == "gemma3_text" and isinstance(per_type, dict) and "full_attention" in per_type:
         # transformers 5 writes one rope per layer type: the global layers' is the model's
@@ -196,9 +234,13 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
         raise ValueError("phi3: rope_scaling 'yarn' is Phi's longrope there (transformers reads it so), which is not "
                          "supported")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"{arch}: partial_rotary_factor={partial!r} is not supported (RoPE over the whole head)")
+    partial = float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                           cfg.get("partial_rotary_factor")) or 1.0)
+    if mla is not None and partial != 1.0:
+        raise ValueError(f"{arch}: partial_rotary_factor={partial} with multi-head latent attention is not supported")
+    if not 0 < partial <= 1 or int(int(head_dim) * partial) % 2:
+        raise ValueError(f"{arch}: partial_rotary_factor={partial} must leave an even number of rotated dimensions "
+                         f"of head_dim {head_dim}")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -212,11 +254,12 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=declared_context(cfg),
         tie_word_embeddings=bool(tie) if tie is not None else not has_lm_head,
-        # Qwen2 always has q/k/v bias and never an o_proj bias; Llama/Qwen3's flag covers all four.
+        # Qwen2 always has q/k/v bias and never an o_proj bias, GLM's flag is for q/k/v only; Llama/Qwen3's covers
+        # all four.
         attention_bias=True if arch in ("qwen2", "qwen2_moe") else bias,
-        o_proj_bias=bias and arch not in ("qwen2", "qwen2_moe"),
+        o_proj_bias=bias and arch not in ("qwen2", "qwen2_moe", "glm", "glm4"),
         qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         eos_token_ids=merge_eos(_token_ids(cfg.get("eos_token_id")), _token_ids(generation_cfg.get("eos_token_id"))),
@@ -225,6 +268,8 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
         sliding_window=window,
         sliding_layers=window_layers,
         hidden_act=str(act),
+        partial_rotary_factor=partial,
+        rope_interleaved=arch in ("glm", "glm4"),
         **gemma,
     )
 

@@ -104,6 +104,13 @@ class CausalLM(nn.Module):
             if isinstance(module, Attention):
                 module.window = None
 
+    def fit_context(self, max_model_len: int) -> None:
+        """Frequencies for sequences of at most ``max_model_len`` tokens, where they depend on it (longrope: the
+        short factors when it is within the original context, as transformers uses them for such a sequence)."""
+        for rotary in (self.rotary, self.rotary_local):
+            if rotary is not None and rotary.depends_on_context and rotary.context != max_model_len:
+                rotary.build_cache(rotary.cos_cache.device, rotary.cos_cache.dtype, max_model_len)
+
     def keep_float32(self) -> None:
         """Routers and DeepSeek's correction bias stay float32 in any model dtype (they decide the experts)."""
         for module in self.modules():

@@ -21,6 +21,11 @@ _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 _EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
 # The part of a tensor that fills every part of its fused parameter at once.
 ALL_PARTS = -1
+# GLM-4's four norms by their places in our sandwich layout (Gemma's names): after attention, before and after the
+# MLP.
+_GLM4_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm",
+               "post_attention_layernorm": "pre_feedforward_layernorm",
+               "post_mlp_layernorm": "post_feedforward_layernorm"}
 
 
 def map_name(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
@@ -31,6 +36,8 @@ def map_name(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
         return None  # some old checkpoints store inv_freq; ours is recomputed
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return None  # tied checkpoints sometimes still carry a copy
+    if config.architecture == "glm4" and (norm := name.split(".")[2:3]) and norm[0] in _GLM4_NORMS:
+        name = name.replace(f".{norm[0]}.", f".{_GLM4_NORMS[norm[0]]}.")
     name = name.replace(".block_sparse_moe.", ".mlp.")
     if name.endswith(".mlp.gate.e_score_correction_bias"):
         return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.correction_bias"), 0

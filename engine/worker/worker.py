@@ -90,6 +90,8 @@ class Worker:
                                 quantization=config.quantization)
         if config.disable_sliding_window:
             self.model.disable_sliding_window()
+        if config.max_model_len is not None:
+            self.model.fit_context(config.max_model_len)
         if (int8 := self.model.int8_linears) or config.quantization is not None:
             # A compressed-tensors checkpoint brings its own int8 weights; w8a8 quantized the float ones at load.
             logger.info("W8A8 int8: %d linears of this rank (quantization %s); the embedding stays %s",
@@ -106,6 +108,8 @@ class Worker:
         if spec is not None and spec.method == "draft_model" and parallel.is_driver:   # unsharded, rank 0 only
             assert spec.model is not None
             self.draft = load_draft_model(spec.model, self.model.config, self.dtype, self.device)
+            if config.max_model_len is not None:
+                self.draft.fit_context(config.max_model_len)
         self.mtp: MtpModel | None = None    # the checkpoint's own multi-token prediction layers (unsharded)
         if spec is not None and spec.method in MTP_METHODS and parallel.is_driver:
             self.mtp = self._load_mtp(spec.method)

@@ -11,14 +11,30 @@ from engine.device.kernel_choice import KernelChoice
 from engine.models.config import ModelConfig, RopeScaling
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """float32 [head_dim / 2], computed the way transformers does so logits match it exactly."""
+def inverse_frequencies(config: ModelConfig, context: int | None = None) -> torch.Tensor:
+    """float32 [rotary_dim / 2], computed the way transformers does so logits match it exactly.
+
+    ``context``: the longest sequence served (default: the model's declared context), which picks longrope's long
+    or short factors as transformers picks them for a sequence of that length.
+    """
     dim = config.rotary_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if config.rope_scaling is not None and config.rope_scaling.rope_type == "yarn":
-        inv_freq = _yarn(dim, config.rope_theta, config.rope_scaling)
-    elif config.rope_scaling is not None:
-        inv_freq = _scale(inv_freq, config.rope_scaling)
+    base = config.rope_theta
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "dynamic":
+        # transformers raises the base for the length of the sequence in hand, which a paged cache shared by
+        # sequences of every length cannot follow; as vLLM, the base is the one for the whole declared context.
+        length = scaling.original_max_position_embeddings * scaling.factor
+        base = base * ((scaling.factor * length / scaling.original_max_position_embeddings)
+                       - (scaling.factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if scaling is not None and scaling.rope_type == "yarn":
+        inv_freq = _yarn(dim, config.rope_theta, scaling)
+    elif scaling is not None and scaling.rope_type == "longrope":
+        long = (context or config.max_position_embeddings) > scaling.original_max_position_embeddings
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+        inv_freq = 1.0 / (factors * config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    elif scaling is not None and scaling.rope_type in ("linear", "llama3"):
+        inv_freq = _scale(inv_freq, scaling)
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     return inv_freq
@@ -66,20 +82,35 @@ class RotaryEmbedding(torch.nn.Module):
         self.config = config
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        # GLM's interleaved pairs and partial rotation (over the head's first rotary_dim) rotate in torch on every
+        # device; the whole-head halves layout has the CPU kernel's and the NPU's operator.
+        partial = config.mla is None and config.rotary_dim < config.head_dim
+        self.generic = _GenericRotary(config.rotary_dim, config.rope_interleaved) if (
+            partial or config.rope_interleaved) else None
         self.rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                              tuple[torch.Tensor, torch.Tensor]] = _rotate_pair
+                              tuple[torch.Tensor, torch.Tensor]] = self.generic or _rotate_pair
+        self.context: int | None = None
 
     def use_kernels(self, choice: KernelChoice) -> None:
         """With the CPU kernels, rotate in place (on the fused projection's output, no copies); on the NPU, with
         torch-npu's ``npu_rotary_mul``."""
+        if self.generic is not None:
+            return
         if choice.npu_ops is not None:
             self.rotate = _NpuRotary(choice.npu_ops)
         else:
             self.rotate = _rotate_pair if choice.ops is None else _InPlaceRotary(choice.ops)
 
-    def build_cache(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Fills the caches; called once the model is on its device (its buffers start empty)."""
-        inv_freq = inverse_frequencies(self.config).to(device)
+    @property
+    def depends_on_context(self) -> bool:
+        """Whether the frequencies depend on the longest sequence served (longrope's long or short factors)."""
+        return self.config.rope_scaling is not None and self.config.rope_scaling.rope_type == "longrope"
+
+    def build_cache(self, device: torch.device | str, dtype: torch.dtype, context: int | None = None) -> None:
+        """Fills the caches; called once the model is on its device (its buffers start empty), and again with the
+        engine's ``max_model_len`` as ``context`` when the frequencies depend on it."""
+        self.context = context
+        inv_freq = inverse_frequencies(self.config, context).to(device)
         positions = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         scaling = self.config.rope_scaling
@@ -127,6 +158,30 @@ class _NpuRotary:
         r2 = torch.cat((sin, sin), dim=-1)[None, :, None, :]
         return (self.ops.npu_rotary_mul(query[None], r1, r2)[0],
                 self.ops.npu_rotary_mul(key[None], r1, r2)[0])
+
+
+class _GenericRotary:
+    """RoPE over the first ``dim`` dimensions of each head (the rest pass through), in halves or interleaved pairs
+    (GLM: dimensions 2i and 2i+1 turn by frequency i), as transformers' ``apply_rotary_pos_emb`` of those models."""
+
+    def __init__(self, dim: int, interleaved: bool) -> None:
+        self.dim = dim
+        self.interleaved = interleaved
+
+    def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
+                 sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = cos_cache[positions].unsqueeze(1)  # [T, 1, dim/2]
+        sin = sin_cache[positions].unsqueeze(1)
+        return self._apply(query, cos, sin), self._apply(key, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., :self.dim], x[..., self.dim:]
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            rot = _rotate(rot, cos, sin)
+        return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

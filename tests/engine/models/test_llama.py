@@ -318,8 +318,8 @@ def test_config_from_hf_reads_old_style_rope_and_generation_eos() -> None:
     assert config_from_hf({"model_type": "llama", **_COMMON}, None, has_lm_head=False).tie_word_embeddings is True
     with pytest.raises(ValueError, match="gpt2"):
         config_from_hf({**raw, "model_type": "gpt2"}, None, has_lm_head=True)
-    with pytest.raises(ValueError, match="dynamic"):
-        config_from_hf({**raw, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, None, has_lm_head=True)
+    with pytest.raises(ValueError, match="rope scaling type 'ntk'"):
+        config_from_hf({**raw, "rope_scaling": {"rope_type": "ntk", "factor": 4.0}}, None, has_lm_head=True)
     yarn = config_from_hf({**raw, "rope_scaling": {"type": "yarn", "factor": 4.0,
                                                    "original_max_position_embeddings": 32768}}, None, True)
     assert yarn.rope_scaling is not None and yarn.rope_scaling.rope_type == "yarn"
