@@ -19,6 +19,7 @@ from engine.models.config import ModelConfig, config_from_hf
 from engine.models.llama import CausalLM, build_model
 from engine.models.sharding import Shard
 from engine.models.w8a8 import Int8Weight
+from engine.models.weight_names import split_fused
 
 # EngineConfig.quantization's values: None (the checkpoint's own weights), W8A8 (quantize float weights at load),
 # COMPRESSED_TENSORS (require a compressed-tensors W8A8 int8 checkpoint).
@@ -102,11 +103,12 @@ def load_hf_model(directory: Path, dtype: torch.dtype, device: torch.device | st
     config = config_from_hf(cfg, gen_cfg, has_lm_head="lm_head.weight" in names)
     model = build_model(config, dtype, device, parallel)
     if scheme is None:
-        model.load_weights(iter_safetensors(names, model.weight_shard))
+        model.load_weights(split_fused(iter_safetensors(names, model.weight_shard), config, model.weight_shard))
         return model
     compressed_tensors.check_tensor_names(names)
     int8: list[tuple[str, Int8Weight]] = []
-    tensors = iter_safetensors(names, compressed_tensors.shard_of(model.weight_shard))
+    shard_of = compressed_tensors.shard_of(model.weight_shard)
+    tensors = split_fused(iter_safetensors(names, shard_of), config, shard_of)
     model.load_weights(compressed_tensors.split_int8(tensors, scheme, dtype, int8))
     model.load_int8(int8)
     return model

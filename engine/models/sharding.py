@@ -54,9 +54,6 @@ def check_parallel_sizes(config: ModelConfig, tp: int, pp: int, expert_parallel:
         if moe.shared_intermediate_size % tp:
             raise ValueError(f"the model's shared-expert intermediate size {moe.shared_intermediate_size} does not "
                              f"divide over tensor_parallel_size {tp}")
-    if tp > 1 and config.architecture == "phi3":
-        raise ValueError(f"phi3's checkpoint fuses q/k/v and gate/up, which do not split over "
-                         f"tensor_parallel_size {tp} yet")
     if pp > config.num_layers:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {config.num_layers} layers")
 

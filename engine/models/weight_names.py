@@ -11,10 +11,12 @@ attention keep their projections as named (nothing fused).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 import torch
 
 from engine.models.config import ModelConfig
-from engine.models.sharding import EXPERT, ShardPlan
+from engine.models.sharding import EXPERT, Shard, ShardPlan
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
@@ -100,3 +102,30 @@ def part_view(param: torch.Tensor, name: str, part: int, plan: ShardPlan) -> tor
     if name.endswith(".mlp.experts.w2"):
         return param[part]
     return param
+
+
+def split_fused(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
+                shard_of: Callable[[str], Shard | None]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's fused ``self_attn.qkv_proj`` and ``mlp.gate_up_proj`` tensors (Phi-3, GLM; read whole) as the
+    q/k/v and gate/up tensors they hold, each cut to this rank's ``shard_of`` its unfused name, so that fused
+    checkpoints shard over tensor ranks as unfused ones do. Every tensor of such a projection (weight, bias, a
+    per-channel scale) is cut along its rows; the other tensors pass as they are."""
+    qkv = [config.q_size, config.kv_size, config.kv_size]
+    for name, tensor in weights:
+        parts: tuple[str, ...]
+        if ".self_attn.qkv_proj." in name:
+            parts, sizes = ("q_proj", "k_proj", "v_proj"), qkv
+            fused = "qkv_proj"
+        elif ".mlp.gate_up_proj." in name and ".mlp.experts." not in name:
+            parts, sizes = ("gate_proj", "up_proj"), [tensor.shape[0] // 2] * 2
+            fused = "gate_up_proj"
+        else:
+            yield name, tensor
+            continue
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {' + '.join(map(str, sizes))} "
+                             f"({', '.join(parts)})")
+        for part, piece in zip(parts, tensor.split(sizes), strict=True):
+            part_name = name.replace(f".{fused}.", f".{part}.")
+            if (shard := shard_of(part_name)) is not None:
+                yield part_name, shard.take(piece)

@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from engine import LLM, SamplingParams
+from engine.distributed import ParallelContext
 from engine.entrypoints.model_limits import model_context_length
 from engine.models import CausalLM, load_model
 from engine.models.config import config_from_hf
@@ -227,3 +228,34 @@ def test_what_is_not_built_is_refused_by_name(phi_longrope: tuple[PreTrainedMode
             "rope_type": "longrope", "short_factor": _SHORT, "long_factor": _LONG}}, None, True)
     with pytest.raises(ValueError, match="mlp_bias=True"):
         config_from_hf({**cfg, "model_type": "internlm3", "bias": True}, None, True)
+
+
+# -- tensor parallel over fused checkpoints ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["glm4", "phi3-partial-longrope"])
+def test_fused_checkpoints_shard_over_tensor_ranks(kind: str, tmp_path: Path) -> None:
+    """Phi's and GLM's checkpoints fuse q/k/v and gate/up: each rank takes its heads' rows of each part, as it
+    would from the unfused tensors, and two ranks give transformers' greedy tokens."""
+    hf, path = write(kind, tmp_path)
+    layer = hf.model.layers[0]
+    config = load_model(str(path), torch.float32).config
+    attn = layer.self_attn
+    q, k, v = (attn.qkv_proj.weight.split([config.q_size, config.kv_size, config.kv_size]) if kind.startswith("phi3")
+               else (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+    gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+    for rank in range(2):
+        shard = load_model(str(path), torch.float32, "cpu", ParallelContext(tp_size=2, rank=rank)).layers[0]
+        heads, kv, inter = config.q_size // 2, config.kv_size // 2, config.intermediate_size // 2
+        assert torch.equal(shard.self_attn.qkv_proj.weight, torch.cat(
+            [q[rank * heads:][:heads], k[rank * kv:][:kv], v[rank * kv:][:kv]]))
+        assert torch.equal(shard.mlp.gate_up_proj.weight, torch.cat(
+            [gate[rank * inter:][:inter], up[rank * inter:][:inter]]))
+    prompts = [prompt(n, 20 + n) for n in (6, 11)]
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
+              num_kv_blocks=48, block_size=4, seed=0, max_model_len=32 if kind.startswith("phi3") else None)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    finally:
+        llm.close()
+    assert got == [greedy_reference(hf, p, 8) for p in prompts]

@@ -1,7 +1,7 @@
 """Phi-3 / Phi-4 (``phi3``) against transformers on tiny random checkpoints: q/k/v and gate/up come fused in the
 checkpoint, loaded as they are; a sliding window in every layer. Logits within 1e-4 (float32) past the window and
-the engine's greedy tokens; what is not built (Phi's `yarn`, tensor parallel) is refused by name. Longrope and
-partial rotary are checked in test_dense_families."""
+the engine's greedy tokens; Phi's `yarn` (its longrope) is refused by name. Longrope,
+partial rotary and tensor parallel are checked in test_dense_families."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,6 @@ from transformers import Phi3Config, Phi3ForCausalLM, PreTrainedModel
 from engine import LLM, SamplingParams
 from engine.models import load_model
 from engine.models.config import config_from_hf
-from engine.models.sharding import check_parallel_sizes
 from tests.engine.kernel_probe import prepare
 from tests.engine.models.moe_factory import greedy_reference, randomize, write_tokenizer
 from tests.engine.models.paged_run import assert_prefill_then_greedy_decode, prompt
@@ -65,5 +64,3 @@ def test_what_is_not_built_is_refused_by_name(checkpoint: tuple[PreTrainedModel,
     with pytest.raises(ValueError, match="yarn.*longrope"):
         config_from_hf({**cfg, "rope_scaling": {"type": "yarn", "factor": 4.0}, "rope_parameters": None},
                        None, True)
-    with pytest.raises(ValueError, match="phi3's checkpoint fuses"):
-        check_parallel_sizes(config_from_hf(cfg, None, True), 2, 1)
