@@ -10,14 +10,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from engine.attention.mla import LatentAttention
-    from engine.device.base import Device
+
+
+class CacheMemory(Protocol):
+    """Where a backend allocates its KV caches. ``engine.device.base.Device`` is one; devices sit above attention
+    (each picks its backend), so the backend names only the method it calls."""
+
+    def empty_cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
 
 @dataclass
@@ -73,7 +79,7 @@ class AttentionBackend(ABC):
                        planes: int = 2) -> tuple[int, ...]:
         return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, planes)
 
-    def allocate_kv_caches(self, device: Device, num_layers: int, num_blocks: int, block_size: int,
+    def allocate_kv_caches(self, device: CacheMemory, num_layers: int, num_blocks: int, block_size: int,
                            num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                            planes: int = 2) -> list[torch.Tensor]:
         """One zeroed cache per layer: padded block-table entries are gathered then masked, and uninitialised

@@ -13,13 +13,14 @@ through it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
-from engine.core.beam import BeamSearchState, Candidates, Continuation, rewrite_beams
+from engine.core.beam import BeamSearchState, Candidates, Continuation
 from engine.core.block_manager import BlockManager
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
 from engine.core.reports import beam_outputs
-from engine.core.request import FinishReason, Request, SequenceId
+from engine.core.request import Request, SequenceId
 
 
 class BeamGroups:
@@ -144,3 +145,34 @@ class BeamGroups:
         return ((params.max_tokens is not None and beam.num_output_tokens + 1 >= params.max_tokens)
                 or num_tokens >= self.max_model_len
                 or width * -(-num_tokens // bs) > self.block_manager.num_blocks)
+
+
+def rewrite_beams(block_manager: BlockManager, beams: Sequence[Request], continuations: Sequence[Continuation]
+                  ) -> None:
+    """Make ``beams[j]`` its continuation ``j``: its parent's tokens and blocks plus the new token.
+
+    Every parent is copied (its blocks shared, copy-on-write) before any beam is overwritten, so a beam
+    may take the state of one that is itself being overwritten. A beam that continues itself keeps its
+    blocks; one not chosen loses its own. ``len(beams) == len(continuations)``.
+    """
+    copies: dict[int, Request] = {}
+    for j, c in enumerate(continuations):
+        if c.parent != j:
+            parent = beams[c.parent]
+            holder = Request(parent.request_id, parent.prompt_token_ids, parent.sampling_params, index=parent.index,
+                             lora_request=parent.lora_request)
+            block_manager.fork(parent, holder)
+            holder.copy_tokens_from(parent)
+            holder.num_computed_tokens = parent.num_computed_tokens
+            copies[j] = holder
+    for j, holder in copies.items():
+        beam = beams[j]
+        block_manager.free(beam)
+        # The holder's block table moves to the beam as it is: the references it took are the beam's now.
+        beam.block_ids, beam.block_hashes, beam.num_seen_blocks = (holder.block_ids, holder.block_hashes,
+                                                                   holder.num_seen_blocks)
+        beam.copy_tokens_from(holder)
+        beam.num_computed_tokens = holder.num_computed_tokens
+    for beam, c in zip(beams, continuations, strict=True):
+        beam.append_output_token(c.token_id)
+        beam.cumulative_logprob = c.cumulative_logprob

@@ -18,9 +18,10 @@ import numpy as np
 from common.errors import InvalidRequestError
 from engine.config import EngineConfig
 from engine.core.async_steps import AsyncSteps
+from engine.core.finish_reason import FinishReason
 from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, Request, SequenceId
+from engine.core.request import Request, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.request import FinishReason, PromptLogprobs, RequestTimes, SequenceId
+from engine.core.finish_reason import FinishReason
+from engine.core.request import PromptLogprobs, RequestTimes, SequenceId
 
 
 @dataclass

@@ -4,8 +4,9 @@ once, when the request ends."""
 from __future__ import annotations
 
 from engine.core.beam import Hypothesis
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, Request
+from engine.core.request import Request
 
 
 def delta_output(request: Request, stream_interval: int) -> EngineCoreOutput | None:

@@ -6,15 +6,13 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.core.beam import BeamSearchState
+from engine.core.finish_reason import FinishReason
 from engine.core.lora_request import LoRARequest
 from engine.core.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.core.beam import BeamSearchState
 
 TOKEN_DTYPE = np.int32
 
@@ -40,16 +38,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    """Why a sequence ended. Text-level reasons (stop strings) live outside the core."""
-
-    EOS = "eos"              # the model's end-of-sequence token
-    STOP = "stop"            # one of ``stop_token_ids``
-    LENGTH = "length"        # max_tokens or max_model_len reached
-    ABORT = "abort"          # cancelled by the caller
-    ERROR = "error"          # the engine failed while running it
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,9 +36,10 @@ from engine.config import EngineConfig
 from engine.core.beam import Candidates
 from engine.core.beam_groups import BeamGroups
 from engine.core.block_manager import BlockManager
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
 from engine.core.reports import best_of_outputs, delta_output
-from engine.core.request import FinishReason, PromptLogprobsChunk, Request, RequestStatus, SequenceId
+from engine.core.request import PromptLogprobsChunk, Request, RequestStatus, SequenceId
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 Logprob = tuple[float, dict[int, float]]

@@ -9,14 +9,12 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from engine.attention.backend import AttentionBackend
 from engine.device.kernel_choice import KernelChoice
-
-if TYPE_CHECKING:
-    from engine.attention.backend import AttentionBackend
 
 
 class Device(ABC):

@@ -25,9 +25,10 @@ import numpy as np
 
 from common.errors import EngineDeadError
 from engine.core.engine_core import EngineCore
+from engine.core.finish_reason import FinishReason
 from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, SequenceId
+from engine.core.request import SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.metrics import EngineMetrics
 from engine.entrypoints.stats_logger import StatsLogger

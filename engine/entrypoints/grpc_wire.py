@@ -9,8 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from common.errors import InvalidRequestError
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, PromptLogprobs, SequenceId
+from engine.core.request import PromptLogprobs, SequenceId
 from engine.core.sampling_params import BeamSearch, EarlyStopping, SamplingParams, StructuredOutputsParams
 from proto.sluice.v1 import common_pb2, engine_pb2
 

@@ -24,9 +24,10 @@ set_openmp_defaults()
 from common.errors import InvalidRequestError  # noqa: E402
 from engine.config import EngineConfig, LoRAConfig, SpeculativeConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.core.finish_reason import FinishReason  # noqa: E402
 from engine.core.lora_request import LoRARequest  # noqa: E402
 from engine.core.outputs import CompletionOutput, EngineCoreOutput, RequestOutput  # noqa: E402
-from engine.core.request import FinishReason, PromptLogprobs, SequenceId  # noqa: E402
+from engine.core.request import PromptLogprobs, SequenceId  # noqa: E402
 from engine.core.sampling_params import (  # noqa: E402
     BeamSearch,
     EarlyStopping,

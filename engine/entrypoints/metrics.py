@@ -27,8 +27,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from common.procs import port_number
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, RequestTimes
+from engine.core.request import RequestTimes
 from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:   # the engine CLI imports this module before torch may load (engine.entrypoints.process)

@@ -15,8 +15,8 @@ import time
 from collections.abc import Mapping
 
 from common.tracing import Tracing, epoch_ns
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason
 from engine.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,8 @@ import pytest
 
 from common.errors import QueueFullError
 from engine.config import EngineConfig, default_max_queued_requests
-from engine.core.request import FinishReason, Request, RequestStatus, SequenceId
+from engine.core.finish_reason import FinishReason
+from engine.core.request import Request, RequestStatus, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.entrypoints.args import add_engine_args, config_from_args

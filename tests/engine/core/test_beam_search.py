@@ -14,8 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Co
 from common.errors import InvalidRequestError
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason
 from engine.core.sampling_params import BeamSearch, EarlyStopping, SamplingParams
 
 _COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

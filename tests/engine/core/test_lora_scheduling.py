@@ -13,8 +13,9 @@ from common.errors import InvalidRequestError
 from engine.config import EngineConfig, LoRAConfig
 from engine.core import engine_core
 from engine.core.engine_core import EngineCore
+from engine.core.finish_reason import FinishReason
 from engine.core.lora_request import LoRARequest
-from engine.core.request import FinishReason, Request, SequenceId
+from engine.core.request import Request, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput

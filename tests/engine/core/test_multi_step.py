@@ -15,8 +15,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from common.errors import InvalidRequestError
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.engine_core import EngineCore
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, Request
+from engine.core.request import Request
 from engine.core.sampling_params import BeamSearch, SamplingParams, StructuredOutputsParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput

@@ -9,8 +9,9 @@ import pytest
 
 from common.errors import InvalidRequestError, QueueFullError
 from engine.config import EngineConfig
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, Request, RequestStatus, SequenceId
+from engine.core.request import Request, RequestStatus, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput

@@ -18,8 +18,9 @@ import pytest
 from common.errors import EngineDeadError, QueueFullError
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, Request
+from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.entrypoints.async_engine import AsyncEngine, _Add, _Call

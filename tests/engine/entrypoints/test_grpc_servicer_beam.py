@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from common.errors import InvalidRequestError
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason
 from engine.core.sampling_params import BeamSearch
 from engine.entrypoints.grpc_servicer import output_to_pb, sampling_params_from_pb
 from proto.sluice.v1 import common_pb2, engine_pb2

@@ -15,9 +15,10 @@ from prometheus_client.samples import Sample
 
 from common.procs import free_port
 from engine.config import EngineConfig, LoRAConfig, SpeculativeConfig
+from engine.core.finish_reason import FinishReason
 from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, RequestTimes
+from engine.core.request import RequestTimes
 from engine.core.sampling_params import SamplingParams
 from engine.core.spec_stats import SpecDecodingStats
 from engine.entrypoints.metrics import EngineMetrics, build_1_2_5_buckets, serve_metrics

@@ -13,8 +13,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from common.tracing import Tracing
+from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
-from engine.core.request import FinishReason, RequestTimes
+from engine.core.request import RequestTimes
 from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.request_observer import RequestObserver
 
