@@ -14,8 +14,8 @@ from engine.models.moe_config import MOE_ARCHITECTURES, MlaConfig, MoeConfig, ml
 
 # model_type values this engine implements: the Llama block layout, and the mixture-of-experts families (Mixtral
 # and Qwen-MoE on Llama/Qwen attention; DeepSeek-V2/V3 on multi-head latent attention).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "glm", "glm4",
-                           "internlm3") + MOE_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "glm",
+                           "glm4", "internlm3", "helium", "seed_oss", "smollm3", "granite") + MOE_ARCHITECTURES
 # The MLP activations: SiLU (every family) or GELU's tanh approximation (Gemma).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -104,6 +104,12 @@ class ModelConfig:
     # dimensions (GPT-J's interleaved layout) where the others rotate the two halves.
     partial_rotary_factor: float = 1.0
     rope_interleaved: bool = False
+    nope_layers: frozenset[int] = frozenset()   # SmolLM3: layers whose queries and keys are not rotated
+    # Granite: embeddings times embedding_multiplier, each block's output times residual_multiplier before its
+    # residual add, logits divided by logits_scaling (queries scaled by attention_multiplier: attn_scale)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -225,7 +231,9 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
     generation_cfg = generation_cfg or {}
     window, window_layers = sliding_window_from_hf(cfg, arch)
     gemma = (gemma3_from_hf(cfg) if arch == "gemma3_text" else gemma2_from_hf(cfg) if arch == "gemma2"
-             else {"sandwich_norms": True} if arch == "glm4" else {})
+             else {"sandwich_norms": True} if arch == "glm4" else granite_from_hf(cfg) if arch == "granite"
+             else {"nope_layers": frozenset(i for i, rope in enumerate(_smollm3_rope_layers(cfg)) if not rope)}
+             if arch == "smollm3" else {})
     per_type = cfg.get("rope_parameters")
     if arch == "gemma3_text" and isinstance(per_type, dict) and "full_attention" in per_type:
         # transformers 5 writes one rope per layer type: the global layers' is the model's
@@ -259,7 +267,8 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
         # Qwen2 always has q/k/v bias and never an o_proj bias, GLM's flag is for q/k/v only; Llama/Qwen3's covers
         # all four.
         attention_bias=True if arch in ("qwen2", "qwen2_moe") else bias,
-        o_proj_bias=bias and arch not in ("qwen2", "qwen2_moe", "glm", "glm4"),
+        o_proj_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "seed_oss"
+                     else bias and arch not in ("qwen2", "qwen2_moe", "glm", "glm4", "helium")),
         qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         eos_token_ids=merge_eos(_token_ids(cfg.get("eos_token_id")), _token_ids(generation_cfg.get("eos_token_id"))),
@@ -269,9 +278,27 @@ def config_from_hf(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None, h
         sliding_layers=window_layers,
         hidden_act=str(act),
         partial_rotary_factor=partial,
-        rope_interleaved=arch in ("glm", "glm4"),
+        rope_interleaved=arch in ("glm", "glm4", "helium"),
         **gemma,
     )
+
+
+def _smollm3_rope_layers(cfg: dict[str, Any]) -> list[int]:
+    """SmolLM3's ``no_rope_layers``: per layer, 1 where queries and keys are rotated (default: all but every
+    ``no_rope_layer_interval``-th)."""
+    listed = cfg.get("no_rope_layers")
+    if listed is not None:
+        return [int(v) for v in listed]
+    interval = int(cfg.get("no_rope_layer_interval", 4))
+    return [int((i + 1) % interval != 0) for i in range(int(cfg["num_hidden_layers"]))]
+
+
+def granite_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four multipliers as transformers' ``modeling_granite`` applies them."""
+    return dict(attn_scale=float(cfg.get("attention_multiplier", 1.0)),
+                embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                logits_scaling=float(cfg.get("logits_scaling", 1.0)))
 
 
 def gemma2_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -320,17 +347,20 @@ def sliding_window_from_hf(cfg: dict[str, Any], arch: str) -> tuple[int | None, 
     shorter than the context changes nothing and is dropped."""
     window = cfg.get("sliding_window")
     layers = int(cfg["num_hidden_layers"])
-    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and not cfg.get("use_sliding_window", False):
         window = None
-    if arch not in ("mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma2",
-                    "gemma3_text") or not window:
+    if arch not in ("mistral", "ministral", "mixtral", "phi3", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma2",
+                    "gemma3_text", "smollm3") or not window:
         return None, None
     window = int(window)
     if window < 0:
         raise ValueError(f"sliding_window={window} must be positive")
     if window >= int(cfg.get("max_position_embeddings", 4096)):
         return None, None
-    types = (cfg.get("layer_types") if arch in ("qwen2", "qwen3", "qwen2_moe")
+    if arch == "smollm3" and cfg.get("layer_types") is None:   # its default: the layers without rope slide
+        cfg = {**cfg, "layer_types": ["full_attention" if rope else "sliding_attention"
+                                      for rope in _smollm3_rope_layers(cfg)]}
+    types = (cfg.get("layer_types") if arch in ("qwen2", "qwen3", "qwen2_moe", "ministral", "smollm3")
              else _gemma3_layer_types(cfg) if arch == "gemma3_text"
              else cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                              for i in range(layers)] if arch == "gemma2" else None)
@@ -340,7 +370,7 @@ def sliding_window_from_hf(cfg: dict[str, Any], arch: str) -> tuple[int | None, 
         if unknown:
             raise ValueError(f"layer_types {unknown} are not supported (full_attention, sliding_attention)")
         chosen = frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
-    elif arch in ("qwen2", "qwen3"):
+    elif arch in ("qwen2", "qwen3", "smollm3"):
         chosen = frozenset(range(max_window_layers, layers))
     elif arch == "qwen2_moe":
         chosen = frozenset(i for i in range(layers) if (i + 1) % 2 and i < max_window_layers)

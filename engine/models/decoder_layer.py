@@ -32,9 +32,10 @@ def _row_linear(in_features: int, out_features: int, bias: bool, parallel: Paral
 class Attention(nn.Module):
     """Self-attention over this rank's query heads and the KV heads they read (``plan``)."""
 
-    def __init__(self, config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding,
+    def __init__(self, config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding | None,
                  parallel: ParallelContext, window: int | None = None) -> None:
-        """``window``: this layer's sliding window (None: full attention)."""
+        """``window``: this layer's sliding window (None: full attention); ``rotary`` None: no position rotation
+        (SmolLM3's NoPE layers)."""
         super().__init__()
         self.config = config
         self.window = window
@@ -58,7 +59,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
         out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window,
                                    self.config.attn_logit_softcapping)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -91,7 +93,7 @@ def _attention(config: ModelConfig, plan: ShardPlan, rotary: RotaryEmbedding, pa
         if config.window_of(layer) is not None:
             raise ValueError("sliding_window is not supported with multi-head latent attention")
         return MlaAttention(config.hidden_size, config.mla, plan.num_heads, config.rms_norm_eps, rotary, parallel)
-    return Attention(config, plan, rotary, parallel, config.window_of(layer))
+    return Attention(config, plan, None if layer in config.nope_layers else rotary, parallel, config.window_of(layer))
 
 
 class DecoderLayer(nn.Module):
@@ -103,6 +105,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = _attention(config, plan, rotary, parallel, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = _mlp(config, plan, layer, parallel)
+        self.residual_multiplier = config.residual_multiplier   # Granite's
         # Gemma 3's sandwich: the attention's and the MLP's outputs normalised before their residual adds
         self.pre_feedforward_layernorm: RMSNorm | None = None
         self.post_feedforward_layernorm: RMSNorm | None = None
@@ -123,8 +126,11 @@ class DecoderLayer(nn.Module):
         if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
             h, residual = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attn), residual)
             return self.post_feedforward_layernorm(self.mlp(h)), residual
+        if self.residual_multiplier != 1.0:
+            attn = attn * self.residual_multiplier
         h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
-        return self.mlp(h), residual
+        out = self.mlp(h)
+        return (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out), residual
 
 
 # The layers that pick a kernel in ``use_kernels``.

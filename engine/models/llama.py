@@ -133,6 +133,8 @@ class CausalLM(nn.Module):
             x = self.embed_tokens(input_ids)
             if self.config.embed_scale:   # Gemma: by sqrt(hidden), rounded to the table's dtype as transformers does
                 x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+            elif self.config.embedding_multiplier != 1.0:   # Granite
+                x = x * self.config.embedding_multiplier
         elif intermediate is not None:
             x, residual = intermediate
         else:
@@ -158,6 +160,8 @@ class CausalLM(nn.Module):
         vocab = self.config.vocab_size
         if logits.shape[-1] != vocab:  # the last rank's padding rows
             logits = logits[..., :vocab].contiguous()
+        if self.config.logits_scaling != 1.0:   # Granite
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

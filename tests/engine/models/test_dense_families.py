@@ -18,12 +18,22 @@ from transformers import (
     Glm4ForCausalLM,
     GlmConfig,
     GlmForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    HeliumConfig,
+    HeliumForCausalLM,
     InternLM3Config,
     LlamaConfig,
     LlamaForCausalLM,
+    MinistralConfig,
+    MinistralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
+    SeedOssConfig,
+    SeedOssForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from engine import LLM, SamplingParams
@@ -57,6 +67,21 @@ MODELS: dict[str, Callable[[], PreTrainedModel]] = {
     "glm4": lambda: Glm4ForCausalLM(Glm4Config(**{**_BASE, "partial_rotary_factor": 0.5})),
     "internlm3": _internlm3,
     # Phi-4-mini: rope over 0.75 of each head, longrope (the short factors within the original 32 positions)
+    # interleaved rope over the whole head, q/k/v bias without an o_proj one
+    "helium": lambda: HeliumForCausalLM(HeliumConfig(**{**_BASE, "attention_bias": True})),
+    # q/k/v and o biases set apart
+    "seed_oss": lambda: SeedOssForCausalLM(SeedOssConfig(**{**_BASE, "attention_bias": True,
+                                                           "attention_out_bias": True})),
+    # a layer without rope, which also slides (its default layer types)
+    "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**{**_BASE, "use_sliding_window": True, "sliding_window": 6,
+                                                          "no_rope_layers": [1, 0]})),
+    # Granite's four multipliers
+    "granite": lambda: GraniteForCausalLM(GraniteConfig(**{
+        **_BASE, "embedding_multiplier": 3.0, "residual_multiplier": 0.6, "attention_multiplier": 0.2,
+        "logits_scaling": 2.5})),
+    # a local and a global layer
+    "ministral": lambda: MinistralForCausalLM(MinistralConfig(**{
+        **_BASE, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]})),
     "phi3-partial-longrope": lambda: Phi3ForCausalLM(Phi3Config(**{
         **_BASE, "max_position_embeddings": 128, "original_max_position_embeddings": 32,
         "partial_rotary_factor": 0.75, "rope_parameters": {
@@ -94,10 +119,18 @@ def _ours(path: Path, kernels: bool, context: int | None = None) -> CausalLM:
 def test_the_config_is_read_as_transformers_reads_it(checkpoint: tuple[str, PreTrainedModel, Path]) -> None:
     kind, hf, path = checkpoint
     config = load_model(str(path), torch.float32).config
-    expected = {"glm": (8, True, False, True), "glm4": (8, True, True, True), "internlm3": (16, False, False, False),
-                "phi3-partial-longrope": (12, False, False, False)}[kind]
-    assert (config.rotary_dim, config.rope_interleaved, config.sandwich_norms, config.attention_bias) == expected
-    assert not config.o_proj_bias
+    # rotated dims, interleaved, sandwich norms, q/k/v bias, o_proj bias, the layers without rope, sliding layers
+    expected = {"glm": (8, True, False, True, False, set(), []), "glm4": (8, True, True, True, False, set(), []),
+                "internlm3": (16, False, False, False, False, set(), []),
+                "helium": (16, True, False, True, False, set(), []),
+                "seed_oss": (16, False, False, True, True, set(), []),
+                "smollm3": (16, False, False, False, False, {1}, [None, 6]),
+                "granite": (16, False, False, False, False, set(), []),
+                "ministral": (16, False, False, False, False, set(), [6, None]),
+                "phi3-partial-longrope": (12, False, False, False, False, set(), [])}[kind]
+    windows = [config.window_of(i) for i in range(config.num_layers)] if config.sliding_window else []
+    assert (config.rotary_dim, config.rope_interleaved, config.sandwich_norms, config.attention_bias,
+            config.o_proj_bias, set(config.nope_layers), windows) == expected
     assert config.architecture == hf.config.model_type
 
 
