@@ -10,7 +10,16 @@
   (keys and values seen as [num_blocks, 128, num_kv_heads * head_dim]), ``actual_seq_lengths`` the cumulative query
   ends, ``actual_seq_lengths_kv`` each sequence's key count, ``sparse_mode=3`` (right-down causal: query i of a
   chunk of q sees the keys up to kv_len - q + i) with the operator's optimised 2048 x 2048 mask. vLLM-Ascend runs
-  fresh prompts through ``_npu_flash_attention`` instead; one call covers both here.
+  fresh prompts through ``_npu_flash_attention`` instead; one call covers both here;
+* a sliding-window layer (``window`` W): every row, decodes too, in one ``npu_fused_infer_attention_score`` call as
+  above but ``sparse_mode=4`` (band, counted from the bottom-right corner like mode 3) with ``pre_tokens=W - 1`` and
+  ``next_tokens=0``: query i sees keys kv_len - q + i - (W - 1) .. kv_len - q + i, its last W positions.
+  ``_npu_paged_attention`` takes no window. vLLM-Ascend (``attention_v1.py``) also sends a windowed layer's decodes
+  to this operator with sparse_mode 4 and next_tokens 0, but passes ``pre_tokens=sliding_window``; by the operator's
+  definition (pre_tokens: the tokens before the query it attends to; the kernels keep keys p - pre_tokens .. p) that
+  is a window of W + 1, so here it is W - 1 (tests/engine/npu_twin/attention.py cites the sources).
+
+Soft-capped scores (Gemma 2) are refused at load (engine.worker.model_checks): neither operator takes a cap.
 
 Multi-head latent attention's one-plane latent cache has its own operators (:mod:`engine.attention.npu_mla`).
 
@@ -40,9 +49,12 @@ class NpuAttentionMetadata(AttentionMetadata):
     """The default metadata plus what the operators read, in their dtypes (built once per step)."""
 
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0))                # int32 [num_tokens]
-    decode_block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0))   # int32 [num_decodes, max]
+    block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0))          # int32 [num_seqs, max]
+    decode_block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0))   # block_table[:num_decodes]
     decode_context_lens: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # int32 [num_decodes], host
-    prefill_block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # int32 [num_prefills, max]
+    prefill_block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # block_table[num_decodes:]
+    query_ends: list[int] = field(default_factory=list)           # cumulative query lengths of every row
+    kv_lens: list[int] = field(default_factory=list)              # keys each row attends over
     prefill_query_ends: list[int] = field(default_factory=list)   # cumulative query lengths of the prefills
     prefill_kv_lens: list[int] = field(default_factory=list)      # keys each prefill chunk attends over
     mask: torch.Tensor | None = None                               # the optimised causal mask, on the device
@@ -79,25 +91,31 @@ class NpuAttentionBackend(AttentionBackend):
         base = super().build_metadata(layout, device)
         nd = layout.num_decodes
         num_tokens = sum(layout.query_lens)
-        tables = torch.from_numpy(np.ascontiguousarray(layout.block_tables, dtype=np.int32))
+        # A block given back behind every window (engine.core.block_manager.RELEASED, -1) reads as block 0, as
+        # vLLM's null block: the operators take real block ids, and no band reaches those positions.
+        tables = np.maximum(layout.block_tables, 0).astype(np.int32)
+        table = torch.from_numpy(tables).to(device, non_blocking=True)
         prefill_lens = layout.query_lens[nd:]
         return NpuAttentionMetadata(
             **vars(base),
             slots=layout.slot_mapping[:num_tokens].to(torch.int32).to(device, non_blocking=True),
-            decode_block_table=tables[:nd].to(device, non_blocking=True),
+            block_table=table,
+            decode_block_table=table[:nd],
             decode_context_lens=torch.tensor(layout.seq_lens[:nd], dtype=torch.int32),
-            prefill_block_table=tables[nd:].to(device, non_blocking=True),
+            prefill_block_table=table[nd:],
+            query_ends=np.cumsum(layout.query_lens).tolist(),
+            kv_lens=list(layout.seq_lens),
             prefill_query_ends=np.cumsum(prefill_lens).tolist() if prefill_lens else [],
             prefill_kv_lens=list(layout.seq_lens[nd:]),
-            mask=self._mask(device) if prefill_lens else None,
+            mask=self._mask(device),   # prefills, and a windowed layer's decodes
         )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
         assert isinstance(meta, NpuAttentionMetadata), "NpuAttentionBackend reads the metadata it builds"
-        if window is not None or softcap is not None:   # refused at load (engine.worker.model_checks)
-            raise ValueError("sliding windows and soft-capped attention are not wired to the NPU's operators")
+        if softcap is not None:   # refused at load (engine.worker.model_checks)
+            raise ValueError("soft-capped attention scores are not wired to the NPU's operators (none takes a cap)")
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
         num_heads = query.shape[1]
@@ -105,6 +123,15 @@ class NpuAttentionBackend(AttentionBackend):
         query = query.contiguous()
         self.ops._npu_reshape_and_cache(key=key.contiguous(), value=value.contiguous(), key_cache=key_cache,
                                         value_cache=value_cache, slot_indices=meta.slots)
+        paged_keys = key_cache.view(num_blocks, block_size, num_kv_heads * head_dim)
+        paged_values = value_cache.view(num_blocks, block_size, num_kv_heads * head_dim)
+        if window is not None:   # every row in one band call (see the module's docstring)
+            out, _ = self.ops.npu_fused_infer_attention_score(
+                query, paged_keys, paged_values, atten_mask=meta.mask, block_table=meta.block_table,
+                input_layout="TND", block_size=block_size, actual_seq_lengths=meta.query_ends,
+                actual_seq_lengths_kv=meta.kv_lens, num_key_value_heads=num_kv_heads, num_heads=num_heads,
+                scale=float(scale), sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
+            return out
         out = torch.empty_like(query)
         nd = meta.num_decodes
         if nd > 0:
@@ -114,10 +141,9 @@ class NpuAttentionBackend(AttentionBackend):
                                           out=out[:nd])
         if meta.prefill_query_ends:
             prefill_out, _ = self.ops.npu_fused_infer_attention_score(
-                query[nd:], key_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
-                value_cache.view(num_blocks, block_size, num_kv_heads * head_dim), atten_mask=meta.mask,
-                block_table=meta.prefill_block_table, input_layout="TND", block_size=block_size,
-                actual_seq_lengths=meta.prefill_query_ends, actual_seq_lengths_kv=meta.prefill_kv_lens,
-                num_key_value_heads=num_kv_heads, num_heads=num_heads, scale=float(scale), sparse_mode=3)
+                query[nd:], paged_keys, paged_values, atten_mask=meta.mask, block_table=meta.prefill_block_table,
+                input_layout="TND", block_size=block_size, actual_seq_lengths=meta.prefill_query_ends,
+                actual_seq_lengths_kv=meta.prefill_kv_lens, num_key_value_heads=num_kv_heads, num_heads=num_heads,
+                scale=float(scale), sparse_mode=3)
             out[nd:] = prefill_out
         return out

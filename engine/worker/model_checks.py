@@ -15,14 +15,11 @@ def check_model_options(model: ModelConfig, config: EngineConfig) -> None:
         raise InvalidRequestError("enable_lora", f"LoRA adapters on {' and '.join(kinds)} models "
                                                  f"({model.architecture}) are not supported: the adapters' targets are "
                                                  "the dense q/k/v/o and gate/up/down projections")
-    if model.sliding_window is not None and config.device == "npu" and not config.disable_sliding_window:
-        raise InvalidRequestError("sliding_window", f"the model's sliding window ({model.sliding_window} tokens) is "
-                                                    "not wired to the NPU's attention operators: give "
-                                                    "--disable-sliding-window (the context is then capped at the "
-                                                    "window)")
     if model.attn_logit_softcapping is not None and config.device == "npu":
         raise InvalidRequestError("attn_logit_softcapping", f"{model.architecture}'s soft-capped attention scores "
-                                                            "are not wired to the NPU's attention operators")
+                                                            "cannot run on the NPU: neither "
+                                                            "npu_fused_infer_attention_score nor _npu_paged_attention "
+                                                            "takes a cap")
     if config.quantization is not None and model.moe is not None and config.device != "cpu":
         raise InvalidRequestError("quantization", f"W8A8 experts run on the CPU only ({config.device} has no int8 "
                                                   "mixture-of-experts kernel wired)")

@@ -1,8 +1,9 @@
 """The whole engine with ``--device npu`` on the torch-npu operator twin (tests/engine/npu_twin), against the CPU
-backend: the same greedy tokens on tiny random Llama and Qwen2 checkpoints in float16, through fresh prefill,
-chunked prefill (a 64-token budget), a prefix hit (two prompts sharing 150 tokens: one full 128-token block) and
-decode; every torch-npu operator the engine names is called, and only those. Also: the NPU device on the twin, and
-the config rules of --device npu (block size 128, half precision)."""
+backend: the same greedy tokens on tiny random Llama, Qwen2 and Mistral (an 8-position sliding window in every layer)
+checkpoints in float16, through fresh prefill, chunked prefill (a 64-token budget), a prefix hit (two prompts sharing
+150 tokens: one full 128-token block) and decode; Mistral's prompts outrun its window and give back the blocks
+behind it. Every torch-npu operator the engine names is called, and only those. Also: the NPU device on the
+twin, and the config rules of --device npu (block size 128, half precision)."""
 from __future__ import annotations
 
 import re
@@ -13,8 +14,10 @@ import pytest
 import torch
 
 from common.errors import InvalidRequestError
-from engine.attention.npu_backend import NpuAttentionBackend
+from engine.attention.backend import StepLayout
+from engine.attention.npu_backend import NpuAttentionBackend, NpuAttentionMetadata
 from engine.config import EngineConfig
+from engine.core.block_manager import RELEASED
 from engine.core.engine_core import EngineCore
 from engine.core.outputs import EngineCoreOutput
 from engine.core.sampling_params import SamplingParams
@@ -64,22 +67,35 @@ def _referenced_operators(*files: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 @pytest.mark.usefixtures("npu_device_twin")
-def test_engine_on_the_twin_matches_the_cpu_backend(kind: str, tmp_path: Path) -> None:
+def test_engine_on_the_twin_matches_the_cpu_backend(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                    ) -> None:
     path = write_checkpoint(kind, tmp_path / kind)
     expected, expected_cached = _generate(path, "cpu")
     twin.CALLED.clear()
+    table_entries: set[int] = set()
+    build = NpuAttentionBackend.build_metadata
+
+    def recording(self: NpuAttentionBackend, layout: StepLayout, device: torch.device) -> NpuAttentionMetadata:
+        table_entries.update(layout.block_tables.ravel().tolist())
+        return build(self, layout, device)
+
+    monkeypatch.setattr(NpuAttentionBackend, "build_metadata", recording)
     got, cached = _generate(path, "npu")
     assert got == expected
     assert all(len(t) == MAX_TOKENS for t in got.values()) and set(got) == {"first", "second", "short"}
     assert cached == expected_cached and cached["second"] == 128
-    # Every operator the backend and the layers name ran (prefill with and without context, decode), no other.
+    # Every operator the backend and the layers name ran (prefill with and without context, decode), no other;
+    # sliding-window layers send decodes to the fused operator too (_npu_paged_attention takes no window), and a
+    # sequence past the window gives back its first block: later steps read RELEASED table entries.
     used = _referenced_operators("attention/npu_backend.py", "models/layers/norm.py", "models/layers/activation.py",
                                  "models/layers/rotary.py")
     assert used == {"_npu_reshape_and_cache", "_npu_paged_attention", "npu_fused_infer_attention_score",
                     "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul"}
-    assert twin.CALLED == used
+    windowed = kind == "mistral"
+    assert twin.CALLED == (used - {"_npu_paged_attention"} if windowed else used)
+    assert (RELEASED in table_entries) == windowed
 
 
 def test_every_operator_the_engine_names_is_in_the_twin() -> None:

@@ -1,5 +1,6 @@
-"""The torch-npu operator twin keeps the documented signatures and refuses what the documentation refuses; the layers
-that pick torch-npu's operators (``KernelChoice.npu_ops``) give the PyTorch path's numbers within dtype tolerance."""
+"""The torch-npu operator twin keeps the documented signatures, refuses what the documentation refuses and masks a band
+as the documentation draws it; the layers that pick torch-npu's operators (``KernelChoice.npu_ops``) give the PyTorch
+path's numbers within dtype tolerance."""
 from __future__ import annotations
 
 import inspect
@@ -17,6 +18,7 @@ from engine.models.layers.rotary import RotaryEmbedding
 from tests.engine.models.layers.test_fused_moe_npu import DOCUMENTED as MOE_DOCUMENTED
 from tests.engine.npu_twin import torch_npu as twin
 from tests.engine.npu_twin import torch_npu_twin  # noqa: F401  (fixture)
+from tests.engine.npu_twin.attention import visible_keys
 
 # Parameters as torch-npu's API reference lists them: (positional-or-keyword, keyword-only).
 FIA_KEYWORDS = (
@@ -123,6 +125,14 @@ REFUSED: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
     "fia mask 128": (_fia(atten_mask=torch.triu(torch.ones(128, 128, dtype=torch.bool), 1)), ValueError, "2048"),
     "fia lower mask": (_fia(atten_mask=torch.tril(torch.ones(2048, 2048, dtype=torch.bool), -1)), ValueError,
                        "above the diagonal"),
+    "fia band without a mask": (_fia(sparse_mode=4, pre_tokens=3, next_tokens=0, atten_mask=None), ValueError,
+                                "sparse_mode 4 takes the optimised"),
+    "fia empty band": (_fia(sparse_mode=4, pre_tokens=-3, next_tokens=2), ValueError, "pre_tokens . next_tokens"),
+    "fia band past the queries": (_fia(sparse_mode=4, pre_tokens=-6, next_tokens=8), ValueError,
+                                  "pre_tokens >= -5"),
+    "fia band float tokens": (_fia(sparse_mode=4, pre_tokens=3.0, next_tokens=0), TypeError, "pre_tokens"),
+    "fia released block": (_fia(block_table=torch.tensor([[-1, 1]], dtype=torch.int32)), ValueError,
+                           "outside the cache"),
     "siso int64 slots": (_siso(slot_indices=torch.tensor([1, 2, 3])), TypeError, "slot_indices"),
     "siso float32 key": (_siso(key=torch.randn(3, 1, 40)), TypeError, "key must have the cache's dtype"),
     "siso two heads": (_siso(key=_half(3, 2, 40)), ValueError, r"key must be \[num_tokens, 1, 40\]"),
@@ -208,5 +218,35 @@ def test_layers_on_npu_operators_match_the_torch_path(dtype: torch.dtype) -> Non
 
 
 def test_the_refusal_cases_differ_from_an_accepted_call_in_one_argument() -> None:
-    for accepted in (_reshape(), _paged(), _fia(), _siso(), _mla()):
+    for accepted in (_reshape(), _paged(), _fia(), _fia(sparse_mode=4, pre_tokens=3, next_tokens=0), _siso(), _mla()):
         accepted()
+
+
+# CANN ops-transformer docs/figures/sparsemode为4遮挡矩阵.png (the sparse_mode page's band example), cell by cell:
+# 13 queries, 16 keys, pre_tokens 6, next_tokens 4, counted from the bottom-right corner; "." computed, "#" masked.
+BAND_FIGURE = """
+........########
+.........#######
+..........######
+...........#####
+#...........####
+##...........###
+###...........##
+####...........#
+#####...........
+######..........
+#######.........
+########........
+#########.......
+"""
+
+
+def test_the_twin_band_is_the_documented_figure() -> None:
+    visible = visible_keys(4, 13, 16, pre_tokens=6, next_tokens=4)
+    assert visible is not None
+    assert ["".join("." if v else "#" for v in row) for row in visible.tolist()] == BAND_FIGURE.split()
+    # the window of W positions, the query's own included: pre_tokens W - 1, next_tokens 0
+    window = visible_keys(4, 3, 5, pre_tokens=1, next_tokens=0)
+    assert window is not None and window.int().tolist() == [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+    causal = visible_keys(3, 3, 5, pre_tokens=1, next_tokens=0)   # mode 3 ignores both
+    assert causal is not None and causal.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]

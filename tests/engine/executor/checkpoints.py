@@ -12,6 +12,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -28,6 +30,8 @@ MODELS: dict[str, Callable[[], PreTrainedModel]] = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON, tie_word_embeddings=False)),       # GQA, untied
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_COMMON, tie_word_embeddings=True)),        # q/k/v bias, tied
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=False)),  # q/k norm
+    # a sliding window of 8 positions in every layer
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=8, tie_word_embeddings=False)),
 }
 
 

@@ -129,19 +129,6 @@ def test_a_window_the_qwen2_config_does_not_switch_on_is_not_read() -> None:
     assert [mistral.window_of(i) for i in range(3)] == [WINDOW] * 3
 
 
-def test_a_window_the_npu_cannot_run_is_refused_naming_it(checkpoints: dict[str, tuple[PreTrainedModel, Path]]
-                                                         ) -> None:
-    from engine.config import EngineConfig
-    from engine.models.loader import read_model_config
-    from engine.worker.model_checks import check_model_options
-
-    _, path = checkpoints["mistral"]
-    model = read_model_config(str(path))
-    with pytest.raises(InvalidRequestError, match="sliding_window: the model's sliding window .6 tokens"):
-        check_model_options(model, EngineConfig(model=str(path), device="npu"))
-    check_model_options(model, EngineConfig(model=str(path), device="npu", disable_sliding_window=True))
-
-
 def test_blocks_outside_every_window_are_given_back_with_the_same_outputs(
         checkpoints: dict[str, tuple[PreTrainedModel, Path]]) -> None:
     """Mistral (every layer slides, window 6, blocks of 4): a long generation holds at most the window plus one block

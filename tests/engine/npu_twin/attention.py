@@ -8,8 +8,25 @@
 * ``npu_fused_infer_attention_score``: the keyword-only signature of the Ascend Extension for PyTorch API reference
   (7.0.0), in the one form Sluice calls it: ``input_layout="TND"`` over a paged cache (``block_table``, keys and
   values [num_blocks, block_size, num_kv_heads * head_dim]), ``actual_seq_lengths`` the cumulative ends of each
-  sequence's queries, ``actual_seq_lengths_kv`` each sequence's key count, ``sparse_mode=3`` (rightDownCausal) with
-  the optimised 2048 x 2048 mask (1 above the diagonal). Other layouts and modes raise "not modelled".
+  sequence's queries, ``actual_seq_lengths_kv`` each sequence's key count, and ``sparse_mode=3`` (rightDownCausal)
+  or ``sparse_mode=4`` (band, with ``pre_tokens`` / ``next_tokens``: vLLM-Ascend's sliding window) with the
+  optimised 2048 x 2048 mask (1 above the diagonal). Other layouts and modes raise "not modelled".
+
+The band (sparse_mode 4), from three sources that agree: the "sparse_mode" page of CANN ops-transformer
+(``docs/context/sparse_mode参数说明.md``: band computes what lies between pre_tokens and next_tokens, "the origin is
+the bottom-right corner"); the FusedInferAttentionScore reference (``pre_tokens``: how many tokens *before* the query
+it attends to, ``next_tokens``: how many after; sparse 4 wants pre_tokens >= -actualSeqLengths, next_tokens >=
+-actualSeqLengthsKv, pre_tokens + next_tokens >= 0); and the kernels' mask arithmetic (ops-transformer
+``prompt_flash_attention_base.h`` ``GetSparseParam`` / ``ComputeAttenMaskOffset[Pre]``, ``fia_kernel_nonquant_mla.h``
+``GetPreNextTokensLeftUp``), which move the origin to the top-left corner (pre - kv + q, next + kv - q) and mask key
+j of query row i unless ``i - pre <= j <= i + next``. So query i of a sequence of q queries over kv keys sits at
+position ``p = kv - q + i`` and sees keys ``p - pre_tokens .. p + next_tokens``: ``pre_tokens = W - 1``,
+``next_tokens = 0`` is a window of W positions, the query's own included. The page's figure for sparse_mode 4
+(13 queries, 16 keys, pre_tokens 6, next_tokens 4) shows exactly that; tests/engine/test_npu_twin.py checks
+``visible_keys`` against it, transcribed. In sparse_mode 3 pre_tokens and next_tokens are ignored (as documented).
+
+Block ids: the reference's page-attention constraints say the operator does not check the block ids in blockTable and
+the caller must keep them valid, so the twin refuses an id outside the cache in the blocks a sequence's keys span.
 
 The math is float32 softmax attention, cast to the query's dtype at the end.
 """
@@ -72,10 +89,13 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: 
     return torch.einsum("hsl,lhd->shd", scores.softmax(-1), v)
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+def _gather(op: str, cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` rows of a sequence's blocks: [length, ...] from a [num_blocks, block_size, ...] cache."""
-    block_size = cache.shape[1]
+    num_blocks, block_size = cache.shape[:2]
     blocks = table[:-(-length // block_size)].long()
+    require(bool(((blocks >= 0) & (blocks < num_blocks)).all()),
+            f"{op}: block_table holds block ids outside the cache's {num_blocks} blocks where the keys lie: "
+            f"{blocks.tolist()}")
     return cache.index_select(0, blocks).flatten(0, 1)[:length]
 
 
@@ -114,14 +134,28 @@ def _npu_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     require(out.shape == query.shape and out.dtype == query.dtype, f"{op}: out must be like query "
                                                                    f"{tuple(query.shape)} {query.dtype}")
     for b, n in enumerate(lens):
-        keys = _gather(key_cache, block_table[b], n)
-        values = _gather(value_cache, block_table[b], n)
+        keys = _gather(op, key_cache, block_table[b], n)
+        values = _gather(op, value_cache, block_table[b], n)
         out[b] = _attend(query[b:b + 1], keys, values, None, scale_value)[0].to(out.dtype)
 
 
 def optimised_causal_mask() -> torch.Tensor:
     """The mask sparse_mode 3 documents: [2048, 2048], 1 (masked) above the diagonal."""
     return torch.triu(torch.ones(MASK_SIDE, MASK_SIDE, dtype=torch.bool), diagonal=1)
+
+
+def visible_keys(sparse_mode: int, q_len: int, kv_len: int, pre_tokens: int, next_tokens: int
+                 ) -> torch.Tensor | None:
+    """Which keys each of a sequence's queries sees: [q_len, kv_len] booleans, None for all (sparse_mode 0 without a
+    mask). Modes 3 and 4 count from the bottom-right corner: query i sits at position ``kv_len - q_len + i``; mode 3
+    sees the keys up to it, mode 4 the band ``position - pre_tokens .. position + next_tokens`` (module docstring)."""
+    if sparse_mode == 0:
+        return None
+    position = torch.arange(kv_len - q_len, kv_len)[:, None]
+    key = torch.arange(kv_len)[None, :]
+    if sparse_mode == 3:
+        return key <= position
+    return (key >= position - pre_tokens) & (key <= position + next_tokens)
 
 
 def _int_list(op: str, name: str, value: object, count: int) -> list[int]:
@@ -199,16 +233,21 @@ def npu_fused_infer_attention_score(
             f"{query.shape[0]}; got {ends}")
     require(all(1 <= n <= block_table.shape[1] * block_size for n in kv_lens),
             f"{op}: actual_seq_lengths_kv {kv_lens} must be in 1..max_blocks * block_size")
-    require(sparse_mode in (0, 3), f"{op} twin: sparse_mode {sparse_mode} is not modelled (0 or 3)")
-    if sparse_mode == 3:
+    require(sparse_mode in (0, 3, 4), f"{op} twin: sparse_mode {sparse_mode} is not modelled (0, 3 or 4)")
+    if sparse_mode in (3, 4):
         require(atten_mask is not None and atten_mask.shape == (MASK_SIDE, MASK_SIDE),
-                f"{op}: sparse_mode 3 takes the optimised [{MASK_SIDE}, {MASK_SIDE}] atten_mask")
+                f"{op}: sparse_mode {sparse_mode} takes the optimised [{MASK_SIDE}, {MASK_SIDE}] atten_mask")
         assert atten_mask is not None
         require_dtype("atten_mask", op, atten_mask, (torch.bool, torch.int8, torch.uint8))
         require(torch.equal(atten_mask.bool(), optimised_causal_mask()),
-                f"{op}: sparse_mode 3's atten_mask is 1 above the diagonal and 0 elsewhere")
+                f"{op}: sparse_mode {sparse_mode}'s atten_mask is 1 above the diagonal and 0 elsewhere")
     else:
         require(atten_mask is None, f"{op} twin: a full atten_mask with sparse_mode 0 is not modelled")
+    if sparse_mode == 4:
+        for name, v in (("pre_tokens", pre_tokens), ("next_tokens", next_tokens)):
+            require(isinstance(v, int), f"{op}: {name} must be an int, got {v!r}", TypeError)
+        require(pre_tokens + next_tokens >= 0, f"{op}: in band mode pre_tokens + next_tokens must be >= 0 (the band "
+                                               f"must not be empty), got {pre_tokens} and {next_tokens}")
     keys_all = key.view(key.shape[0], block_size, num_key_value_heads, head_dim)
     values_all = value.view(value.shape[0], block_size, num_key_value_heads, head_dim)
     out = torch.empty_like(query)
@@ -217,11 +256,15 @@ def npu_fused_infer_attention_score(
         q_len = end - start
         require(sparse_mode != 3 or kv_len >= q_len,
                 f"{op}: sequence {b} has {q_len} queries but {kv_len} keys (rightDownCausal needs kv >= q)")
-        keys = _gather(keys_all, block_table[b], kv_len)
-        values = _gather(values_all, block_table[b], kv_len)
-        visible = None
-        if sparse_mode == 3:   # query i sits at kv_len - q_len + i and sees the keys up to it
-            visible = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+        require(sparse_mode != 4 or (pre_tokens >= -q_len and next_tokens >= -kv_len),
+                f"{op}: band mode needs pre_tokens >= -{q_len} and next_tokens >= -{kv_len} (sequence {b}'s queries "
+                f"and keys), got {pre_tokens} and {next_tokens}")
+        visible = visible_keys(sparse_mode, q_len, kv_len, pre_tokens, next_tokens)
+        require(visible is None or bool(visible.any(dim=1).all()),
+                f"{op} twin: sequence {b} has queries that see no key: the operator's invalid-row correction "
+                f"(inner_precise bit 1) is not modelled")
+        keys = _gather(op, keys_all, block_table[b], kv_len)
+        values = _gather(op, values_all, block_table[b], kv_len)
         out[start:end] = _attend(query[start:end], keys, values, visible, scale).to(query.dtype)
         start = end
     return out, torch.zeros(1, dtype=torch.float32)
