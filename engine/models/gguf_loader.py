@@ -2,8 +2,11 @@
 
 llama.cpp's converter permutes the rows of Llama's Q and K projections (to its interleaved RoPE
 layout); ``unpermute_qk`` restores the Hugging Face layout, which our rotate_half RoPE expects.
-Qwen2/Qwen3 files are written unpermuted. Mixtral, Qwen-MoE and DeepSeek files (their experts, routers and latent
-attention) are read by ``engine.models.gguf_moe``. A tensor the loader has no place for is refused, naming it.
+Qwen2/Qwen3 files are written unpermuted, and without a sliding window (llama.cpp reads none for them: a window key
+there is ignored, as llama.cpp ignores it). Gemma 2, Gemma 3 and Phi-3 files (their norms, windows and fused
+projections) are read by ``engine.models.gguf_families``; Mixtral, Qwen-MoE and DeepSeek files (their experts,
+routers and latent attention) by ``engine.models.gguf_moe``. A tensor the loader has no place for is refused, naming
+it, and so is an architecture it does not know.
 
 A tensor-parallel rank reads its shard alone from the memory-mapped file: whole rows of a block-quantized
 tensor, or whole blocks of its columns (when the shard's columns start and end on block boundaries; otherwise
@@ -26,13 +29,13 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from engine.distributed import ParallelContext
-from engine.models import gguf_moe, quant
+from engine.models import gguf_families, gguf_moe, quant
 from engine.models.config import ModelConfig, RopeScaling, merge_eos
 from engine.models.llama import CausalLM, build_model
 from engine.models.moe_config import mla_from_hf, moe_from_hf
 from engine.models.sharding import EXPERT, Shard
 
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", **gguf_families.ARCHITECTURES}
 _SUPPORTED = (*_ARCHITECTURES, *gguf_moe.MOE_GGUF_ARCHITECTURES)
 # Tensors read into the config, not loaded as weights.
 _CONFIG_TENSORS = ("rope_freqs.weight",)
@@ -59,16 +62,18 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face checkpoint name of a GGUF tensor, or None for tensors we do not load."""
+def hf_name(gguf_name: str, gguf_arch: str = "llama") -> str | None:
+    """The Hugging Face checkpoint name of a GGUF tensor of architecture ``gguf_arch``, or None for tensors we do
+    not load."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
     if m is not None and m.group(2) == gguf_moe.CORRECTION_BIAS and m.group(3) == "bias":
         return f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    layer_name = gguf_families.LAYER_NAMES.get(gguf_arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
+    return None if layer_name is None else f"model.layers.{m.group(1)}.{layer_name}.{m.group(3)}"
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -152,7 +157,8 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     freq_factors = None
     if "rope_freqs.weight" in tensors:
         freq_factors = tuple(float(v) for v in tensor_to_numpy(tensors["rope_freqs.weight"]).reshape(-1))
-    bias = "blk.0.attn_q.bias" in tensors
+    bias = "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors
+    family = gguf_families.config_fields(gguf_arch, key, tensors)
     eos = tuple(int(v) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
                 if (v := _field(reader, f"tokenizer.ggml.{k}")) is not None)
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
@@ -178,6 +184,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         rope_freq_factors=freq_factors,
         moe=moe,
         mla=mla,
+        **family,
     )
 
 
@@ -228,14 +235,17 @@ def read_blocks(tensor: ReaderTensor, shard: Shard) -> quant.QuantWeight | None:
 Sources = tuple[list[tuple[str, ReaderTensor]], list[tuple[str, ReaderTensor, ReaderTensor]]]
 
 
-def model_tensors(reader: GGUFReader) -> Sources:
-    """Every tensor the model loads under its Hugging Face name (a stacked tensor's experts one view each), and
-    DeepSeek's split latent up projections as (name, attn_k_b, attn_v_b). Raises ValueError naming a tensor the
-    loader has no place for (its weights would otherwise be silently dropped)."""
+def model_tensors(reader: GGUFReader, config: ModelConfig) -> Sources:
+    """Every tensor the model loads under its Hugging Face name (a stacked tensor's experts, a fused tensor's parts
+    one view each), and DeepSeek's split latent up projections as (name, attn_k_b, attn_v_b). Raises ValueError
+    naming a tensor the loader has no place for (its weights would otherwise be silently dropped)."""
+    gguf_arch = str(_field(reader, "general.architecture"))
     named: list[tuple[str, ReaderTensor]] = []
     halves: dict[int, dict[str, ReaderTensor]] = {}
     for tensor in reader.tensors:
-        if (name := hf_name(tensor.name)) is not None:
+        if (fused := gguf_families.split_fused(tensor, gguf_arch, config.q_size, config.kv_size)) is not None:
+            named.extend(fused)
+        elif (name := hf_name(tensor.name, gguf_arch)) is not None:
             named.append((name, tensor))
         elif (parts := gguf_moe.expert_parts(tensor)) is not None:
             named.extend(parts)
@@ -254,7 +264,7 @@ def model_tensors(reader: GGUFReader) -> Sources:
 
 def _iter_tensors(reader: GGUFReader, model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's part of every tensor the model loads."""
-    named, latent = model_tensors(reader)
+    named, latent = model_tensors(reader, model.config)
     wanted = [(t, name, shard) for name, t in named if (shard := model.weight_shard(name)) is not None]
     config = model.config
     for tensor, name, shard in tqdm(wanted, desc="Loading GGUF", unit="tensor", file=sys.stderr, leave=False):
@@ -276,7 +286,7 @@ def _iter_quantized(reader: GGUFReader, model: CausalLM) -> Iterator[tuple[str, 
     """This rank's part of the Q4_0 / Q4_1 / Q8_0 matrices as blocks (engine.models.quant), rows in Hugging Face
     order. Routed experts are not among them (the fused experts run on their dequantized weights)."""
     config = model.config
-    for name, tensor in model_tensors(reader)[0]:
+    for name, tensor in model_tensors(reader, config)[0]:
         if len(tensor.shape) != 2 or not quant.supported(tensor.tensor_type) or EXPERT.search(name) is not None:
             continue
         shard = model.weight_shard(name)
