@@ -454,11 +454,23 @@ class EngineConfig:
 
     @property
     def model_name(self) -> str:
+        """The name requests use: ``--served-model-name``, else the model argument exactly as given (vLLM's rule,
+        which the vLLM-Ascend guides' requests rely on)."""
         if self.served_model_name:
             return self.served_model_name
         if self.model is None:
             return DEFAULT_SERVED_NAME
-        return Path(self.model).stem if self.model.endswith(".gguf") else Path(self.model).name
+        return self.model
+
+    @property
+    def short_model_name(self) -> str | None:
+        """The model file's or folder's own name (a GGUF's without ``.gguf``), which gateways also answer to when
+        no --served-model-name is given; None when that is the name itself."""
+        if self.served_model_name or self.model is None:
+            return None
+        model = self.model.rstrip("/")
+        short = Path(model).stem if model.endswith(".gguf") else Path(model).name
+        return short if short and short != self.model else None
 
     def with_changes(self, **changes: object) -> EngineConfig:
         return replace(self, **changes)  # type: ignore[arg-type]

@@ -101,11 +101,14 @@ def http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
 
 def served_names(ns: argparse.Namespace, config: EngineConfig) -> list[str]:
     """Every name the gateways answer to: ``--served-model-name``'s (the first is the model's, given to the
-    engine and the tokenizer services; the others aliases, as vLLM's), else the model's own name."""
+    engine and the tokenizer services; the others aliases, as vLLM's), else the model argument as given (vLLM's
+    name) and the file's or folder's own name as an alias."""
     names = getattr(ns, "served_model_name", None)
     if isinstance(names, str):   # a MindIE config.json's modelName
         names = [names]
-    return list(names) if names else [config.model_name]
+    if names:
+        return list(names)
+    return [config.model_name] + ([config.short_model_name] if config.short_model_name else [])
 
 
 # A number of seconds >= 0 (0: off).

@@ -31,10 +31,10 @@ def wait_until(check: Callable[[], bool], timeout: float, proc: subprocess.Popen
     raise TimeoutError(f"{what} not reached in {timeout}s")
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(args: list[str], log: Path, cwd: Path = ROOT) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "ab") as f:
-        return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
 def python_outputs(*runs: tuple[list[str], dict[str, str | None]], timeout: float = 120) -> list[str]:
@@ -120,9 +120,11 @@ def http_status(url: str, timeout: float = 2.0, context: ssl.SSLContext | None =
 class ServeStack:
     """``sluice serve`` as a real process tree; ports are chosen free."""
 
-    def __init__(self, tmp: Path, *flags: str, ssl_context: ssl.SSLContext | None = None) -> None:
-        """``ssl_context``: the gateways serve HTTPS (flags with --ssl-certfile), verified with it."""
+    def __init__(self, tmp: Path, *flags: str, ssl_context: ssl.SSLContext | None = None, cwd: Path = ROOT) -> None:
+        """``ssl_context``: the gateways serve HTTPS (flags with --ssl-certfile), verified with it; ``cwd``: where
+        ``sluice serve`` runs (relative model paths are read from there)."""
         self.ssl_context = ssl_context
+        self.cwd = cwd
         self.port = free_port()
         self.engine_port = free_port()
         self.tokenizer_port = free_port()
@@ -145,7 +147,7 @@ class ServeStack:
         until the engine behind it has loaded the model)."""
         self.proc = spawn(["-m", "services.cli", "serve", "--port", str(self.port), "--engine-port",
                            str(self.engine_port), "--tokenizer-port", str(self.tokenizer_port), *self.flags],
-                          self.log)
+                          self.log, self.cwd)
         wait_until(lambda: http_status(f"{self.base_url}/ready", context=self.ssl_context) == 200, timeout,
                    self.proc, "sluice serve ready")
         return self
