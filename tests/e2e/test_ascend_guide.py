@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
