@@ -11,13 +11,17 @@ Ray's Ascend support and vLLM-Ascend use); bundle 0 is pinned to the driver's no
 the group is ``PACK``ed, as vLLM does: ranks fill the driver's node first and go to other nodes only when it has no
 room, so collectives stay inside a host when they can, and a cluster of one-device nodes gets one rank per node.
 Ranks follow the nodes (:func:`rank_order`), not the bundles' numbers.
-On an accelerator Ray gives each actor its bundle's device (the only one it sees, index 0), and the driver uses
-the device Ray reserved for bundle 0, so no two ranks of a node share one.
+On an accelerator Ray gives each actor its bundle's device (the only one it sees, index 0; with
+``RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES`` / ``..._CUDA_...`` set where Ray runs, it sees them all and
+takes the one Ray reserved for it), and the driver uses the device Ray reserved for bundle 0, so no two ranks of a
+node share one. The driver's HCCL / NCCL settings (and the few others the vLLM-Ascend guides export) are given to
+every actor; the per-node ones (``HCCL_IF_IP``, the ``*_SOCKET_IFNAME`` interfaces) stay each node's own.
 """
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from common.errors import InvalidRequestError
@@ -32,6 +36,16 @@ logger = logging.getLogger(__name__)
 RAY_RESOURCES = {"cpu": "CPU", "cuda": "GPU", "npu": "NPU"}
 # What Ray sets for an actor given an accelerator, and what narrows the engine process's own view of them.
 VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+# Set where Ray runs (the vLLM-Ascend guides set it before `ray start`): Ray then leaves every device visible to an
+# actor, which takes the one Ray reserved for it by its id.
+NOSET_VISIBLE_DEVICES_ENV = {device: f"RAY_EXPERIMENTAL_NOSET_{var}" for device, var in VISIBLE_DEVICES_ENV.items()}
+# The collective libraries' settings every rank needs alike, which the guides export before serving: the driver's
+# are given to each actor. Those naming this node's own address or interface stay each node's (from the environment
+# `ray start` ran in there), as do the visible devices.
+FORWARDED_ENV_PREFIXES = ("HCCL_", "NCCL_")
+FORWARDED_ENV = ("PYTORCH_NPU_ALLOC_CONF", "TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF", "ASCEND_LAUNCH_BLOCKING",
+                 *NOSET_VISIBLE_DEVICES_ENV.values())
+PER_NODE_ENV = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 PLACEMENT_STRATEGY = "PACK"
 PLACEMENT_TIMEOUT_S = 120.0   # a cluster busy with other work may free the resources; a missing node never will
 STOP_WAIT_S = 5.0             # how long the actors get to leave after Shutdown before they are killed
@@ -55,13 +69,34 @@ def placement_bundles(device: str, world_size: int, driver_ip: str) -> list[dict
     return bundles
 
 
-def actor_options(device: str) -> dict[str, Any]:
-    """What a rank's actor takes from its bundle: the CPU, or the accelerator (then no CPU: its bundle has none)."""
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` (the driver's) each actor is given: ``FORWARDED_ENV`` and the ``HCCL_`` /
+    ``NCCL_`` settings, less the per-node ones."""
+    return {name: value for name, value in environ.items()
+            if (name.startswith(FORWARDED_ENV_PREFIXES) or name in FORWARDED_ENV) and name not in PER_NODE_ENV}
+
+
+def actor_options(device: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What a rank's actor takes from its bundle: the CPU, or the accelerator (then no CPU: its bundle has none);
+    with ``environ`` (the driver's), the variables ``forwarded_env`` picks, in its runtime environment."""
+    options: dict[str, Any]
     if device == "cpu":
-        return {"num_cpus": 1}
-    if device == "cuda":
-        return {"num_cpus": 0, "num_gpus": 1}
-    return {"num_cpus": 0, "resources": {RAY_RESOURCES[device]: 1}}
+        options = {"num_cpus": 1}
+    elif device == "cuda":
+        options = {"num_cpus": 0, "num_gpus": 1}
+    else:
+        options = {"num_cpus": 0, "resources": {RAY_RESOURCES[device]: 1}}
+    env = forwarded_env(environ) if environ is not None else {}
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    return options
+
+
+def actor_device_index(device: str, ray_id: str, environ: Mapping[str, str]) -> int:
+    """The index of its accelerator as an actor's process numbers it: 0 when Ray narrowed its visible devices to
+    that one, else (``RAY_EXPERIMENTAL_NOSET_*_VISIBLE_DEVICES`` set) Ray's id through the visible list."""
+    noset = environ.get(NOSET_VISIBLE_DEVICES_ENV[device], "").lower() in ("1", "true")
+    return driver_device_index(ray_id, environ.get(VISIBLE_DEVICES_ENV[device])) if noset else 0
 
 
 def rank_order(driver_ip: str, actor_ips: list[str]) -> list[int]:
@@ -82,9 +117,17 @@ class RankActor:
     def run(self, config_json: str, rank: int, init_method: str) -> None:
         """Runs the rank until the driver's Shutdown; the call's result (or error) is the rank's end."""
         from common.logs import configure_logging
+        from engine.executor.message import decode_config, encode_config
         from engine.executor.worker_main import run_worker
 
         configure_logging("info", "text", f"engine-rank{rank}")
+        config = decode_config(config_json)
+        if config.device != "cpu" and config.device_ids is not None:
+            index = actor_device_index(config.device, _accelerator_id(RAY_RESOURCES[config.device]), os.environ)
+            ids = list(config.device_ids)
+            if ids[rank] != index:
+                ids[rank] = index
+                config_json = encode_config(config.with_changes(device_ids=tuple(ids)))
         run_worker(config_json, rank, init_method)
 
 
@@ -126,7 +169,7 @@ class RayExecutor(DistributedExecutor):
         self.rank_pids: list[int] = []
         try:
             driver_device = self._place(config)
-            if driver_device is not None:   # each actor sees one device, its own: index 0
+            if driver_device is not None:   # each actor sees one device, its own: index 0 (or finds its own)
                 config = config.with_changes(device_ids=(driver_device, *[0] * (config.world_size - 1)))
             super().__init__(config)
         except BaseException:
@@ -166,7 +209,7 @@ class RayExecutor(DistributedExecutor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote = ray.remote(RankActor)
-        self._actors = [remote.options(**actor_options(self.config.device),
+        self._actors = [remote.options(**actor_options(self.config.device, os.environ),
                                        scheduling_strategy=PlacementGroupSchedulingStrategy(
                                            self._placement_group, placement_group_bundle_index=rank)).remote()
                         for rank in range(1, self.config.world_size)]

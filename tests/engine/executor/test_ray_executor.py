@@ -20,8 +20,12 @@ from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
 from engine.executor.base import WorkerFailedError
 from engine.executor.ray_executor import (
+    NOSET_VISIBLE_DEVICES_ENV,
     RAY_RESOURCES,
+    VISIBLE_DEVICES_ENV,
     RayExecutor,
+    actor_device_index,
+    actor_options,
     driver_device_index,
     import_ray,
     placement_bundles,
@@ -170,3 +174,51 @@ def test_without_ray_the_error_says_how_to_install_it(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ImportError, match=r"pip install 'sluice\[ray\]'"):
         import_ray()
+
+
+def test_actors_get_the_drivers_collective_settings_but_not_the_per_node_ones() -> None:
+    """The vLLM-Ascend guides export HCCL's settings before serving; Ray actors start from their raylet's
+    environment, not the driver's, so the cluster-wide ones are passed on, and each node keeps its own address,
+    interfaces and devices."""
+    driver = {"HCCL_BUFFSIZE": "1024", "HCCL_CONNECT_TIMEOUT": "1200", "HCCL_OP_EXPANSION_MODE": "AIV",
+              "NCCL_DEBUG": "INFO", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True", "TASK_QUEUE_ENABLE": "1",
+              "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1", "HCCL_IF_IP": "10.0.0.1",
+              "HCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",
+              "ASCEND_RT_VISIBLE_DEVICES": "0,1", "HOME": "/root", "PATH": "/usr/bin"}
+    options = actor_options("npu", driver)
+    assert options["resources"] == {"NPU": 1} and options["num_cpus"] == 0
+    assert options["runtime_env"]["env_vars"] == {
+        "HCCL_BUFFSIZE": "1024", "HCCL_CONNECT_TIMEOUT": "1200", "HCCL_OP_EXPANSION_MODE": "AIV", "NCCL_DEBUG": "INFO",
+        "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True", "TASK_QUEUE_ENABLE": "1",
+        "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1"}
+    assert "runtime_env" not in actor_options("npu", {"HOME": "/root"})
+
+
+def test_an_actor_takes_its_own_device_when_ray_leaves_them_all_visible() -> None:
+    assert actor_device_index("npu", "5", {"ASCEND_RT_VISIBLE_DEVICES": "5"}) == 0   # Ray narrowed it
+    noset = {"RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1"}
+    assert actor_device_index("npu", "5", noset) == 5
+    assert actor_device_index("npu", "5", {**noset, "ASCEND_RT_VISIBLE_DEVICES": "4,5,6,7"}) == 1
+    assert actor_device_index("cuda", "3", {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}) == 3
+
+
+def test_ray_itself_reads_the_noset_switch_and_sets_the_visible_devices_we_read() -> None:
+    """The names are Ray's own: its Ascend accelerator manager leaves ASCEND_RT_VISIBLE_DEVICES alone under the
+    switch and sets it otherwise."""
+    from ray._private.accelerators.npu import NPUAcceleratorManager
+
+    assert NPUAcceleratorManager.get_visible_accelerator_ids_env_var() == VISIBLE_DEVICES_ENV["npu"]
+    names = ("ASCEND_RT_VISIBLE_DEVICES", NOSET_VISIBLE_DEVICES_ENV["npu"])
+    saved = {name: os.environ.pop(name, None) for name in names}
+    try:
+        os.environ[NOSET_VISIBLE_DEVICES_ENV["npu"]] = "1"
+        NPUAcceleratorManager.set_current_process_visible_accelerator_ids(["3"])
+        assert "ASCEND_RT_VISIBLE_DEVICES" not in os.environ
+        del os.environ[NOSET_VISIBLE_DEVICES_ENV["npu"]]
+        NPUAcceleratorManager.set_current_process_visible_accelerator_ids(["3"])
+        assert os.environ["ASCEND_RT_VISIBLE_DEVICES"] == "3"
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
