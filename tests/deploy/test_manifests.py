@@ -110,6 +110,7 @@ def load_all(path: Path) -> list[dict[str, Any]]:
 
 COMPOSE = load_all(DEPLOY / "docker-compose.yml")[0]["services"]
 COMPOSE_CUDA = load_all(DEPLOY / "docker-compose.cuda.yml")[0]["services"]
+COMPOSE_NPU = load_all(DEPLOY / "docker-compose.npu.yml")[0]["services"]
 KUSTOMIZATION = load_all(K8S / "kustomization.yaml")[0]
 K8S_DOCS = [doc for name in KUSTOMIZATION["resources"] for doc in load_all(K8S / name)]
 CONFIGMAPS = {d["metadata"]["name"]: d["data"] for d in K8S_DOCS if d["kind"] == "ConfigMap"}
@@ -148,6 +149,7 @@ def dockerfile_cmd(path: Path) -> list[str]:
 def all_commands() -> list[Command]:
     cmds = [command_of(s["command"], f"compose {n}") for n, s in COMPOSE.items() if "command" in s]
     cmds += [command_of(s["command"], f"compose-cuda {n}") for n, s in COMPOSE_CUDA.items() if "command" in s]
+    cmds += [command_of(s["command"], f"compose-npu {n}") for n, s in COMPOSE_NPU.items() if "command" in s]
     cmds += [cmd for _, _, cmd in k8s_containers()]
     cmds += [command_of(dockerfile_cmd(p), p.name) for p in DOCKERFILES]
     return cmds
@@ -294,7 +296,7 @@ def run_healthcheck(test: list[str], port: int) -> tuple[int, list[str]]:
 
 
 def test_compose_engines_serve_metrics_to_the_network() -> None:
-    for stack in (COMPOSE, COMPOSE_CUDA):
+    for stack in (COMPOSE, COMPOSE_CUDA, COMPOSE_NPU):
         ns = parse(command_of(stack["engine"]["command"], "compose engine"))
         assert (ns.metrics_host, ns.metrics_port) == ("0.0.0.0", 9090)
 
@@ -317,6 +319,21 @@ def test_compose_cuda_override_builds_the_cuda_image_for_every_sluice_service() 
     assert all(s["build"]["dockerfile"] == "deploy/docker/Dockerfile.cuda" for s in COMPOSE_CUDA.values())
     assert parse(command_of(COMPOSE_CUDA["engine"]["command"], "compose-cuda engine")).device == "cuda"
     assert COMPOSE_CUDA["engine"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_compose_npu_override_gives_the_engine_the_npu_devices_and_driver() -> None:
+    """The device nodes and driver mounts of the vLLM-Ascend guides' `docker run`, on the NPU image (whose
+    entrypoint sources CANN's set_env.sh: compose's command does not replace it)."""
+    assert set(COMPOSE_NPU) == {"engine", "tokenizer", "gateway"}
+    assert all(s["build"]["dockerfile"] == "deploy/docker/Dockerfile.npu" for s in COMPOSE_NPU.values())
+    engine = COMPOSE_NPU["engine"]
+    assert parse(command_of(engine["command"], "compose-npu engine")).device == "npu"
+    assert {"/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"} <= set(engine["devices"])
+    assert any(re.fullmatch(r"/dev/davinci\d+", d) for d in engine["devices"])
+    assert "/usr/local/Ascend/driver:/usr/local/Ascend/driver:ro" in engine["volumes"]
+    assert "entrypoint" not in engine
+    assert 'ENTRYPOINT ["/bin/bash", "-lc", "source /usr/local/Ascend/ascend-toolkit/set_env.sh' in (
+        DEPLOY / "docker" / "Dockerfile.npu").read_text()
 
 
 # ---------------------------------------------------------------- nginx
@@ -544,6 +561,28 @@ def test_k8s_cuda_overlay_patches_the_engine_container_with_accepted_flags() -> 
     assert parse(Command("k8s-cuda engine", "engine", engine_args + flags)).device == "cuda"
 
 
+def test_k8s_npu_overlay_runs_the_engine_through_cann_s_environment_on_an_ascend_device() -> None:
+    overlay = load_all(DEPLOY / "k8s-npu" / "kustomization.yaml")[0]
+    assert overlay["resources"] == ["../k8s"] and overlay["images"] == [{"name": "sluice", "newTag": "npu"}]
+    (patch,) = overlay["patches"]
+    pod = DEPLOYMENTS[patch["target"]["name"]]["spec"]["template"]["spec"]
+    assert command_of(pod["containers"][0]["command"], "npu").module == "engine"
+    ops = {op["path"]: op for op in yaml.safe_load(patch["patch"]) if not op["path"].endswith("/-")}
+    adds = [op for op in yaml.safe_load(patch["patch"]) if op["path"].endswith("/-")]
+    wrapper = ops["/spec/template/spec/containers/0/command"]["value"]
+    assert wrapper[:2] == ["/bin/bash", "-lc"] and "set_env.sh" in wrapper[2] and wrapper[3] == "--"
+    flags = [op["value"] for op in adds if op["path"].endswith("/args/-")]
+    engine = command_of(wrapper[4:], "k8s-npu engine")
+    assert engine.module == "engine"
+    assert parse(Command("k8s-npu engine", "engine", k8s_argv(pod["containers"][0])[3:] + flags)).device == "npu"
+    assert ops["/spec/template/spec/containers/0/resources/limits/huawei.com~1Ascend910"]["value"] == 1
+    assert "volumeMounts" in pod["containers"][0] and "volumes" in pod
+    (mount,) = [op["value"] for op in adds if "volumeMounts" in op["path"]]
+    (volume,) = [op["value"] for op in adds if op["path"] == "/spec/template/spec/volumes/-"]
+    assert mount["name"] == volume["name"] and mount["readOnly"]
+    assert mount["mountPath"] == volume["hostPath"]["path"] == "/usr/local/Ascend/driver"
+
+
 # ---------------------------------------------------------------- images
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
@@ -575,6 +614,7 @@ def test_dockerfile_installs_the_packages_and_runs_as_the_k8s_user(path: Path) -
 
 
 def test_every_yaml_file_under_deploy_is_covered() -> None:
-    read = {DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.cuda.yml", K8S / "kustomization.yaml",
-            DEPLOY / "k8s-cuda" / "kustomization.yaml", *(K8S / n for n in KUSTOMIZATION["resources"])}
+    read = {DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.cuda.yml", DEPLOY / "docker-compose.npu.yml",
+            K8S / "kustomization.yaml", DEPLOY / "k8s-cuda" / "kustomization.yaml",
+            DEPLOY / "k8s-npu" / "kustomization.yaml", *(K8S / n for n in KUSTOMIZATION["resources"])}
     assert set(DEPLOY.rglob("*.y*ml")) == read
