@@ -3,10 +3,10 @@
 llama.cpp's converter permutes the rows of Llama's Q and K projections (to its interleaved RoPE
 layout); ``unpermute_qk`` restores the Hugging Face layout, which our rotate_half RoPE expects.
 Qwen2/Qwen3 files are written unpermuted, and without a sliding window (llama.cpp reads none for them: a window key
-there is ignored, as llama.cpp ignores it). Gemma 2, Gemma 3 and Phi-3 files (their norms, windows and fused
-projections) are read by ``engine.models.gguf_families``; Mixtral, Qwen-MoE and DeepSeek files (their experts,
-routers and latent attention) by ``engine.models.gguf_moe``. A tensor the loader has no place for is refused, naming
-it, and so is an architecture it does not know.
+there is ignored, as llama.cpp ignores it). Gemma 2, Gemma 3, Phi-3 and GLM-4 files (their norms, windows, partial
+and LongRoPE rotary, and fused projections) are read by ``engine.models.gguf_families``; Mixtral, Qwen-MoE and
+DeepSeek files (their experts, routers and latent attention) by ``engine.models.gguf_moe``. A tensor the loader has
+no place for is refused, naming it, and so is an architecture it does not know.
 
 A tensor-parallel rank reads its shard alone from the memory-mapped file: whole rows of a block-quantized
 tensor, or whole blocks of its columns (when the shard's columns start and end on block boundaries; otherwise
@@ -38,7 +38,7 @@ from engine.models.sharding import EXPERT, Shard
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", **gguf_families.ARCHITECTURES}
 _SUPPORTED = (*_ARCHITECTURES, *gguf_moe.MOE_GGUF_ARCHITECTURES)
 # Tensors read into the config, not loaded as weights.
-_CONFIG_TENSORS = ("rope_freqs.weight",)
+_CONFIG_TENSORS = ("rope_freqs.weight", *gguf_families.ROPE_FACTORS)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -147,18 +147,14 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     if mla is not None:   # llama.cpp writes MLA as one key-value head of the latent's width
         num_kv_heads, head_dim = num_heads, mla.qk_head_dim
     vocab = key("vocab_size") or int(tensors["token_embd.weight"].shape[1])
-    scaling: RopeScaling | None = None
-    scaling_type = key("rope.scaling.type", "none")
-    if scaling_type == "linear":
-        scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
-    elif scaling_type != "none":
-        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    family = gguf_families.config_fields(gguf_arch, key, tensors)
+    # Phi-3's LongRoPE comes with the family's fields
+    scaling = family.pop("rope_scaling") if "rope_scaling" in family else _rope_scaling(gguf_arch, key, tensors)
     # Llama 3.1 files carry their RoPE scaling as per-frequency divisors in a tensor.
     freq_factors = None
     if "rope_freqs.weight" in tensors:
         freq_factors = tuple(float(v) for v in tensor_to_numpy(tensors["rope_freqs.weight"]).reshape(-1))
     bias = "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors
-    family = gguf_families.config_fields(gguf_arch, key, tensors)
     eos = tuple(int(v) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
                 if (v := _field(reader, f"tokenizer.ggml.{k}")) is not None)
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
@@ -186,6 +182,18 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         mla=mla,
         **family,
     )
+
+
+def _rope_scaling(gguf_arch: str, key: gguf_families.Key, tensors: dict[str, ReaderTensor]) -> RopeScaling | None:
+    """The file's linear rope scaling, or none; other kinds refused."""
+    if factors := [name for name in gguf_families.ROPE_FACTORS if name in tensors]:
+        raise ValueError(f"GGUF tensor {factors[0]!r} (LongRoPE) is read for phi3 only, not {gguf_arch!r}")
+    scaling_type = key("rope.scaling.type", "none")
+    if scaling_type == "linear":
+        return RopeScaling("linear", float(key("rope.scaling.factor")))
+    if scaling_type != "none":
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    return None
 
 
 def _permuted(name: str, config: ModelConfig) -> bool:

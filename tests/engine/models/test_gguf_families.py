@@ -1,9 +1,11 @@
-"""GGUF Gemma 2, Gemma 3 (text) and Phi-3 files (engine.models.gguf_families) against transformers, on tiny random
-checkpoints written as llama.cpp's convert_hf_to_gguf.py writes them: Gemma's norms stored as 1 + weight, no
-query_pre_attn_scalar, Gemma 3's local rope base as rope.freq_base_swa, Phi-3's q/k/v and gate/up fused. The same
-weights and config as the checkpoint directory gives, logits within 1e-4 (float32) past the sliding window, and
-transformers' own GGUF reader loads the same files (F16 and Q8_0 too) to the logits ours give; what the loader does
-not build is refused by name."""
+"""GGUF Gemma 2, Gemma 3 (text), Phi-3 and GLM-4 files (engine.models.gguf_families) against transformers, on tiny
+random checkpoints written as llama.cpp's convert_hf_to_gguf.py writes them (tests/engine/models/gguf_factory.py):
+Gemma's norms stored as 1 + weight, no query_pre_attn_scalar, Gemma 3's local rope base as rope.freq_base_swa,
+Phi-3's q/k/v and gate/up fused, GLM-4's gate/up fused, its sandwich norms and its interleaved rope over half of each
+head. The same weights and config as the checkpoint directory gives, logits within 1e-4 (float32) past the sliding
+window, and transformers' own GGUF reader (which has no GLM-4) loads the same files (F16 and Q8_0 too) to the
+logits ours give; what the loader does not build is refused by name. (Phi-3's LongRoPE and the fused files under
+tensor parallel: test_gguf_longrope_and_sharding.py.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -12,17 +14,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 import torch
-from gguf.quants import quantize
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Glm4Config,
+    Glm4ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
@@ -35,12 +37,12 @@ from engine.models.decoder_layer import Attention
 from engine.models.gguf_loader import ModelReader, config_from_gguf
 from engine.models.layers.linear import Linear
 from tests.engine.kernel_probe import blocks_only, prepare
+from tests.engine.models.gguf_factory import GgufFile, Q, convert
 from tests.engine.models.moe_factory import greedy_reference, randomize, write_tokenizer
 from tests.engine.models.paged_run import assert_prefill_then_greedy_decode, prompt
 
 TOL = 1e-4
 WINDOW = 6
-Q = gguf.GGMLQuantizationType
 
 
 def _gemma2() -> PreTrainedModel:
@@ -69,89 +71,21 @@ def _phi3() -> PreTrainedModel:
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False))
 
 
-_BUILD: dict[str, Callable[[], PreTrainedModel]] = {"gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3}
-_ARCH = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
-_WINDOWS = {"gemma2": [WINDOW, None] * 2, "gemma3": [WINDOW] * 5 + [None], "phi3": [WINDOW + 1] * 2}
+def _glm4() -> PreTrainedModel:
+    # q/k/v biases, interleaved rope over half of each head (GLM-4-0414's), head_dim written as key_length
+    return Glm4ForCausalLM(Glm4Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}))
 
 
-@dataclasses.dataclass
-class GgufFile:
-    """What a converter writes: metadata (under the arch's prefix unless the key names its own) and tensors in
-    torch order by GGUF name, matrices in ``qtype`` (vectors stay F32, as llama.cpp keeps them)."""
-
-    arch: str
-    metadata: dict[str, Any]
-    tensors: dict[str, np.ndarray]
-    qtype: Q = Q.F32
-
-    def write(self, path: Path) -> Path:
-        writer = gguf.GGUFWriter(str(path), arch=self.arch)
-        for key, value in self.metadata.items():
-            name = key if key.startswith(("tokenizer.", "general.")) else f"{self.arch}.{key}"
-            if isinstance(value, bool):
-                writer.add_bool(name, value)
-            elif isinstance(value, int):
-                writer.add_uint32(name, value)
-            elif isinstance(value, float):
-                writer.add_float32(name, value)
-            elif isinstance(value, str):
-                writer.add_string(name, value)
-            else:
-                writer.add_array(name, value)
-        for name, array in self.tensors.items():
-            array = np.ascontiguousarray(array, dtype=np.float32)
-            if array.ndim == 1 or self.qtype == Q.F32:
-                writer.add_tensor(name, array)
-            elif self.qtype == Q.F16:
-                writer.add_tensor(name, array.astype(np.float16))
-            else:
-                writer.add_tensor(name, quantize(array, self.qtype), raw_dtype=self.qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        return path
-
-
-def convert(hf: PreTrainedModel, kind: str) -> GgufFile:
-    """The file convert_hf_to_gguf.py's Gemma2Model / Gemma3Model / Phi3MiniModel write from ``hf``."""
-    cfg = hf.config
-    m: dict[str, Any] = {
-        "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
-        "block_count": cfg.num_hidden_layers, "feed_forward_length": cfg.intermediate_size,
-        "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
-        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-        "tokenizer.ggml.bos_token_id": cfg.bos_token_id, "tokenizer.ggml.eos_token_id": cfg.eos_token_id,
-    }
-    if kind == "gemma2":
-        m.update({"attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
-                  "attn_logit_softcapping": float(cfg.attn_logit_softcapping),
-                  "final_logit_softcapping": float(cfg.final_logit_softcapping),
-                  "attention.sliding_window": cfg.sliding_window})
-    elif kind == "gemma3":
-        full, local = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
-        m.update({"attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
-                  "rope.freq_base": float(full["rope_theta"]), "rope.freq_base_swa": float(local["rope_theta"]),
-                  "rope.scaling.type": "linear", "rope.scaling.factor": float(full["factor"]),
-                  "final_logit_softcapping": float(cfg.final_logit_softcapping),
-                  "attention.sliding_window": cfg.sliding_window})
-    else:
-        m.update({"rope.scaling.original_context_length": cfg.original_max_position_embeddings,
-                  "rope.dimension_count": cfg.hidden_size // cfg.num_attention_heads,
-                  "rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
-                  "attention.sliding_window": cfg.sliding_window or 0})
-    names = gguf.get_tensor_name_map(_ARCH[kind], cfg.num_hidden_layers)
-    tensors = {}
-    for name, value in hf.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        w = value.float().numpy()
-        if kind.startswith("gemma") and name.endswith("norm.weight"):
-            w = w + 1   # Gemma's RMSNorm scales by 1 + weight: the converter stores the sum
-        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert new is not None, name
-        tensors[new] = w
-    return GgufFile(gguf.MODEL_ARCH_NAMES[_ARCH[kind]], m, tensors)
+_BUILD: dict[str, Callable[[], PreTrainedModel]] = {"gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3,
+                                                    "glm4": _glm4}
+_WINDOWS = {"gemma2": [WINDOW, None] * 2, "gemma3": [WINDOW] * 5 + [None], "phi3": [WINDOW + 1] * 2,
+            "glm4": [None] * 2}
+# the families transformers' GGUF reader knows
+_TRANSFORMERS_READS = ["gemma2", "gemma3", "phi3"]
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +123,7 @@ def test_gguf_matches_transformers_and_the_checkpoint_directory(
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16], ids=["F32", "F16"])
-@pytest.mark.parametrize("kind", list(_BUILD))
+@pytest.mark.parametrize("kind", _TRANSFORMERS_READS)
 def test_transformers_reads_the_written_file_to_the_same_logits(
         kind: str, qtype: Q, checkpoints: dict[str, tuple[PreTrainedModel, Path]]) -> None:
     """An independent check of ``convert``'s names and layout: transformers' GGUF reader (which reverses the norms'
@@ -331,20 +265,40 @@ def test_an_unsupported_architecture_is_refused_naming_it(arch: str, tmp_path: P
 def test_what_is_not_built_is_refused_by_name(checkpoints: dict[str, tuple[PreTrainedModel, Path]],
                                               tmp_path: Path) -> None:
     hf, _ = checkpoints["phi3"]
-    longrope = convert(hf, "phi3")
-    longrope.tensors["rope_factors_long.weight"] = np.ones(8, np.float32)
-    longrope.tensors["rope_factors_short.weight"] = np.ones(8, np.float32)
-    with pytest.raises(ValueError, match="phi3: LongRoPE"):
-        load_model(str(longrope.write(tmp_path / "longrope.gguf")), torch.float32)
-    partial = convert(hf, "phi3")
-    partial.metadata["rope.dimension_count"] = 12
-    with pytest.raises(ValueError, match=r"partial rotary \(rope.dimension_count=12 of head_dim 16\)"):
-        load_model(str(partial.write(tmp_path / "partial.gguf")), torch.float32)
+    refusals: list[tuple[GgufFile, str]] = []
+    half = convert(hf, "phi3")   # LongRoPE needs both its factor tensors
+    half.tensors["rope_factors_long.weight"] = np.ones(8, np.float32)
+    refusals.append((half, "phi3: LongRoPE without the tensor 'rope_factors_short.weight'"))
+    short = convert(hf, "phi3")
+    short.tensors.update({f"rope_factors_{k}.weight": np.ones(6, np.float32) for k in ("long", "short")})
+    refusals.append((short, r"phi3: LongRoPE factors of 6 and 6 values, not 8 \(one per rotated pair"))
+    no_original = convert(hf, "phi3")
+    no_original.tensors.update({f"rope_factors_{k}.weight": np.ones(8, np.float32) for k in ("long", "short")})
+    del no_original.metadata["rope.scaling.original_context_length"]
+    refusals.append((no_original, "longrope rope scaling without original_max_position_embeddings"))
+    odd = convert(hf, "phi3")
+    odd.metadata["rope.dimension_count"] = 11
+    refusals.append((odd, r"phi3: rope.dimension_count=11 of head_dim 16 is not supported"))
+    gemma = convert(checkpoints["gemma2"][0], "gemma2")
+    gemma.tensors["rope_factors_short.weight"] = np.ones(8, np.float32)
+    refusals.append((gemma, r"'rope_factors_short.weight' \(LongRoPE\) is read for phi3 only, not 'gemma2'"))
+    yarn = convert(checkpoints["glm4"][0], "glm4")   # what a newer converter writes for a YaRN GLM-4
+    yarn.metadata.update({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0})
+    refusals.append((yarn, "unsupported GGUF rope scaling 'yarn'"))
     extra = convert(checkpoints["gemma2"][0], "gemma2")
     extra.tensors["blk.1.attn_qkv.weight"] = np.zeros((128, 64), np.float32)   # Phi-3's name, no place in Gemma
-    with pytest.raises(ValueError, match=r"'blk\.1\.attn_qkv\.weight' is not supported"):
-        load_model(str(extra.write(tmp_path / "extra.gguf")), torch.float32)
-    odd = convert(hf, "phi3")
-    odd.tensors["blk.0.attn_qkv.weight"] = odd.tensors["blk.0.attn_qkv.weight"][:-16]
-    with pytest.raises(ValueError, match=r"'blk\.0\.attn_qkv\.weight' has 112 rows, not 64 \+ 32 \+ 32"):
-        load_model(str(odd.write(tmp_path / "odd.gguf")), torch.float32)
+    refusals.append((extra, r"'blk\.1\.attn_qkv\.weight' is not supported"))
+    rows = convert(hf, "phi3")
+    rows.tensors["blk.0.attn_qkv.weight"] = rows.tensors["blk.0.attn_qkv.weight"][:-16]
+    refusals.append((rows, r"'blk\.0\.attn_qkv\.weight' has 112 rows, not 64 \+ 32 \+ 32"))
+    for i, (file, message) in enumerate(refusals):
+        with pytest.raises(ValueError, match=message):
+            load_model(str(file.write(tmp_path / f"{i}.gguf")), torch.float32)
+
+
+def test_glm4_rotates_the_whole_head_without_a_dimension_count(tmp_path: Path) -> None:
+    """llama.cpp's default (the converter always writes the count: half of each head for GLM-4-0414)."""
+    whole = _config(_metadata_only("glm4", 2), tmp_path / "whole.gguf")
+    assert (whole.rotary_dim, whole.rope_interleaved, whole.sandwich_norms) == (16, True, True)
+    half = _config(_metadata_only("glm4", 2, {"rope.dimension_count": 8}), tmp_path / "half.gguf")
+    assert half.rotary_dim == 8 and half.partial_rotary_factor == 0.5
