@@ -59,16 +59,16 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
 
 
 def windowed_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                       window: int | None, softcap: float | None = None) -> torch.Tensor:
+                       window: int | None, softcap: float | None = None, skip_decodes: bool = False) -> torch.Tensor:
     """Attention over the paged cache (the step's keys and values already written) for what the fast paths do not
     run: a sliding window (each query at position p sees keys p - window + 1 .. p; only the blocks that hold a row's
     window are gathered, so a step costs the window, not the context) and soft-capped scores. query [T, Hq, D] ->
-    [T, Hq, D], in the step's row order."""
+    [T, Hq, D], in the step's row order (``skip_decodes``: the prefill rows only)."""
     bs = meta.block_size
     outputs: list[torch.Tensor] = []
     nd = meta.num_decodes
     device = query.device
-    if nd:
+    if nd and not skip_decodes:
         seq_lens = meta.seq_lens[:nd]
         if window is None:
             count = -(-max(meta.seq_lens_host[:nd]) // bs)
@@ -140,8 +140,19 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         if softcap is not None or (window is not None and max(meta.seq_lens_host) > window):
-            # soft-capped scores, or some query sees past its window: the explicit path
-            return windowed_attention(query, kv_cache, meta, scale, window, softcap)
+            # Soft-capped scores, or some query sees past its window: the explicit path; but windowed decodes on
+            # the decode kernel, which starts each sequence at its window's first key (a windowed step then costs
+            # the window, not the context: 32 x 8k-token sequences, 1k window: see docs/benchmarks.md).
+            nd = meta.num_decodes
+            if softcap is not None or window is None or not nd or not self._rows_take(query, kv_cache):
+                return windowed_attention(query, kv_cache, meta, scale, window, softcap)
+            assert self.decode_kernel is not None
+            seq_lens = meta.seq_lens[:nd].contiguous()
+            decodes = self.decode_kernel(query[:nd].contiguous(), kv_cache, meta.block_tables[:nd].contiguous(),
+                                         seq_lens, scale, (seq_lens - window).clamp_(min=0))
+            if nd == meta.num_seqs:
+                return decodes
+            return torch.cat([decodes, windowed_attention(query, kv_cache, meta, scale, window, skip_decodes=True)])
         outputs: list[torch.Tensor] = []
         if meta.num_decodes > 0:
             outputs.append(self._decode(query[:meta.num_decodes], kv_cache, meta, scale))

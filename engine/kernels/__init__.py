@@ -24,7 +24,7 @@ import logging
 import platform
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,7 +32,15 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).resolve().parent
 
-PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+class PagedDecodeAttention(Protocol):
+    """(query, kv_cache, block_tables, seq_lens, scale[, first_positions]) -> out: ``first_positions`` [N], a
+    sliding window's first key of each sequence (the keys before it are neither read nor weighed)."""
+
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, first_positions: torch.Tensor | None = None) -> torch.Tensor:
+        ...
+
+
 KVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # (query, kv_cache, block_tables, query_start, seq_lens, scale) -> out
 PagedPrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],

@@ -744,9 +744,11 @@ void amx_prefill_tile(const at::BFloat16* keys, const int64_t* table, const uint
 
 }  // namespace
 
+// ``first_positions`` [N] int64 (optional): a sliding window's first key of each sequence; the keys before it are
+// not read (their blocks may be given back: table entries -1), and those sharing its block are masked out.
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                                     double scale) {
+                                     double scale, const c10::optional<torch::Tensor>& first_positions) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK((query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16) &&
                   (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf ||
@@ -772,9 +774,19 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const float* q = query_f.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* firsts = nullptr;
+  if (first_positions.has_value()) {
+    TORCH_CHECK(first_positions->scalar_type() == at::kLong && first_positions->dim() == 1 &&
+                    first_positions->size(0) == n_seqs && first_positions->is_contiguous() &&
+                    first_positions->device().is_cpu(),
+                "paged_decode_attention: first_positions is a contiguous int64 [N] CPU tensor");
+    firsts = first_positions->data_ptr<int64_t>();
+  }
   for (int64_t n = 0; n < n_seqs; ++n) {  // validate before any thread reads through them
     TORCH_CHECK(lens[n] >= 1 && lens[n] <= max_blocks * block_size, "paged_decode_attention: bad seq_len");
-    for (int64_t b = 0; b < (lens[n] + block_size - 1) / block_size; ++b) {
+    const int64_t first = firsts != nullptr ? firsts[n] : 0;
+    TORCH_CHECK(first >= 0 && first < lens[n], "paged_decode_attention: bad first position");
+    for (int64_t b = first / block_size; b < (lens[n] + block_size - 1) / block_size; ++b) {
       const int64_t id = tables[n * max_blocks + b];
       TORCH_CHECK(id >= 0 && id < n_blocks, "paged_decode_attention: block id out of range");
     }
@@ -787,9 +799,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 #ifdef SLUICE_AMX
   // bfloat16 query and cache: the AMX path, for blocks of whole 16-row tiles, head_dim a multiple of 32 up to
   // 128 and groups of up to 16 query heads per kv head.
+  // (A sliding window runs on the loops below: the tile path reads whole contexts.)
   const bool amx = query.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
                    block_size % 16 == 0 && head_dim % 32 == 0 && head_dim <= 128 && group <= 16 &&
-                   amx_attention_on.load(std::memory_order_relaxed) && amx_permitted();
+                   firsts == nullptr && amx_attention_on.load(std::memory_order_relaxed) && amx_permitted();
   const uint16_t* q16 = amx ? reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()) : nullptr;
 #endif
 
@@ -830,6 +843,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
         const int64_t h0 = head_items == 1 ? 0 : item % head_items, h1 = head_items == 1 ? n_kv_heads : h0 + 1;
         const int64_t heads = (h1 - h0) * group;  // query heads of this item, from h0 * group on
         const int64_t len = lens[n];
+        // Blocks from b0 on are read (a window's first block; 0 without one); in it, keys before `first` are
+        // masked. Score rows keep absolute positions: row[t] is key t's.
+        const int64_t first = firsts != nullptr ? firsts[n] : 0;
+        const int64_t b0 = first / block_size, s0 = b0 * block_size;
         const int64_t* table = tables + n * max_blocks;
         const float* qn = q + (n * n_heads + h0 * group) * head_dim;
 #ifdef SLUICE_AMX
@@ -855,7 +872,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
           }
         };
 
-        for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+        for (int64_t start = s0, b = b0; start < len; start += block_size, ++b) {
           const int64_t stop = std::min(block_size, len - start);
           prefetch_next(keys, b, start);  // the next block's keys, while this one's are multiplied
           for (int64_t h = h0; h < h1; ++h) {
@@ -887,12 +904,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
         }
         for (int64_t qi = 0; qi < heads; ++qi) {
           float* row = sc + qi * len;
+          for (int64_t t = s0; t < first; ++t) row[t] = 0.f;  // outside the window: no weight
           float m = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < len; ++t) m = std::max(m, row[t]);
-          sums[qi] = exp_shifted_sum(row, len, m);
+          for (int64_t t = first; t < len; ++t) m = std::max(m, row[t]);
+          sums[qi] = exp_shifted_sum(row + first, len - first, m);
         }
 
-        for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+        for (int64_t start = s0, b = b0; start < len; start += block_size, ++b) {
           const int64_t stop = std::min(block_size, len - start);
           prefetch_next(values, b, start);
           for (int64_t h = h0; h < h1; ++h) {
@@ -1750,8 +1768,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs (arguments are converted before, results after): the
   // engine's gRPC event loop shares the process with the thread that runs the model.
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("paged_decode_attention", &paged_decode_attention, release(),
-        "Paged decode attention over a [2, blocks, block_size, kv_heads, head_dim] KV cache (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, release(), py::arg("query"), py::arg("kv_cache"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("first_positions") = py::none(),
+        "Paged decode attention over a [2, blocks, block_size, kv_heads, head_dim] KV cache (CPU); a sliding "
+        "window's first key per sequence optional");
   m.def("paged_prefill_attention", &paged_prefill_attention, release(),
         "Causal prefill attention over a bfloat16 [2, blocks, block_size, kv_heads, head_dim] KV cache (CPU, AMX)");
   m.def("bf16_prefill_attention", &bf16_prefill_attention, release(),

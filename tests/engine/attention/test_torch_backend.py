@@ -484,3 +484,65 @@ def test_long_chunks_after_context_keep_the_sdpa_path() -> None:
     seqs = _make_seqs(random.Random(8), 0, [(5, ROWS_MAX_QUERY + 1), (9, 4)], 2, 1, 16)
     _check(backend, seqs, 0, 2, 1, 16, block_size=16)
     assert calls == [4]
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (8, 2, 64), (4, 2, 128), (2, 2, 24)])
+def test_decode_kernel_reads_only_a_sliding_window(build: str, kv_dtype: torch.dtype, hq: int, hkv: int,
+                                                   d: int) -> None:
+    """first_positions: each sequence attends over keys first .. len - 1 only (a window starting mid-block, at a
+    block's start, and covering the whole context), and blocks wholly before the window are never read — their
+    table entries may be given back (-1)."""
+    kernel = _kernel('paged_decode_attention') if build == "native" else portable_cpu_ops().paged_decode_attention
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(5)
+    bs = 16
+    cache = torch.randn(kv_cache_shape(40, bs, hkv, d), generator=gen).to(kv_dtype)
+    lens = torch.tensor([70, 64, 33, 5, 100])
+    firsts = torch.tensor([45, 32, 0, 0, 99])   # mid-block, a block's start, whole context, whole, the last key
+    tables = torch.randperm(40, generator=gen)[:35].view(5, 7).clone()
+    tables[0, :2] = -1   # given back: before the window's block
+    tables[1, :2] = -1
+    tables[4, :6] = -1
+    query = torch.randn(5, hq, d, generator=gen).to(kv_dtype)
+    out = kernel(query, cache, tables, lens, 0.2, firsts).float()
+    for n, (length, first) in enumerate(zip(lens.tolist(), firsts.tolist(), strict=True)):
+        rows = torch.cat([cache[:, b] if b >= 0 else torch.full_like(cache[:, 0], float("nan"))
+                          for b in tables[n].tolist()], dim=1)[:, first:length].float()
+        keys, values = (rows[i].repeat_interleave(hq // hkv, dim=1) for i in (0, 1))
+        scores = torch.einsum("hd,lhd->hl", query[n].float(), keys) * 0.2
+        expected = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
+        tol = 2.0 ** -7 if kv_dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out[n], expected, rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="first position"):
+        kernel(query, cache, tables, lens, 0.2, torch.tensor([45, 32, 0, 5, 100]))   # not before the length
+    with pytest.raises(RuntimeError, match="block id"):   # a given-back block inside the window
+        kernel(query, cache, tables, lens, 0.2, torch.tensor([31, 32, 0, 0, 99]))
+
+
+def test_windowed_decodes_run_on_the_kernel_and_match_the_explicit_path() -> None:
+    """A step whose decodes are past the window: the decode rows go to the kernel with their first positions
+    (one call), the prefill rows to the explicit path; together they equal the explicit path alone."""
+    kernel = _kernel('paged_decode_attention')
+    calls: list[torch.Tensor | None] = []
+
+    def counting(*args: Any) -> torch.Tensor:
+        calls.append(args[5] if len(args) > 5 else None)
+        return kernel(*args)
+
+    from engine.attention.torch_backend import windowed_attention
+
+    torch.manual_seed(6)
+    kv = PagedKV(1, 2, 32, block_size=8, dtype=torch.float32, backend=TorchAttentionBackend(decode_kernel=counting))
+    hq = 4
+    kv.step([("a", list(range(40))), ("b", list(range(25)))])   # cache the context (values do not matter)
+    step = kv.step([("a", [1]), ("b", [2]), ("c", list(range(30)))])
+    query = torch.randn(32, hq, 32)
+    key, value = torch.randn(32, 2, 32), torch.randn(32, 2, 32)
+    cache = kv.kv_caches[0]
+    backend = TorchAttentionBackend(decode_kernel=counting)
+    calls.clear()
+    got = backend.forward(query, key, value, cache, step.meta, 0.3, window=12)
+    assert len(calls) == 1 and calls[0] is not None and calls[0].tolist() == [41 - 12, 26 - 12]
+    torch.testing.assert_close(got, windowed_attention(query, cache, step.meta, 0.3, 12), rtol=1e-5, atol=1e-5)
