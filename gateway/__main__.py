@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="largest request body (default: the model's max_model_len x 16 bytes + 1 MiB, as soon "
                         "as the backend answers; 32 MiB before)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="connections served at once, idle keep-alive ones included; the next one's request gets "
+                        "503 (default: no cap)")
     p.add_argument("--header-read-timeout", type=float, default=10.0,
                    help="seconds a connection gets to send a request's headers before it is closed")
     p.add_argument("--body-read-timeout", type=float, default=60.0,
@@ -108,6 +111,7 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         access_log=not ns.disable_uvicorn_access_log,
         served_model_names=tuple(ns.served_model_name or ()),
         max_body_bytes=ns.max_body_bytes,
+        max_connections=ns.max_connections,
         header_read_timeout=ns.header_read_timeout,
         body_read_timeout=ns.body_read_timeout,
         request_timeout=ns.request_timeout,

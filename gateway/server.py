@@ -95,8 +95,15 @@ def build_server(app: ASGIApp, settings: GatewaySettings, drain: Drain, *, log_l
                             lifespan=lifespan, access_log=settings.access_log,
                             log_config=None,  # its lines go through ours (common/logs.py)
                             timeout_graceful_shutdown=GRACE_AFTER_DRAIN_SECONDS, server_header=False,
+                            limit_concurrency=_limit_concurrency(settings.max_connections),
                             **_ssl_config(settings.rest_tls))
     return DrainingServer(config, drain, settings.shutdown_timeout)
+
+
+def _limit_concurrency(max_connections: int | None) -> int | None:
+    """uvicorn's limit for ``max_connections`` served at once: it counts the connection asking among the open ones
+    and answers 503 once they reach the limit."""
+    return None if max_connections is None else max_connections + 1
 
 
 def _ssl_config(tls: RestTls | None) -> dict[str, Any]:

@@ -34,6 +34,9 @@ class GatewaySettings:
     served_model_names: tuple[str, ...] = ()
     # Largest request body; None: sized from the model's context length (routes/common.py body_limit_for).
     max_body_bytes: int | None = None
+    # Connections served at once (idle keep-alive ones included); the next one's request gets uvicorn's 503.
+    # None: no cap. A MindIE config's maxLinkNum sets it (services/mindie).
+    max_connections: int | None = None
     # A connection must finish sending a request's headers within this many seconds (uvicorn has no
     # such bound of its own), and its body within body_read_timeout of the headers.
     header_read_timeout: float = 10.0
@@ -73,6 +76,8 @@ class GatewaySettings:
             raise ValueError("tokenizer_addresses: at least one address is needed")
         if self.max_body_bytes is not None and self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
         if self.header_read_timeout <= 0:
             raise ValueError("header_read_timeout must be > 0")
         if self.body_read_timeout <= 0:

@@ -51,7 +51,7 @@ from engine.entrypoints.args import add_engine_args, check_local_paths, config_f
 from engine.entrypoints.vllm_compat import normalize_flag_spelling
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.child_flags import engine_flags, tokenizer_flags
-from services.mindie_config import ConfigFileError, load_mindie_config
+from services.mindie import ConfigFileError, load_mindie_config
 from services.replicas import check_model_splits, metrics_ports, replica_configs
 from services.serve_args import add_vllm_serve_args, check_vllm_serve_args
 
@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gateways send an SSE comment after this many seconds without a token, for proxies that "
                         "close idle connections (default 0: off, as vLLM)")
     p.add_argument("--request-timeout", type=float, default=None, help="gateway deadline per request, seconds")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="connections each gateway serves at once, idle keep-alive ones included; the next one's "
+                        "request gets 503 (default: no cap; a MindIE config's maxLinkNum sets 3 x maxLinkNum)")
+    p.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                   help="largest request body a gateway reads (default: sized from the model's context length)")
     p.add_argument("--tokenizer-mux", action=argparse.BooleanOptionalAction, default=True,
                    help="gateways multiplex requests on one GenerateStream per tokenizer service (one message per "
                         "engine step for all of its requests); --no-tokenizer-mux: a Generate call per request")
@@ -180,13 +185,15 @@ def resolve_settings(argv: list[str], notes: list[str] | None = None) -> argpars
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if ns.config:
         try:
-            from_file = load_mindie_config(ns.config)
+            mindie = load_mindie_config(ns.config)
         except ConfigFileError as e:
             parser.error(str(e))
         explicit = _explicit_dests(parser, argv) | ({"model"} if ns.model_tag is not None else set())
-        for key, value in from_file.items():
-            if key not in explicit and hasattr(ns, key):
+        for key, value in mindie.settings.items():
+            if key not in explicit:
                 setattr(ns, key, value)
+        if notes is not None:
+            notes.extend(mindie.notes)
     try:
         accepted = check_vllm_serve_args(ns)
     except InvalidRequestError as e:
@@ -292,6 +299,9 @@ class Supervisor:
                 "--log-level", ns.uvicorn_log_level or ns.log_level, *self._key_flags(), *self._child_flags()]
         if ns.request_timeout is not None:
             argv += ["--request-timeout", str(ns.request_timeout)]
+        for flag in ("max_connections", "max_body_bytes"):
+            if getattr(ns, flag) is not None:
+                argv += ["--" + flag.replace("_", "-"), str(getattr(ns, flag))]
         if ns.tokenizer_mux:
             argv.append("--tokenizer-mux")
         if ns.allowed_origins:

@@ -309,7 +309,7 @@ def test_mindie_config_with_world_size_2_serves_tensor_parallel(tmp_path: Path) 
         "ServerConfig": {"ipAddress": "127.0.0.1", "port": 1025, "maxLinkNum": 300, "httpsEnabled": False},
         "BackendConfig": {
             "backendName": "mindieservice_llm_engine", "npuDeviceIds": [[0, 1]],
-            "ModelDeployConfig": {"maxSeqLen": 200, "maxInputTokenLen": 100, "truncation": False,
+            "ModelDeployConfig": {"maxSeqLen": 200, "maxInputTokenLen": 199, "truncation": False,
                                   "ModelConfig": [{"modelInstanceType": "Standard", "modelName": "tiny-mindie",
                                                    "modelWeightPath": str(tmp_path / "tiny"), "worldSize": 2,
                                                    "cpuMemSize": 5, "npuMemSize": -1, "backendType": "atb"}]},

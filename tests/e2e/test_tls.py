@@ -119,3 +119,96 @@ def test_bad_file_stops_serve_naming_flag_and_file(tmp_path: Path, pki: dict[str
     assert out.returncode == 1
     assert out.stderr.strip() == (f"sluice serve: --ssl-keyfile {pki['client'].key} does not match the certificate "
                                   f"in --ssl-certfile {pki['server'].cert}")
+
+
+# -- issue 39: a MindIE config.json with httpsEnabled true -------------------------------------------------------
+MINDIE_SERVED = "mindie-tls"
+
+
+def _mindie_install(root: Path, pki: dict[str, CertFiles], **server: object) -> Path:
+    """A MindIE install folder: conf/config.json (HTTPS, the TLS files where MindIE's defaults put them, one
+    listener, the default model on the CPU) and security/ holding ``pki``'s CA and server certificate."""
+    import json
+    import shutil
+
+    for src, dst in ((pki["ca"].cert, "security/ca/ca.pem"), (pki["server"].cert, "security/certs/server.pem"),
+                     (pki["server"].key, "security/keys/server.key.pem")):
+        (root / dst).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, root / dst)
+    config = {
+        "Version": "1.0.0",
+        "ServerConfig": {
+            "ipAddress": "127.0.0.1", "managementIpAddress": "127.0.0.1", "port": 1025, "managementPort": 1025,
+            "metricsPort": 1025, "allowAllZeroIpListening": False, "maxLinkNum": 4, "httpsEnabled": True,
+            "tlsCaPath": "security/ca/", "tlsCaFile": ["ca.pem"], "tlsCert": "security/certs/server.pem",
+            "tlsPk": "security/keys/server.key.pem", "tlsPkPwd": "security/pass/key_pwd.txt",
+            "tlsCrlPath": "security/certs/", "tlsCrlFiles": ["server_crl.pem"], "e2eTimeout": 120, **server},
+        "BackendConfig": {
+            "backendName": "mindieservice_llm_engine", "modelInstanceNumber": 1, "tokenizerProcessNumber": 1,
+            "ModelDeployConfig": {"maxSeqLen": 2048, "maxInputTokenLen": 2047, "truncation": False, "ModelConfig": [
+                {"modelInstanceType": "Standard", "modelName": MINDIE_SERVED, "worldSize": 1, "cpuMemSize": 0,
+                 "npuMemSize": -1, "backendType": "atb", "trustRemoteCode": False}]},
+            "ScheduleConfig": {"templateType": "Standard", "templateName": "Standard_LLM", "cacheBlockSize": 16,
+                               "maxPrefillBatchSize": 2, "maxPrefillTokens": 2048, "maxBatchSize": 2,
+                               "maxIterTimes": 2048, "prefillPolicyType": 0, "decodePolicyType": 0}},
+    }
+    (root / "conf").mkdir(parents=True, exist_ok=True)
+    (root / "conf/config.json").write_text(json.dumps(config, indent=4))
+    return root / "conf/config.json"
+
+
+def _client_context(pki: dict[str, CertFiles]) -> ssl.SSLContext:
+    """Trusts the CA and presents the client certificate it signed (MindIE's HTTPS requires one)."""
+    context = ssl.create_default_context(cafile=str(pki["ca"].cert))
+    context.load_cert_chain(pki["client"].cert, pki["client"].key)
+    return context
+
+
+@pytest.fixture(scope="module")
+def mindie_stack(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, CertFiles]) -> Iterator[ServeStack]:
+    config = _mindie_install(tmp_path_factory.mktemp("mindie"), pki)
+    s = ServeStack(tmp_path_factory.mktemp("mindie-logs"), "--config", str(config),
+                   ssl_context=_client_context(pki)).start()
+    yield s
+    assert s.stop() == 0
+
+
+def test_mindie_https_serves_the_openai_sdk_trusting_the_ca(mindie_stack: ServeStack,
+                                                           pki: dict[str, CertFiles]) -> None:
+    with httpx.Client(verify=_client_context(pki)) as http:
+        client = openai.OpenAI(base_url=f"{mindie_stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120,
+                               http_client=http)
+        assert mindie_stack.base_url.startswith("https://")
+        r = client.completions.create(model=MINDIE_SERVED, prompt="The capital of France is", max_tokens=8,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage is not None and r.usage.completion_tokens == 8 and r.choices[0].text
+    log = mindie_stack.log.read_text()
+    assert "MindIE ServerConfig.maxLinkNum: each gateway serves 12 connections at once" in log
+    assert "MindIE ServerConfig.tlsCrlFiles: no effect (" in log
+
+
+def test_mindie_https_refuses_plain_http_and_clients_without_a_certificate(mindie_stack: ServeStack,
+                                                                           pki: dict[str, CertFiles]) -> None:
+    with pytest.raises(httpx.TransportError):  # the TLS listener hangs up on plaintext
+        httpx.get(f"http://127.0.0.1:{mindie_stack.port}/health", timeout=10)
+    with pytest.raises(httpx.TransportError):  # trusts the CA but has no client certificate: the handshake fails
+        httpx.get(f"https://127.0.0.1:{mindie_stack.port}/health", timeout=10,
+                  verify=ssl.create_default_context(cafile=str(pki["ca"].cert)))
+
+
+def test_mindie_https_without_its_certificate_file_stops_start_up_naming_the_key(
+        tmp_path: Path, pki: dict[str, CertFiles]) -> None:
+    """Before any child starts: exit 2, the last line naming the key and the file; never plain HTTP."""
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT
+
+    config = _mindie_install(tmp_path, pki)
+    (tmp_path / "security/certs/server.pem").unlink()
+    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--config", str(config)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"sluice serve: error: ServerConfig.tlsCert: {tmp_path / 'security/certs/server.pem'}: cannot read it "
+        "(No such file or directory)")

@@ -198,10 +198,10 @@ def test_mindie_world_size_is_tensor_parallel_and_its_npus_the_ranks_devices(tmp
 
 
 @pytest.mark.parametrize(("world_size", "device_ids", "message"), [
-    (2, [[0]], "BackendConfig.npuDeviceIds names 1 device(s), [0]; ModelConfig.worldSize 2 needs 2"),
-    (1, [[0, 0]], "BackendConfig.npuDeviceIds names a device twice: [0, 0]"),
+    (2, [[0]], "BackendConfig.npuDeviceIds: names 1 device(s), [0]; ModelConfig.worldSize 2 needs 2"),
+    (1, [[0, 0]], "BackendConfig.npuDeviceIds: names a device twice: [0, 0]"),
     (1, [["0"]], "BackendConfig.npuDeviceIds: device ids are integers >= 0, got '0'"),
-    (0, None, "ModelConfig.worldSize must be a positive integer, got 0"),
+    (0, None, "ModelConfig.worldSize: must be an integer >= 1, got 0"),
 ])
 def test_mindie_parallel_keys_that_cannot_run_are_refused_naming_them(
         tmp_path: Path, world_size: int, device_ids: list[list[int]] | None, message: str,
