@@ -108,7 +108,8 @@ def _layout(query_lens: list[int], seq_lens: list[int], num_blocks: int) -> tupl
 
 def decode(model: Any, backend: Any, caches: list[torch.Tensor], batch: int, context: int, steps: int,
            bandwidth: float) -> dict[str, Any]:
-    from engine.worker.cuda_graphs import DecodeGraphs, cuda_recorder
+    from engine.device.cuda import CudaDevice
+    from engine.worker.graphs import DecodeGraphs, device_recorder
 
     num_blocks = caches[0].shape[1]
     layout, positions = _layout([1] * batch, [context + 1] * batch, num_blocks)
@@ -119,7 +120,7 @@ def decode(model: Any, backend: Any, caches: list[torch.Tensor], batch: int, con
         eager = _time(lambda: model.compute_logits(model(ids, positions, caches, meta), dtype=None), steps)
         graphs = DecodeGraphs(model, backend, caches, sizes=[batch], max_seq_len=context + 1, block_size=BLOCK,
                               device=torch.device("cuda"))
-        graphs.capture(cuda_recorder(torch.cuda.graph_pool_handle()))
+        graphs.capture(device_recorder(CudaDevice(0)))
 
         def replay() -> None:
             hidden = graphs.forward(ids, positions, meta)

@@ -281,8 +281,9 @@ class SpeculativeConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
-# EngineConfig.quantization's values: W8A8 int8 quantized at load, or a compressed-tensors W8A8 int8 checkpoint.
-QUANTIZATIONS = ("w8a8", "compressed-tensors")
+# EngineConfig.quantization's values: W8A8 int8 quantized at load, a compressed-tensors W8A8 int8 checkpoint, or an
+# msModelSlim one (vLLM-Ascend's "ascend", or "modelslim").
+QUANTIZATIONS = ("w8a8", "compressed-tensors", "ascend", "modelslim")
 
 
 @dataclass(frozen=True)
@@ -324,10 +325,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     num_scheduler_steps: int = 1             # decode steps per schedule (vLLM's multi-step scheduling)
     multi_step_stream_outputs: bool = True   # stream each of the N steps' tokens as it comes (False: per N)
-    # None: the checkpoint's own weights (a compressed-tensors int8 checkpoint is detected from its config.json);
-    # "w8a8": int8 weights per output channel and int8 activations per token (engine.models.w8a8), quantized at
-    # load from a float or GGUF checkpoint; "compressed-tensors": require the checkpoint's own int8 W8A8 weights.
-    # One of QUANTIZATIONS (docs/quantization.md).
+    # None: the checkpoint's own weights (a compressed-tensors int8 checkpoint is detected from its config.json, an
+    # msModelSlim one from its quant_model_description.json); "w8a8": int8 weights per output channel and int8
+    # activations per token (engine.models.w8a8), quantized at load from a float or GGUF checkpoint;
+    # "compressed-tensors" / "ascend" / "modelslim": require such a checkpoint. One of QUANTIZATIONS
+    # (docs/quantization.md).
     quantization: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

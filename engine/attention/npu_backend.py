@@ -135,10 +135,7 @@ class NpuAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         nd = meta.num_decodes
         if nd > 0:
-            self.ops._npu_paged_attention(query=query[:nd], key_cache=key_cache, value_cache=value_cache,
-                                          num_kv_heads=num_kv_heads, num_heads=num_heads, scale_value=float(scale),
-                                          block_table=meta.decode_block_table, context_lens=meta.decode_context_lens,
-                                          out=out[:nd])
+            self.paged_decode(query[:nd], key_cache, value_cache, meta, float(scale), out[:nd])
         if meta.prefill_query_ends:
             prefill_out, _ = self.ops.npu_fused_infer_attention_score(
                 query[nd:], paged_keys, paged_values, atten_mask=meta.mask, block_table=meta.prefill_block_table,
@@ -147,3 +144,12 @@ class NpuAttentionBackend(AttentionBackend):
                 scale=float(scale), sparse_mode=3)
             out[nd:] = prefill_out
         return out
+
+    def paged_decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     meta: NpuAttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """The decodes' attention into ``out``: ``_npu_paged_attention`` over int32 block tables and host context
+        lengths (a decode graph's backend, ``engine.worker.npu_graphs``, captures it so its lengths can be updated)."""
+        self.ops._npu_paged_attention(query=query, key_cache=key_cache, value_cache=value_cache,
+                                      num_kv_heads=key_cache.shape[2], num_heads=query.shape[1], scale_value=scale,
+                                      block_table=meta.decode_block_table, context_lens=meta.decode_context_lens,
+                                      out=out)

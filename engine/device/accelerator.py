@@ -1,5 +1,5 @@
-"""Shared body of the accelerator backends: torch.cuda and torch.npu expose the same stream, event
-and memory API, so CUDA and NPU differ only in which module they drive."""
+"""Shared body of the accelerator backends: torch.cuda and torch.npu expose the same stream, event,
+memory and graph API, so CUDA and NPU differ only in which module they drive (and their graph class)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,23 @@ class AcceleratorDevice(Device):
 
     def new_event(self) -> Any:
         return self._mod.Event()
+
+    def current_stream(self) -> Any:
+        return self._mod.current_stream()
+
+    def new_graph(self) -> Any:
+        """An empty graph to capture into (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``)."""
+        raise NotImplementedError(f"{self.name} names no graph class")
+
+    def graph_pool(self) -> Any:
+        """A memory pool token for graphs to share (``graph_pool_handle``)."""
+        return self._mod.graph_pool_handle()
+
+    def capture(self, graph: Any, pool: Any) -> contextlib.AbstractContextManager[Any]:
+        """Captures the enclosed work into ``graph`` (``torch.cuda.graph`` / ``torch.npu.graph``: on a side stream
+        of their own, allocating from ``pool``)."""
+        capturing: contextlib.AbstractContextManager[Any] = self._mod.graph(graph, pool=pool)
+        return capturing
 
     @contextlib.contextmanager
     def use_stream(self, stream: Any) -> Iterator[None]:

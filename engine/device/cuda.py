@@ -3,7 +3,7 @@
 the portable PyTorch path (SDPA over a block-table gather), with the reason logged once; mixture-of-experts layers
 likewise on the Triton fused-MoE kernels (``KernelChoice.triton_moe``) when they import.
 
-Decode steps of a single-rank engine are captured as CUDA graphs at start (``engine.worker.cuda_graphs``, off
+Decode steps of a single-rank engine are captured as CUDA graphs at start (``engine.worker.graphs``, off
 with ``--enforce-eager``) and the KV cache is sized by profiling a max-size step (``engine.worker.kv_profile``).
 See docs/cuda.md, which also says what has and has not been run on a GPU.
 """
@@ -36,6 +36,9 @@ class CudaDevice(AcceleratorDevice):
         if self._backend is None:
             self._backend = cuda_attention_backend()
         return self._backend
+
+    def new_graph(self) -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
 
     def kernel_choice(self, dtype: torch.dtype, amx_pack_bytes: int = 0, int8_layers: int = 0) -> KernelChoice:
         """Mixture-of-experts layers on the Triton fused-MoE kernels when they import (as attention: without

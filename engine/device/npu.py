@@ -5,7 +5,9 @@ runs and is tested without it. Streams, events and memory go through ``torch.npu
 the shared :class:`AcceleratorDevice`; attention runs torch-npu's fused paged-attention operators
 (:class:`~engine.attention.npu_backend.NpuAttentionBackend`, block size 128); RMSNorm, SwiGLU, rotary embedding and
 W8A8 linears run torch-npu's fused operators (``KernelChoice.npu_ops``); collectives use HCCL
-(engine/distributed/parallel_state.py).
+(engine/distributed/parallel_state.py). Decode steps of a single-rank engine are captured per batch-size bucket as
+NPU graphs (``torch.npu.NPUGraph``, vLLM-Ascend's ACL graph; ``engine.worker.graphs`` and ``npu_graphs``), off with
+``--enforce-eager``.
 
 NOT RUN ON ASCEND HARDWARE: none was available. Every operator call is checked on the CPU against a test-only twin
 written from torch-npu's documentation (tests/engine/npu_twin), which proves the calls, not the hardware.
@@ -13,7 +15,7 @@ written from torch-npu's documentation (tests/engine/npu_twin), which proves the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +45,9 @@ class NpuDevice(AcceleratorDevice):
     def pin_memory(self) -> bool:
         # Tensors placed on the host need no page-locked staging (and torch without an accelerator cannot pin).
         return self.torch_device.type != "cpu"
+
+    def new_graph(self) -> Any:
+        return self._mod.NPUGraph()
 
     def attention_backend(self) -> AttentionBackend:
         from engine.attention.npu_backend import NpuAttentionBackend

@@ -91,9 +91,6 @@ def _quantization(value: str, ns: argparse.Namespace) -> str | None:
     if value == "gguf":
         return "'gguf' needs a .gguf model file"
     supported = f"Sluice runs {', '.join(QUANTIZATIONS)} (docs/quantization.md) and a GGUF file's own blocks (gguf)"
-    if value == "ascend":
-        return (f"'ascend' (vLLM-Ascend's msModelSlim checkpoints) is not read: their layout is not supported; "
-                f"{supported}. An msModelSlim W8A8 model's float original runs with --quantization w8a8")
     return f"{value!r} is not supported: {supported}"
 
 
@@ -116,7 +113,8 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
                lambda v: "a GGUF file's quantized blocks are always run as they are" if v == "gguf" else None,
                _quantization,
                help="w8a8: int8 weights and activations, quantized at load; compressed-tensors: a W8A8 int8 "
-                    "checkpoint's own weights (detected without the flag); gguf: a GGUF file's blocks, as always"),
+                    "checkpoint's own weights; ascend (or modelslim): an msModelSlim W8A8 / W8A8_DYNAMIC "
+                    "checkpoint's (both detected without the flag); gguf: a GGUF file's blocks, as always"),
     CompatFlag(("--tokenizer-mode",), "Sluice always uses the model's fast (Rust) tokenizer",
                refuse_unless(lambda v: v in ("auto", "hf"), "only the model's fast (Rust) tokenizer is supported "
                                                             "(auto)")),

@@ -35,6 +35,7 @@ from engine.models.moe import MoeGate
 from engine.models.quant import QuantWeight, cat_rows, pad_rows
 from engine.models.sharding import Shard, ShardPlan, check_parallel_sizes
 from engine.models.w8a8 import Int8Weight, quantize_weight
+from engine.models.w8a8_static import AnyInt8Weight, cat_parts
 from engine.models.weight_names import ALL_PARTS, local_part, map_name, num_parts, part_view
 
 # The hidden states and the residual stream a pipeline stage hands the next.
@@ -263,13 +264,14 @@ class CausalLM(nn.Module):
                 count += 1
         return count
 
-    def load_int8(self, weights: Iterable[tuple[str, Int8Weight]]) -> int:
+    def load_int8(self, weights: Iterable[tuple[str, AnyInt8Weight]]) -> int:
         """Gives projections a checkpoint's own int8 weights (named and sharded as in ``load_weights``, which must
-        have loaded the same values dequantized); the parts of a fused projection (q/k/v, gate/up) are stacked, rows
-        and scales. Frees the float weights they replace. Raises ValueError when only some parts of a fused
-        projection come as int8, or for an int8 embedding table (an untied lm_head may be int8). Returns how many
-        linears got one."""
-        shards: dict[str, dict[int, Int8Weight]] = {}
+        have loaded the same values dequantized): dynamic W8A8 (``Int8Weight``) or static (``StaticInt8Weight``);
+        the parts of a fused projection (q/k/v, gate/up) are stacked (``cat_parts``). Frees the float weights they
+        replace. Raises ValueError when only some parts of a fused projection come as int8, for an int8 embedding
+        table (an untied lm_head may be int8), or for static experts. Returns how many linears got one."""
+        shards: dict[str, dict[int, AnyInt8Weight]] = {}
+        experts: dict[str, dict[int, Int8Weight]] = {}
         for hf_name, weight in weights:
             target = self._target(hf_name)
             if target is None:
@@ -277,26 +279,26 @@ class CausalLM(nn.Module):
             if target[0] == "embed_tokens.weight":
                 raise ValueError(f"{hf_name}: an int8 embedding table is not supported (a W8A8 checkpoint lists it, "
                                  "or a tied lm_head, in quantization_config.ignore)")
-            shards.setdefault(target[0], {})[target[1]] = weight
-        experts = {name: parts for name, parts in shards.items() if ".mlp.experts." in name}
+            if ".mlp.experts." not in target[0]:
+                shards.setdefault(target[0], {})[target[1]] = weight
+            elif isinstance(weight, Int8Weight):
+                experts.setdefault(target[0], {})[target[1]] = weight
+            else:
+                raise ValueError(f"{hf_name}: experts with static activation quantization are not supported (only "
+                                 "dynamic W8A8 experts)")
         count = self._load_int8_experts(experts)
-        for name in experts:
-            del shards[name]
         for name, parts in shards.items():
             module = self.get_submodule(name.removesuffix(".weight"))
             if len(parts) != num_parts(name, self.plan) or not isinstance(module, Linear):
                 raise ValueError(f"{name}: the parts of a fused projection must all be int8 or all float (got int8 "
                                  f"for {len(parts)} of {num_parts(name, self.plan)})")
-            fused = Int8Weight(torch.cat([parts[i].qweight for i in range(len(parts))]),
-                               torch.cat([parts[i].scale for i in range(len(parts))]))
+            fused = cat_parts([parts[i] for i in range(len(parts))], name)
             if module.is_lm_head and fused.shape[0] < module.out_features:  # the vocabulary shard's padding rows
-                pad = module.out_features - fused.shape[0]
-                fused = Int8Weight(torch.cat([fused.qweight, fused.qweight.new_zeros(pad, fused.shape[1])]),
-                                   torch.cat([fused.scale, fused.scale.new_ones(pad)]))
+                fused = fused.pad_rows(module.out_features)
             if fused.shape != (module.out_features, module.in_features):
                 raise ValueError(f"{name}: int8 weight shape {fused.shape} != expected "
                                  f"{(module.out_features, module.in_features)}")
-            module.int8 = Int8Weight(fused.qweight.to(module.weight.device), fused.scale.to(module.weight.device))
+            module.int8 = fused.to(module.weight.device)
             module.quant = None
             module.weight = None  # type: ignore[assignment]
         return len(shards) + count

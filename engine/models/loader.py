@@ -1,6 +1,6 @@
 """``load_model``: a Hugging Face directory (config.json + safetensors) or a GGUF file -> CausalLM (the whole model,
 or one rank's shard of its pipeline stage, read alone from the files), with W8A8 int8 projections when asked
-(``quantization``) or when the directory is a compressed-tensors W8A8 checkpoint."""
+(``quantization``) or when the directory is a compressed-tensors W8A8 checkpoint or an msModelSlim one."""
 from __future__ import annotations
 
 import json
@@ -14,18 +14,21 @@ from tqdm import tqdm
 
 from common.errors import InvalidRequestError
 from engine.distributed import ParallelContext
-from engine.models import compressed_tensors
+from engine.models import compressed_tensors, modelslim
 from engine.models.config import ModelConfig, config_from_hf
 from engine.models.llama import CausalLM, build_model
 from engine.models.sharding import Shard
 from engine.models.w8a8 import Int8Weight
+from engine.models.w8a8_static import AnyInt8Weight
 from engine.models.weight_names import split_fused
 
 # EngineConfig.quantization's values: None (the checkpoint's own weights), W8A8 (quantize float weights at load),
-# COMPRESSED_TENSORS (require a compressed-tensors W8A8 int8 checkpoint).
+# COMPRESSED_TENSORS (require a compressed-tensors W8A8 int8 checkpoint), MODELSLIM (require an msModelSlim one:
+# vLLM-Ascend's name "ascend", or "modelslim").
 W8A8 = "w8a8"
 COMPRESSED_TENSORS = compressed_tensors.QUANT_METHOD
-QUANTIZATIONS = (W8A8, COMPRESSED_TENSORS)
+MODELSLIM = ("ascend", "modelslim")
+QUANTIZATIONS = (W8A8, COMPRESSED_TENSORS, *MODELSLIM)
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -36,8 +39,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu"
 
     ``quantization``: ``"w8a8"`` quantizes every projection and the lm_head (not the embedding) to W8A8 int8 once
     the float weights are in (a GGUF file's dequantized ones: its blocks are dropped); a compressed-tensors W8A8
-    checkpoint is read as it is, whatever this says; ``"compressed-tensors"`` requires one (InvalidRequestError
-    naming ``quantization`` otherwise).
+    checkpoint or an msModelSlim one is read as it is, whatever this says; ``"compressed-tensors"`` requires the
+    former, ``"ascend"`` / ``"modelslim"`` the latter (InvalidRequestError naming ``quantization`` otherwise).
     The projections then hold ``Linear.int8`` for ``use_kernels``."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise InvalidRequestError("quantization", f"{quantization!r} is not supported; expected one of "
@@ -48,6 +51,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu"
 
         if quantization == COMPRESSED_TENSORS:
             raise InvalidRequestError("quantization", _not_compressed(path, "a GGUF file"))
+        if quantization in MODELSLIM:
+            raise InvalidRequestError("quantization", _not_modelslim(quantization, path, "a GGUF file"))
         model = load_gguf_model(p, dtype, device, parallel)
     elif p.is_dir():
         model = load_hf_model(p, dtype, device, parallel, quantization)
@@ -62,6 +67,12 @@ def _not_compressed(path: str, what: str) -> str:
     return (f"{COMPRESSED_TENSORS!r} needs a compressed-tensors W8A8 int8 checkpoint (config.json's "
             f"quantization_config); {path} is {what} of float weights: use --quantization {W8A8} to quantize it at "
             "load")
+
+
+def _not_modelslim(quantization: str, path: str, what: str) -> str:
+    return (f"{quantization!r} needs an msModelSlim checkpoint (a directory with {modelslim.DESCRIPTION}); {path} is "
+            f"{what} without one: drop --quantization to run its own weights, or use --quantization {W8A8} to "
+            "quantize float weights at load")
 
 
 def read_model_config(path: str) -> ModelConfig:
@@ -89,9 +100,20 @@ def safetensors_files(directory: Path) -> list[Path]:
 def load_hf_model(directory: Path, dtype: torch.dtype, device: torch.device | str = "cpu",
                   parallel: ParallelContext = ParallelContext(), quantization: str | None = None) -> CausalLM:
     cfg = json.loads((directory / "config.json").read_text())
-    scheme = compressed_tensors.read_scheme(cfg)
+    sliced = modelslim.has_description(directory)
+    qc = cfg.get("quantization_config")
+    # msModelSlim drops quantization_config from config.json (older exports left one without a quant_method)
+    scheme = None if sliced and not (isinstance(qc, dict) and qc.get("quant_method")) else \
+        compressed_tensors.read_scheme(cfg)
+    if scheme is not None and sliced:
+        raise ValueError(f"{directory}: both a compressed-tensors quantization_config and {modelslim.DESCRIPTION}; "
+                         "expected one quantization")
     if scheme is None and quantization == COMPRESSED_TENSORS:
-        raise InvalidRequestError("quantization", _not_compressed(str(directory), "a directory"))
+        raise InvalidRequestError("quantization", _not_compressed(str(directory), "a directory") if not sliced else
+                                  f"{COMPRESSED_TENSORS!r} needs a compressed-tensors checkpoint; {directory} is an "
+                                  "msModelSlim one: use --quantization ascend (or none)")
+    if not sliced and quantization in MODELSLIM:
+        raise InvalidRequestError("quantization", _not_modelslim(quantization, str(directory), "a directory"))
     gen_path = directory / "generation_config.json"
     gen_cfg = json.loads(gen_path.read_text()) if gen_path.exists() else None
     files = safetensors_files(directory)
@@ -101,16 +123,25 @@ def load_hf_model(directory: Path, dtype: torch.dtype, device: torch.device | st
             for name in f.keys():
                 names[name] = file
     config = config_from_hf(cfg, gen_cfg, has_lm_head="lm_head.weight" in names)
+    slim = modelslim.read_scheme(directory, names, config)   # before building: refusals come first
     model = build_model(config, dtype, device, parallel)
+    if slim is not None:
+        int8: list[tuple[str, AnyInt8Weight]] = []
+        slim_shard = modelslim.shard_of(model.weight_shard, slim)
+        slim_tensors = split_fused(iter_safetensors(names, slim_shard), config, slim_shard)
+        model.load_weights(modelslim.split_int8(slim_tensors, slim, dtype, model.weight_shard, int8))
+        model.load_int8(int8)
+        modelslim.drop_folded_biases(model)
+        return model
     if scheme is None:
         model.load_weights(split_fused(iter_safetensors(names, model.weight_shard), config, model.weight_shard))
         return model
     compressed_tensors.check_tensor_names(names)
-    int8: list[tuple[str, Int8Weight]] = []
+    ct_int8: list[tuple[str, Int8Weight]] = []
     shard_of = compressed_tensors.shard_of(model.weight_shard)
     tensors = split_fused(iter_safetensors(names, shard_of), config, shard_of)
-    model.load_weights(compressed_tensors.split_int8(tensors, scheme, dtype, int8))
-    model.load_int8(int8)
+    model.load_weights(compressed_tensors.split_int8(tensors, scheme, dtype, ct_int8))
+    model.load_int8(ct_int8)
     return model
 
 

@@ -15,6 +15,7 @@ The functions here are the reference the kernels are tested against: plain PyTor
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,28 @@ class Int8Weight:
         """float32 [out, in], in the activations' units (the smoothing undone)."""
         w = self.qweight.float() * self.scale.unsqueeze(1)
         return w if self.smooth is None else w / self.smooth
+
+    @staticmethod
+    def cat(parts: Sequence[Int8Weight], name: str) -> Int8Weight:
+        """The parts of a fused projection (q/k/v, gate/up) stacked by rows, codes and scales; they read one input,
+        so a smoothing factor must be one for all (ValueError naming ``name`` otherwise)."""
+        smooth = parts[0].smooth
+        for p in parts:
+            same = (p.smooth is None and smooth is None) or (
+                p.smooth is not None and smooth is not None and torch.equal(p.smooth, smooth))
+            if not same:
+                raise ValueError(f"{name}: the parts of a fused projection have different smoothing factors")
+        return Int8Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]), smooth)
+
+    def pad_rows(self, rows: int) -> Int8Weight:
+        """Zero rows appended up to ``rows`` (a vocabulary-parallel lm_head's padding): outputs of exactly 0."""
+        extra = rows - self.shape[0]
+        return Int8Weight(torch.cat([self.qweight, self.qweight.new_zeros(extra, self.shape[1])]),
+                          torch.cat([self.scale, self.scale.new_ones(extra)]), self.smooth)
+
+    def to(self, device: torch.device) -> Int8Weight:
+        return Int8Weight(self.qweight.to(device), self.scale.to(device),
+                          None if self.smooth is None else self.smooth.to(device))
 
 
 def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None) -> Int8Weight:

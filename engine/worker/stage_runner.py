@@ -20,7 +20,7 @@ from engine.worker.step_inputs import StepInputs
 if TYPE_CHECKING:
     from engine.device import Device
     from engine.models import CausalLM
-    from engine.worker.cuda_graphs import DecodeGraphs
+    from engine.worker.graphs import DecodeGraphs
 
 # A step's device inputs: token ids, positions, one attention metadata per micro-batch.
 StepTensors = tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]
@@ -39,7 +39,7 @@ class StageRunner:
         self.kv_caches = self.backend.allocate_kv_caches(device, model.num_local_layers, num_blocks, block_size,
                                                          model.num_local_kv_heads, model.kv_head_dim, dtype,
                                                          model.kv_planes)
-        self.graphs: DecodeGraphs | None = None   # decode steps' CUDA graphs (the worker captures them)
+        self.graphs: DecodeGraphs | None = None   # decode steps' CUDA / NPU graphs (the worker captures them)
         # Every token's final hidden states of the last step, kept for a proposer that reads them (MTP; one stage)
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None

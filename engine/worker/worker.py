@@ -17,7 +17,7 @@ from engine.models import CausalLM, ModelConfig, load_model, resolve_dtype
 from engine.models.layers.linear import linear_methods
 from engine.models.loader import read_model_config
 from engine.models.mtp import MtpModel, load_mtp
-from engine.worker.cuda_graphs import capture_decode_graphs, graphs_off_reason
+from engine.worker.graphs import capture_decode_graphs, graphs_off_reason
 from engine.worker.kv_profile import kv_cache_budget, profile_step
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.model_checks import check_model_options
@@ -195,9 +195,8 @@ class Worker:
         eager = graphs_off_reason(self.config, self.device.name, self.parallel.world_size, stage.backend,
                                   self.model.config)
         if eager is None:
-            stage.graphs = capture_decode_graphs(self.model, stage.backend, stage.kv_caches, self.config,
-                                                 self.device.torch_device)
-        elif self.device.name == "cuda":
+            stage.graphs = capture_decode_graphs(self.model, stage.backend, stage.kv_caches, self.config, self.device)
+        elif self.device.name != "cpu":
             logger.info("decode steps run eagerly: %s", eager)
         self.stage = stage
         return stage

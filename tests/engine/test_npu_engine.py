@@ -1,7 +1,8 @@
 """The whole engine with ``--device npu`` on the torch-npu operator twin (tests/engine/npu_twin), against the CPU
 backend: the same greedy tokens on tiny random Llama, Qwen2 and Mistral (an 8-position sliding window in every layer)
 checkpoints in float16, through fresh prefill, chunked prefill (a 64-token budget), a prefix hit (two prompts sharing
-150 tokens: one full 128-token block) and decode; Mistral's prompts outrun its window and give back the blocks
+150 tokens: one full 128-token block) and decode (replayed from NPU graphs, the default; tests/engine/test_npu_graphs.py
+checks them further); Mistral's prompts outrun its window and give back the blocks
 behind it. Every torch-npu operator the engine names is called, and only those. Also: the NPU device on the
 twin, and the config rules of --device npu (block size 128, half precision)."""
 from __future__ import annotations
@@ -37,8 +38,11 @@ MAX_TOKENS = 6
 
 def _generate(path: Path, device: str) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Greedy tokens of FIRST alone, then SECOND (a prefix hit on FIRST's first block) beside SHORT."""
+    # Decode graphs of 1, 2 and 4 rows (the twin computes while it captures: every bucket up to 128 rows would
+    # take seconds).
     core = EngineCore(EngineConfig(model=str(path), dtype="float16", device=device, block_size=128,
-                                   max_num_batched_tokens=64, num_kv_blocks=8, max_model_len=256))
+                                   max_num_batched_tokens=64, num_kv_blocks=8, max_model_len=256,
+                                   cuda_graph_sizes=(1, 2, 4)))
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
@@ -63,7 +67,7 @@ def _referenced_operators(*files: str) -> set[str]:
     """The torch-npu operators these engine files call (``<module>.npu_x`` / ``<module>._npu_x`` attributes)."""
     names: set[str] = set()
     for name in files:
-        names |= set(re.findall(r"\.(_?npu_(?!ops\b|backend\b|mla\b)\w+)", (ENGINE / name).read_text()))
+        names |= set(re.findall(r"\.(_?npu_(?!ops\b|backend\b|mla\b|graphs\b)\w+)", (ENGINE / name).read_text()))
     return names
 
 
@@ -86,22 +90,26 @@ def test_engine_on_the_twin_matches_the_cpu_backend(kind: str, tmp_path: Path, m
     assert got == expected
     assert all(len(t) == MAX_TOKENS for t in got.values()) and set(got) == {"first", "second", "short"}
     assert cached == expected_cached and cached["second"] == 128
-    # Every operator the backend and the layers name ran (prefill with and without context, decode), no other;
-    # sliding-window layers send decodes to the fused operator too (_npu_paged_attention takes no window), and a
-    # sequence past the window gives back its first block: later steps read RELEASED table entries.
+    # Every operator the backend, the layers and the decode graphs name ran (prefill with and without context,
+    # decode), no other; sliding-window layers send decodes to the fused operator too (_npu_paged_attention takes no
+    # window), so their models run eagerly, and a sequence past the window gives back its first block: later steps
+    # read RELEASED table entries.
     used = _referenced_operators("attention/npu_backend.py", "models/layers/norm.py", "models/layers/activation.py",
-                                 "models/layers/rotary.py")
+                                 "models/layers/rotary.py", "worker/npu_graphs.py")
     assert used == {"_npu_reshape_and_cache", "_npu_paged_attention", "npu_fused_infer_attention_score",
-                    "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul"}
+                    "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul",
+                    "_npu_paged_attention_get_workspace"}
     windowed = kind == "mistral"
-    assert twin.CALLED == (used - {"_npu_paged_attention"} if windowed else used)
+    paged = {"_npu_paged_attention", "_npu_paged_attention_get_workspace"}
+    assert twin.CALLED == (used - paged if windowed else used)
+    assert bool(twin.npu.CAPTURED) != windowed   # decode graphs captured (not for a windowed model)
     assert (RELEASED in table_entries) == windowed
 
 
 def test_every_operator_the_engine_names_is_in_the_twin() -> None:
     named: set[str] = set()
     for source in ENGINE.rglob("*.py"):
-        named |= set(re.findall(r"\.(_?npu_(?!ops\b|backend\b|mla\b)\w+)", source.read_text()))
+        named |= set(re.findall(r"\.(_?npu_(?!ops\b|backend\b|mla\b|graphs\b)\w+)", source.read_text()))
     assert {"npu_dynamic_quant", "npu_quant_matmul", "_npu_paged_attention"} <= named   # the scan sees them
     assert named <= set(twin.OPERATORS)
 

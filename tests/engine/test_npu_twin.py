@@ -31,13 +31,16 @@ FIA_KEYWORDS = (
 DOCUMENTED: dict[str, tuple[str, str]] = {
     "_npu_reshape_and_cache": ("key value key_cache value_cache slot_indices", ""),
     "_npu_paged_attention": ("query key_cache value_cache num_kv_heads num_heads scale_value block_table "
-                             "context_lens out", ""),
+                             "context_lens out workspace", ""),
+    "_npu_paged_attention_get_workspace": ("query key_cache value_cache num_kv_heads num_heads scale_value "
+                                           "block_table context_lens out", ""),
     "npu_fused_infer_attention_score": ("query key value", FIA_KEYWORDS),
     "npu_rms_norm": ("self gamma epsilon", ""),
     "npu_add_rms_norm": ("x1 x2 gamma epsilon", ""),
     "npu_swiglu": ("self dim", ""),
     "npu_rotary_mul": ("self r1 r2 rotary_mode", ""),
     "npu_dynamic_quant": ("x", "smooth_scales group_index dst_type"),
+    "npu_quantize": ("input scales zero_points dtype axis div_mode", ""),
     "npu_quant_matmul": ("x1 x2 scale", "offset pertoken_scale bias output_dtype"),
     "_npu_reshape_and_cache_siso": ("key key_cache slot_indices", ""),
     "_npu_paged_attention_mla": ("query key_cache num_kv_heads num_heads scale_value block_table context_lens "
@@ -67,6 +70,14 @@ def _paged(**change: Any) -> Callable[[], Any]:
                                 context_lens=torch.tensor([3, 130], dtype=torch.int32), out=_half(2, 4, 16))
     args.update(change)
     return lambda: twin._npu_paged_attention(**args)
+
+
+def _workspace(**change: Any) -> Callable[[], Any]:
+    args: dict[str, Any] = dict(query=_half(2, 4, 16), key_cache=_cache(), value_cache=_cache(), num_kv_heads=2,
+                                num_heads=4, scale_value=0.25, block_table=torch.ones(2, 2, dtype=torch.int32),
+                                context_lens=torch.tensor([3, 130], dtype=torch.int32), out=_half(2, 4, 16))
+    args.update(change)
+    return lambda: twin._npu_paged_attention_get_workspace(**args)
 
 
 def _fia(**change: Any) -> Callable[[], Any]:
@@ -111,11 +122,17 @@ REFUSED: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
     "reshape int64 slots": (_reshape(slot_indices=torch.tensor([1, 2, 3])), TypeError, "slot_indices"),
     "reshape float32 key": (_reshape(key=torch.randn(3, 2, 16)), TypeError, "key must have the cache's dtype"),
     "reshape 3 heads": (_reshape(key=_half(3, 3, 16)), ValueError, r"key must be \[num_tokens, 2, 16\]"),
+    "reshape slot past the cache": (_reshape(slot_indices=torch.tensor([1, 512, 7], dtype=torch.int32)), ValueError,
+                                    "past the cache"),
     "paged int64 tables": (_paged(block_table=torch.ones(2, 2, dtype=torch.int64)), TypeError, "block_table"),
     "paged int64 lens": (_paged(context_lens=torch.tensor([3, 130])), TypeError, "context_lens"),
     "paged float32 query": (_paged(query=torch.randn(2, 4, 16)), TypeError, "query"),
     "paged wrong heads": (_paged(num_heads=2), ValueError, "num_heads=2"),
     "paged too long": (_paged(context_lens=torch.tensor([3, 300], dtype=torch.int32)), ValueError, "context_lens"),
+    "paged list workspace": (_paged(workspace=[0]), TypeError, "workspace"),
+    "workspace int64 lens": (_workspace(context_lens=torch.tensor([3, 130])), TypeError, "context_lens"),
+    "workspace too long": (_workspace(context_lens=torch.tensor([3, 300], dtype=torch.int32)), ValueError,
+                           "context_lens"),
     "fia float32 query": (_fia(query=torch.randn(5, 4, 16)), TypeError, "query"),
     "fia BSH layout": (_fia(input_layout="BSH"), ValueError, "TND"),
     "fia tensor lengths": (_fia(actual_seq_lengths=torch.tensor([5])), TypeError, "SymInt"),
@@ -162,6 +179,20 @@ REFUSED: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
     "quant float32": (lambda: twin.npu_dynamic_quant(torch.randn(2, 8)), TypeError, "float16 or bfloat16"),
     "matmul float x1": (lambda: twin.npu_quant_matmul(torch.randn(2, 8), torch.ones(8, 4, dtype=torch.int8),
                                                       torch.ones(4)), TypeError, "x1"),
+    "matmul float32 scale for float16 out with a float bias": (
+        lambda: twin.npu_quant_matmul(torch.ones(2, 8, dtype=torch.int8), torch.ones(8, 4, dtype=torch.int8),
+                                      torch.ones(4), bias=torch.ones(4).half(), output_dtype=torch.float16),
+        TypeError, "bias"),
+    "matmul int64 scale for bfloat16 out": (
+        lambda: twin.npu_quant_matmul(torch.ones(2, 8, dtype=torch.int8), torch.ones(8, 4, dtype=torch.int8),
+                                      torch.ones(4, dtype=torch.int64), output_dtype=torch.bfloat16),
+        TypeError, "scale"),
+    "quantize scales dtype": (lambda: twin.npu_quantize(_half(2, 8), torch.ones(8), None, torch.qint8, -1, False),
+                              TypeError, "scales"),
+    "quantize scales width": (lambda: twin.npu_quantize(_half(2, 8), _half(4), None, torch.qint8, -1, False),
+                              ValueError, "scales"),
+    "quantize division": (lambda: twin.npu_quantize(_half(2, 8), _half(8), None, torch.qint8, -1, True),
+                          ValueError, "div_mode"),
 }
 
 
@@ -174,11 +205,26 @@ def test_twin_operators_refuse_what_the_documentation_refuses(case: str) -> None
 
 def test_every_twin_operator_has_a_refusal_case() -> None:
     prefixes = {"reshape": "_npu_reshape_and_cache", "paged": "_npu_paged_attention",
+                "workspace": "_npu_paged_attention_get_workspace",
                 "fia": "npu_fused_infer_attention_score", "rms": "npu_rms_norm", "add_rms": "npu_add_rms_norm",
                 "swiglu": "npu_swiglu", "rotary": "npu_rotary_mul", "quant": "npu_dynamic_quant",
+                "quantize": "npu_quantize",
                 "matmul": "npu_quant_matmul", "siso": "_npu_reshape_and_cache_siso",
                 "mla": "_npu_paged_attention_mla"}
     assert {prefixes[case.split(" ")[0]] for case in REFUSED} == set(twin.OPERATORS) - set(MOE_DOCUMENTED)
+
+
+def test_a_negative_slot_writes_nothing() -> None:
+    # ATB's ReshapeAndCache kernel skips a token whose slot is negative (a captured graph's padding rows)
+    key, value, key_cache, value_cache = _half(3, 2, 16), _half(3, 2, 16), _cache(), _cache()
+    before = key_cache.clone()
+    twin._npu_reshape_and_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                                slot_indices=torch.tensor([5, -1, 130], dtype=torch.int32))
+    flat, was = key_cache.view(-1, 2, 16), before.view(-1, 2, 16)
+    assert torch.equal(flat[5], key[0]) and torch.equal(flat[130], key[2])
+    assert torch.equal(value_cache.view(-1, 2, 16)[130], value[2])
+    untouched = [s for s in range(512) if s not in (5, 130)]
+    assert torch.equal(flat[untouched], was[untouched])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -9,7 +9,6 @@ ranks' products and adds its bias after its method.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections import Counter
 from typing import Any
 
@@ -19,8 +18,11 @@ from torch import nn
 
 from engine.device.kernel_choice import KernelChoice
 from engine.distributed import ParallelContext
+from engine.models.layers.linear_method import LinearMethod, int8_matmul
+from engine.models.layers.static_w8a8_linear import static_w8a8_method
 from engine.models.quant import QuantWeight
 from engine.models.w8a8 import Int8Weight, quantize_tokens
+from engine.models.w8a8_static import AnyInt8Weight, StaticInt8Weight
 
 # Up to this many rows, a CPU float32 matmul runs faster as ``weight @ x.T`` than as ``x @ weight.T``:
 # measured with torch 2.13's MKL on 2 AVX2 cores, 576 -> 3072 took 1.09 ms instead of 1.51 ms at 32 rows and
@@ -63,16 +65,6 @@ def amx_packable(weight: torch.Tensor | None) -> bool:
     """Whether ``cpu_ops.amx_pack_linear`` takes this [out, in] weight (bfloat16, both sides multiples of 32)."""
     return (weight is not None and weight.dim() == 2 and weight.dtype == torch.bfloat16
             and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0)
-
-
-class LinearMethod(ABC):
-    """How one layer computes ``x @ W.T + b`` for 2-D ``x`` (``b``: the layer's ``method_bias``)."""
-
-    # Whether it reads ``layer.weight`` (else the layer frees it, unless the weight is shared).
-    reads_weight: bool = False
-
-    @abstractmethod
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class DenseLinearMethod(LinearMethod):
@@ -136,27 +128,6 @@ class AmxLinearMethod(LinearMethod):
         return self.fallback.apply(layer, x)
 
 
-# Up to this many int8 products per sum, a float32 GEMM of the codes is exact in any summation order: every partial
-# sum is an integer of magnitude <= 1040 * 127 * 127 = 16,774,160 < 2^24.
-EXACT_FLOAT32_DEPTH = 1040
-
-
-def int8_matmul(q: torch.Tensor, codes_t: torch.Tensor) -> torch.Tensor:
-    """int8 codes [M, K] @ ``codes_t`` (the weight's codes as float32, [K, N]) with exact integer sums: float32 GEMMs
-    over slices of at most ``EXACT_FLOAT32_DEPTH`` of K (float32 out), their results summed in int32 (int32 out).
-    Not ``torch._int_mm``: on CPU it runs oneDNN's int8 GEMM, whose u8 x s8 pair sums saturate in int16 without
-    VNNI (tests/engine/models/layers/test_w8a8_linear.py shows it with ONEDNN_MAX_CPU_ISA=AVX512_CORE)."""
-    k = q.shape[1]
-    xf = q.float()
-    if k <= EXACT_FLOAT32_DEPTH:
-        return xf @ codes_t
-    acc = (xf[:, :EXACT_FLOAT32_DEPTH] @ codes_t[:EXACT_FLOAT32_DEPTH]).to(torch.int32)
-    for start in range(EXACT_FLOAT32_DEPTH, k, EXACT_FLOAT32_DEPTH):
-        end = start + EXACT_FLOAT32_DEPTH
-        acc += (xf[:, start:end] @ codes_t[start:end]).to(torch.int32)
-    return acc
-
-
 class W8A8LinearMethod(LinearMethod):
     """W8A8 int8 (engine.models.w8a8) in one native call, ``ops.w8a8_linear``: the step's rows quantized per token,
     oneDNN's int8 GEMM (VNNI / AMX-INT8, int32 sums) on its prepacked copy of the weight, then scaled back per token
@@ -212,7 +183,7 @@ class Linear(nn.Linear):
     module too (a tied lm_head's embedding table), so no method frees it."""
 
     quant: QuantWeight | None = None
-    int8: Int8Weight | None = None  # W8A8's int8 weight (engine.models.w8a8), set before ``use_kernels``
+    int8: AnyInt8Weight | None = None  # W8A8's int8 weight (w8a8 or w8a8_static), set before ``use_kernels``
     method: LinearMethod = _DENSE
     shares_weight: bool = False
     is_lm_head: bool = False
@@ -320,8 +291,11 @@ def choose_linear_method(layer: Linear, choice: KernelChoice) -> LinearMethod:
     return base()
 
 
-def w8a8_method(weight: Int8Weight, choice: KernelChoice) -> LinearMethod:
-    """A W8A8 layer's method: the NPU's, oneDNN's int8 GEMM, or the portable one (``KernelChoice.int8``)."""
+def w8a8_method(weight: AnyInt8Weight, choice: KernelChoice) -> LinearMethod:
+    """A W8A8 layer's method: the NPU's, oneDNN's int8 GEMM, or the portable one (``KernelChoice.int8``); a static
+    weight's, the NPU's or the CPU's (``static_w8a8_linear``)."""
+    if isinstance(weight, StaticInt8Weight):
+        return static_w8a8_method(weight, choice)
     if choice.npu_ops is not None:
         return NpuW8A8LinearMethod(choice.npu_ops, weight)
     if choice.int8 == "onednn" and choice.ops is not None and weight.qweight.device.type == "cpu":

@@ -25,6 +25,8 @@ def _config(*argv: str) -> tuple[EngineConfig, list[str]]:
     ((), None),
     (("--quantization", "w8a8"), "w8a8"),
     (("-q", "compressed-tensors", "--model", "/m/ct"), "compressed-tensors"),
+    (("-q", "ascend", "--model", "/m/slim"), "ascend"),          # vLLM-Ascend's name for msModelSlim checkpoints
+    (("--quantization", "modelslim", "--model", "/m/slim"), "modelslim"),
     (("-q", "gguf"), None),   # the default model is a GGUF file: its blocks run as always
 ])
 def test_accepted_values(argv: tuple[str, ...], expected: str | None) -> None:
@@ -38,7 +40,7 @@ def test_accepted_values(argv: tuple[str, ...], expected: str | None) -> None:
     ("awq", "'awq' is not supported: Sluice runs w8a8, compressed-tensors"),
     ("fp8", "'fp8' is not supported"),
     ("bitsandbytes", "'bitsandbytes' is not supported"),
-    ("ascend", "msModelSlim checkpoints"),
+    ("w4a8", "'w4a8' is not supported"),
 ])
 def test_refused_values_name_the_flag_and_what_is_supported(value: str, reason: str) -> None:
     with pytest.raises(InvalidRequestError, match=reason) as e:
@@ -52,7 +54,8 @@ def test_gguf_needs_a_gguf_model() -> None:
 
 
 def test_engine_config_refuses_an_unknown_quantization() -> None:
-    with pytest.raises(InvalidRequestError, match="'int4' is not supported; expected one of w8a8, compressed") as e:
+    with pytest.raises(InvalidRequestError, match="'int4' is not supported; expected one of w8a8, compressed-tensors, "
+                                                  "ascend, modelslim") as e:
         EngineConfig(quantization="int4")
     assert e.value.field == "quantization"
 

@@ -4,7 +4,8 @@ dtypes, shapes, layouts, masks), not the hardware.
 
 Fixtures, each only for the test that asks:
 
-* ``torch_npu_twin``: the twin importable as ``torch_npu``, its call record cleared;
+* ``torch_npu_twin``: the twin importable as ``torch_npu``, its call record and its record of captured graphs
+  cleared;
 * ``npu_device_twin``: that, plus ``torch.npu`` as the twin, and ``--device npu`` building an ``NpuDevice`` whose
   tensors live on the CPU (its documented ``place`` argument: torch without torch-npu has no "npu" device), so the
   whole engine runs "on the NPU" through the twin operators.
@@ -27,6 +28,7 @@ def torch_npu_twin(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """The twin, importable as ``torch_npu`` for the test's duration."""
     monkeypatch.setitem(sys.modules, "torch_npu", twin)
     twin.CALLED.clear()
+    twin.npu.CAPTURED.clear()
     yield twin
 
 

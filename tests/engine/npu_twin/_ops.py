@@ -14,6 +14,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 CALLED: set[str] = set()
 # Every twin operator, by name.
 OPERATORS: dict[str, Callable[..., Any]] = {}
+# Graph mode (graph.py) takes every operator call while it is loaded: it records calls into a graph being captured
+# and takes them as task updates; otherwise it runs them.
+GRAPH_HOOK: list[Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
 def require(ok: bool, message: str, error: type[Exception] = ValueError) -> None:
@@ -26,6 +29,8 @@ def operator(fn: F) -> F:
     @functools.wraps(fn)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         CALLED.add(fn.__name__)
+        if GRAPH_HOOK:
+            return GRAPH_HOOK[-1](fn, args, kwargs)
         return fn(*args, **kwargs)
 
     OPERATORS[fn.__name__] = recorded

@@ -25,6 +25,13 @@ position ``p = kv - q + i`` and sees keys ``p - pre_tokens .. p + next_tokens``:
 (13 queries, 16 keys, pre_tokens 6, next_tokens 4) shows exactly that; tests/engine/test_npu_twin.py checks
 ``visible_keys`` against it, transcribed. In sparse_mode 3 pre_tokens and next_tokens are ignored (as documented).
 
+Slots: a negative slot writes nothing (ATB's kernel, ``reshape_and_cache_base.h`` ``CopyToCache`` and
+``reshape_and_cache_nd.cpp``: ``if (slotValue < 0) continue``): the padding rows of a captured decode graph use -1,
+as vLLM's ``PAD_SLOT_ID``. A slot past the cache is refused.
+
+Workspace: ``_npu_paged_attention`` takes a ``workspace`` (as vLLM-Ascend passes it when capturing a graph), got from
+``_npu_paged_attention_get_workspace`` with the same arguments; its size is not modelled.
+
 Block ids: the reference's page-attention constraints say the operator does not check the block ids in blockTable and
 the caller must keep them valid, so the twin refuses an id outside the cache in the blocks a sequence's keys span.
 
@@ -71,10 +78,11 @@ def _npu_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: to
     require(slot_indices.dim() == 1 and slot_indices.shape[0] == key.shape[0],
             f"{op}: slot_indices must be 1-D of num_tokens={key.shape[0]}, got {tuple(slot_indices.shape)}")
     slots = slot_indices.long()
-    require(bool(((slots >= 0) & (slots < num_blocks * block_size)).all()),
-            f"{op}: slot_indices out of the cache's {num_blocks * block_size} slots")
-    key_cache.view(-1, heads, head_size).index_copy_(0, slots, key)
-    value_cache.view(-1, heads, head_size).index_copy_(0, slots, value)
+    require(bool((slots < num_blocks * block_size).all()), f"{op}: slot_indices past the cache's "
+                                                           f"{num_blocks * block_size} slots")
+    written = slots >= 0   # a negative slot writes nothing (the kernel skips it)
+    key_cache.view(-1, heads, head_size).index_copy_(0, slots[written], key[written])
+    value_cache.view(-1, heads, head_size).index_copy_(0, slots[written], value[written])
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
@@ -102,10 +110,50 @@ def _gather(op: str, cache: torch.Tensor, table: torch.Tensor, length: int) -> t
 @operator
 def _npu_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int,
                          num_heads: int, scale_value: float, block_table: torch.Tensor, context_lens: torch.Tensor,
-                         out: torch.Tensor) -> None:
+                         out: torch.Tensor, workspace: torch.Tensor | None = None) -> None:
     """Decode attention: query row b [num_heads, head_size] over the first ``context_lens[b]`` keys of its blocks
     ``block_table[b]``, written into ``out``."""
-    op = "_npu_paged_attention"
+    lens = _check_paged_attention("_npu_paged_attention", query, key_cache, value_cache, num_kv_heads, num_heads,
+                                  scale_value, block_table, context_lens, out)
+    require(workspace is None or isinstance(workspace, torch.Tensor),
+            f"_npu_paged_attention: workspace must be a tensor (_npu_paged_attention_get_workspace), got "
+            f"{workspace!r}", TypeError)
+    # All rows at once (the graph twin replays this for every captured layer): each row's first ``lens[b]`` keys of
+    # its blocks, the positions past them masked.
+    longest = max(lens)
+    width = -(-longest // key_cache.shape[1])
+    needed = torch.arange(width)[None, :] < torch.tensor([-(-n // key_cache.shape[1]) for n in lens])[:, None]
+    blocks = block_table[:, :width].long()
+    require(bool(((blocks >= 0) & (blocks < key_cache.shape[0]) | ~needed).all()),
+            f"_npu_paged_attention: block_table holds block ids outside the cache's {key_cache.shape[0]} blocks "
+            f"where the keys lie: {blocks.tolist()}")
+    blocks = blocks.where(needed, 0)
+    keys = key_cache[blocks].flatten(1, 2)[:, :longest]        # [batch, longest, kv_heads, head_size]
+    values = value_cache[blocks].flatten(1, 2)[:, :longest]
+    group = query.shape[1] // key_cache.shape[2]
+    scores = torch.einsum("bhd,blhd->bhl", query.float(), keys.float().repeat_interleave(group, dim=2)) * scale_value
+    scores = scores.masked_fill(torch.arange(longest)[None, None, :] >= torch.tensor(lens)[:, None, None],
+                                float("-inf"))
+    attended = torch.einsum("bhl,blhd->bhd", scores.softmax(-1), values.float().repeat_interleave(group, dim=2))
+    out.copy_(attended.to(out.dtype))
+
+
+@operator
+def _npu_paged_attention_get_workspace(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                       num_kv_heads: int, num_heads: int, scale_value: float,
+                                       block_table: torch.Tensor, context_lens: torch.Tensor,
+                                       out: torch.Tensor) -> torch.Tensor:
+    """The workspace ``_npu_paged_attention`` with these arguments runs in (checked as that operator checks them;
+    computed on the host, no task)."""
+    _check_paged_attention("_npu_paged_attention_get_workspace", query, key_cache, value_cache, num_kv_heads,
+                           num_heads, scale_value, block_table, context_lens, out)
+    return torch.empty(1, dtype=torch.uint8, device=query.device)
+
+
+def _check_paged_attention(op: str, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           num_kv_heads: int, num_heads: int, scale_value: float, block_table: torch.Tensor,
+                           context_lens: torch.Tensor, out: torch.Tensor) -> list[int]:
+    """The documented checks of a paged-attention call; returns the context lengths."""
     _check_cache(op, key_cache, value_cache)
     _, block_size, heads, head_size = key_cache.shape
     require(block_size <= 128, f"{op}: block_size must be at most 128, got {block_size}")
@@ -133,10 +181,7 @@ def _npu_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
             f"{op}: context_lens {lens} must be in 1..max_blocks * block_size")
     require(out.shape == query.shape and out.dtype == query.dtype, f"{op}: out must be like query "
                                                                    f"{tuple(query.shape)} {query.dtype}")
-    for b, n in enumerate(lens):
-        keys = _gather(op, key_cache, block_table[b], n)
-        values = _gather(op, value_cache, block_table[b], n)
-        out[b] = _attend(query[b:b + 1], keys, values, None, scale_value)[0].to(out.dtype)
+    return lens
 
 
 def optimised_causal_mask() -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""TEST-ONLY TWIN of ``torch.npu`` (what importing torch-npu registers), on the CPU: the stream, event, memory and
-seed calls Sluice's accelerator device makes, with torch.npu's names (they mirror torch.cuda's). Work on the CPU is
-synchronous, so streams and events only check their argument types (waiting on an event never recorded completes at
-once, as on CUDA and the NPU)."""
+"""TEST-ONLY TWIN of ``torch.npu``'s device calls (``npu`` gathers them with graph mode), on the CPU: the stream,
+event, memory and seed calls Sluice's accelerator device makes, with torch.npu's names (they mirror torch.cuda's).
+Work on the CPU is synchronous, so streams and events only check their argument types (waiting on an event never
+recorded completes at once, as on CUDA and the NPU); synchronising while a graph is captured raises."""
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +25,7 @@ class Event:
         require(stream is None or isinstance(stream, Stream), f"Event.wait: not a stream: {stream!r}", TypeError)
 
     def synchronize(self) -> None:
-        pass
+        _not_capturing("Event.synchronize")
 
     def query(self) -> bool:
         return True
@@ -48,7 +48,7 @@ class Stream:
         return event
 
     def synchronize(self) -> None:
-        pass
+        _not_capturing("Stream.synchronize")
 
     def query(self) -> bool:
         return True
@@ -56,6 +56,17 @@ class Stream:
 
 _DEFAULT = Stream()
 _current: list[Stream] = [_DEFAULT]
+# Streams capturing a graph (graph.py): synchronising while one captures is an error, as on the device.
+_CAPTURING: list[Stream] = []
+
+
+def _not_capturing(call: str) -> None:
+    require(not _CAPTURING, f"{call}: synchronising while a graph is being captured invalidates the capture",
+            RuntimeError)
+
+
+def is_current_stream_capturing() -> bool:
+    return current_stream() in _CAPTURING
 
 
 def is_available() -> bool:
@@ -89,7 +100,7 @@ def stream(s: Stream | None) -> Iterator[None]:
 
 
 def synchronize(device: torch.device | int | None = None) -> None:
-    pass
+    _not_capturing("synchronize")
 
 
 def mem_get_info(device: torch.device | int | None = None) -> tuple[int, int]:

@@ -1,8 +1,10 @@
-"""TEST-ONLY TWIN of torch-npu's W8A8 operators, on the CPU: ``torch_npu.npu_dynamic_quant`` and
-``torch_npu.npu_quant_matmul``, written from torch-npu's API reference (Ascend Extension for PyTorch, 6.0.0 / 7.0.0
-pages). Rounding is half to even here; the hardware's is not modelled."""
+"""TEST-ONLY TWIN of torch-npu's W8A8 operators, on the CPU: ``torch_npu.npu_dynamic_quant``,
+``torch_npu.npu_quantize`` and ``torch_npu.npu_quant_matmul``, written from torch-npu's API reference (Ascend
+Extension for PyTorch, 6.0.0 / 7.0.0 / 7.2.0 pages) and, for the int64 form of a scale, CANN's aclnnTransQuantParam
+page. Rounding is half to even here; the hardware's is not modelled."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tests.engine.npu_twin._ops import operator
@@ -37,15 +39,64 @@ def npu_dynamic_quant(x: torch.Tensor, *, smooth_scales: torch.Tensor | None = N
 
 
 @operator
+def npu_quantize(input: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, dtype: torch.dtype,
+                 axis: int = 1, div_mode: bool = True) -> torch.Tensor:
+    """Per-element quantization along the last axis. With ``div_mode`` False (the form vLLM-Ascend's static W8A8
+    calls): ``y = round(input * scales + zero_points)`` saturated to int8, ``scales`` and ``zero_points`` 1-D of
+    ``input``'s last dimension (or 1), ``zero_points`` with ``scales``' shape and dtype, ``scales`` with ``input``'s
+    dtype (7.2.0's page), ``dtype`` torch.qint8; the result is int8 with ``input``'s shape. The product is formed
+    in float32 here. Modelled: ``div_mode`` False, ``dtype`` torch.qint8, the last axis (any ``axis`` above -2)."""
+    op = "npu_quantize"
+    _require(input.dtype in (torch.float32, *_FLOAT_INPUTS),
+             f"{op}: input must be float32, float16 or bfloat16, got {input.dtype}", TypeError)
+    _require(isinstance(div_mode, bool), f"{op}: div_mode must be a bool, got {div_mode!r}", TypeError)
+    _require(not div_mode, f"{op} twin: div_mode True (input / scales) is not modelled")
+    _require(dtype == torch.qint8, f"{op} twin: dtype {dtype} is not modelled (torch.qint8; quint4x2 packs int4)",
+             TypeError)
+    _require(isinstance(axis, int) and -2 < axis < input.dim(),
+             f"{op} twin: axis {axis!r} is not modelled (the last axis: an int above -2 within input's dimensions)")
+    k = input.shape[-1]
+    _require(scales.dim() == 1 and scales.shape[0] in (1, k),
+             f"{op}: scales must be 1-D of input's last dimension {k} (or 1), got {tuple(scales.shape)}")
+    _require(scales.dtype == input.dtype, f"{op}: scales must have input's dtype {input.dtype}, got {scales.dtype}",
+             TypeError)
+    if zero_points is not None:
+        _require(zero_points.shape == scales.shape,
+                 f"{op}: zero_points must have scales' shape {tuple(scales.shape)}, got {tuple(zero_points.shape)}")
+        _require(zero_points.dtype == scales.dtype,
+                 f"{op}: zero_points must have scales' dtype {scales.dtype}, got {zero_points.dtype}", TypeError)
+    y = input.float() * scales.float()
+    if zero_points is not None:
+        y = y + zero_points.float()
+    return torch.round(y).clamp_(-128, 127).to(torch.int8)
+
+
+def _scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of ``npu_quant_matmul``'s scale. The int64 form (what npu_trans_quant_param returns, and what
+    msModelSlim stores for float16 models) holds a float32's bits in its low 32 bits, of which the hardware keeps the
+    high 19 (aclnnTransQuantParam: ``scale & 0xFFFFE000``, bit 46 set); an offset packed in bits 37-45 is not
+    modelled."""
+    if scale.dtype != torch.int64:
+        return scale.float()
+    _require(bool((((scale >> 32) & ~(1 << 14)) == 0).all()),
+             "npu_quant_matmul twin: an int64 scale with an offset packed in (bits 37-45) is not modelled")
+    bits = ((scale & 0xFFFFFFFF) & 0xFFFFE000).numpy().astype(np.uint32)
+    return torch.from_numpy(bits.view(np.float32).copy())
+
+
+@operator
 def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *, offset: torch.Tensor | None = None,
                      pertoken_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                      output_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Quantized matmul ``x1 [m, k] @ x2 [k, n]`` (int8, 2 to 6 dimensions), int32 accumulation, then
     ``* scale [n or 1] (* pertoken_scale [m])``, bias added, written as ``output_dtype`` (int8 when None).
 
-    Modelled here: int8 inputs with a per-token scale, as dynamic W8A8 calls it (the documentation's table: output
-    bfloat16 with scale float32/bfloat16 and bias int32/bfloat16/float32; output float16 with scale float32 and bias
-    int32/float16/float32; no offset), and the per-tensor form without one (int8 or float16 output, float32 scale)."""
+    Modelled here, int8 inputs as the documentation's dtype table has them: with a per-token scale (dynamic W8A8):
+    output bfloat16 with scale float32/bfloat16 and bias int32/bfloat16/float32, output float16 with scale float32
+    and bias int32/float16/float32, no offset; without one (static W8A8): output bfloat16 with scale
+    float32/bfloat16 and bias int32/bfloat16/float32, output float16 with scale int64/float32 and bias int32, output
+    int8 with scale int64/float32, bias int32 and an optional float32 offset. An int32 bias joins the int32 sums
+    before the scale; a float bias is added after it (aclnnQuantMatmul's formulas)."""
     for name, t in (("x1", x1), ("x2", x2)):
         _require(t.dtype == torch.int8, f"npu_quant_matmul twin: {name} must be int8 (int32-packed int4 is not "
                                         f"modelled), got {t.dtype}", TypeError)
@@ -54,6 +105,10 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
     _require(x1.shape[-1] == k, f"npu_quant_matmul: x1's last dimension {x1.shape[-1]} != x2's k {k} (x2 is [k, n])")
     _require(scale.dim() == 1 and scale.shape[0] in (1, n),
              f"npu_quant_matmul: scale must be 1-D of size 1 or n={n}, got {tuple(scale.shape)}")
+    if offset is not None:
+        _require(offset.dtype == torch.float32 and offset.dim() == 1 and offset.shape[0] in (1, n),
+                 f"npu_quant_matmul: offset must be float32, 1-D of size 1 or n={n}, got {offset.dtype} "
+                 f"{tuple(offset.shape)}")
     _require(output_dtype in (None, torch.int8, torch.float16, torch.bfloat16),
              f"npu_quant_matmul: output_dtype must be int8, float16 or bfloat16, got {output_dtype}", TypeError)
     m = x1.shape[-2]
@@ -67,11 +122,13 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
         _require(offset is None, "npu_quant_matmul: offset is not taken with pertoken_scale")
         scales = (torch.float32, torch.bfloat16) if output_dtype == torch.bfloat16 else (torch.float32,)
         biases = (torch.int32, output_dtype, torch.float32)
+    elif output_dtype == torch.bfloat16:
+        _require(offset is None, "npu_quant_matmul: offset is taken with int8 output only")
+        scales, biases = (torch.float32, torch.bfloat16), (torch.int32, torch.bfloat16, torch.float32)
     else:
-        _require(output_dtype in (None, torch.int8, torch.float16),
-                 f"npu_quant_matmul twin: without pertoken_scale only int8 or float16 output is modelled, got "
-                 f"{output_dtype}")
-        scales, biases = (torch.float32,), (torch.int32,)
+        _require(offset is None or output_dtype in (None, torch.int8),
+                 "npu_quant_matmul: offset is taken with int8 output only")
+        scales, biases = (torch.int64, torch.float32), (torch.int32,)
     _require(scale.dtype in scales, f"npu_quant_matmul: scale must be one of {scales} for output {output_dtype}, "
                                     f"got {scale.dtype}", TypeError)
     if bias is not None:
@@ -83,7 +140,7 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
     acc = x1.to(torch.int64) @ x2.to(torch.int64)
     if bias is not None and bias.dtype == torch.int32:   # an int32 bias joins the accumulator, before the scales
         acc = acc + bias.to(torch.int64)
-    out = acc.float() * scale.float()
+    out = acc.float() * _scale_values(scale)
     if pertoken_scale is not None:
         out = out * pertoken_scale.unsqueeze(-1)
     if offset is not None:

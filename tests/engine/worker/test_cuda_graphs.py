@@ -1,7 +1,8 @@
-"""Decode graphs (engine.worker.cuda_graphs): buckets, when a step is replayed or run eagerly, and the replay path
-itself on CPU — the recorder there runs the forward over the fixed buffers instead of capturing it, with the
-Triton backend under its interpreter — so the padding, copies and slicing are checked without a GPU. The ``gpu``
-tests run the engine with graphs on and off on CUDA against the CPU's float32 greedy tokens."""
+"""Decode graphs on CUDA (engine.worker.graphs with the Triton backend's part, engine.worker.cuda_graphs): buckets,
+when a step is replayed or run eagerly, and the replay path itself on CPU — the recorder there runs the forward over
+the fixed buffers instead of capturing it, with the Triton backend under its interpreter — so the padding, copies
+and slicing are checked without a GPU. The ``gpu`` tests run the engine with graphs on and off on CUDA against the
+CPU's float32 greedy tokens. The NPU's graphs: tests/engine/test_npu_graphs.py."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
 from engine.models import load_model
-from engine.worker.cuda_graphs import DEFAULT_CAPTURE_SIZES, DecodeGraphs, bucket, capture_sizes, graphs_off_reason
+from engine.worker.graphs import DEFAULT_CAPTURE_SIZES, DecodeGraphs, bucket, capture_sizes, graphs_off_reason
 from tests.engine.core.tiny_llama import save_tiny_llama
 from tests.engine.triton_interpreter import choose_interpreter, triton_backend_module
 
@@ -41,7 +42,8 @@ def test_graphs_only_on_single_rank_cuda_with_the_triton_backend() -> None:
     choose_interpreter()   # the decision imports the Triton backend when triton is there
     torch_backend = TorchAttentionBackend()
     cfg = EngineConfig()
-    assert graphs_off_reason(cfg, "cpu", 1, torch_backend) == "CUDA graphs are for CUDA devices, this is cpu"
+    assert graphs_off_reason(cfg, "cpu", 1, torch_backend) == ("decode graphs are captured on CUDA and NPU devices, "
+                                                               "this is cpu")
     assert graphs_off_reason(EngineConfig(enforce_eager=True), "cuda", 1, torch_backend) == "--enforce-eager"
     assert graphs_off_reason(cfg, "cuda", 2, torch_backend) == "2 ranks: collectives are not captured"
     reason = graphs_off_reason(cfg, "cuda", 1, torch_backend)
