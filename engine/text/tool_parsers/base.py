@@ -1,9 +1,8 @@
 """What every tool-call parser shares: the parsed result, streamed deltas, and the stream's bookkeeping.
 
-A parser reads the model's text two ways that must agree: ``parse`` over the whole output, and a
-``ToolCallStream`` fed the output in pieces. A call is emitted whole (id, name and arguments in one delta)
-once its text is complete and valid: malformed output becomes content, and a call already sent could not
-be taken back.
+A parser reads the model's text two ways that must agree: a ``ToolCallStream`` fed the output in pieces,
+and ``parse`` over the whole output, which by default is that stream fed the output at once. A call streams
+as a first delta (id and name) and fragments of its arguments' JSON text, which join to its arguments.
 """
 
 from __future__ import annotations
@@ -11,9 +10,9 @@ from __future__ import annotations
 import json
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -55,16 +54,21 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def arguments_json(arguments: Any) -> str:
-    # Non-ASCII stays as is, as vLLM returns it.
-    return json.dumps(arguments, ensure_ascii=False)
+def arguments_json(arguments: Any, *, allow_nan: bool = True) -> str:
+    # Non-ASCII stays as is, as vLLM returns it; a lone surrogate (a Python literal's "\ud83d") cannot be sent
+    # as UTF-8 and is written as an escape.
+    text = json.dumps(arguments, ensure_ascii=False, allow_nan=allow_nan)
+    if any("\ud800" <= c <= "\udfff" for c in text):
+        text = "".join(f"\\u{ord(c):04x}" if "\ud800" <= c <= "\udfff" else c for c in text)
+    return text
 
 
 class ToolCallStream(ABC):
     """Turns one sequence's text, fed in pieces, into content and call deltas; ``finish`` flushes the rest.
 
     ``max_calls`` (parallel_tool_calls false: 1) drops the calls after that many, and their text.
-    ``calls_whole``: a call is emitted only once complete, so an output cut short still made whole calls.
+    ``calls_whole``: every call sent has whole arguments (read once ``finish`` returned): an output cut short
+    after its calls still made them.
     """
 
     calls_whole = True
@@ -87,20 +91,36 @@ class ToolCallStream(ABC):
 
 
 class ToolParser(ABC):
-    """One model family's call syntax, for a request's tools (a call naming another function is content)."""
+    """One model family's call syntax, for a request's tools (a call naming another function is content).
 
-    def __init__(self, tool_names: Collection[str], max_calls: int | None = None) -> None:
+    ``parameters``: each tool's JSON schema of its arguments, by name, for formats whose values are text
+    that the schema types. ``keeps_special_tokens``: the format's markers are special tokens, which the
+    detokenizer must keep in the text for the parser to see them.
+    """
+
+    keeps_special_tokens: ClassVar[bool] = False
+
+    def __init__(self, tool_names: Collection[str], max_calls: int | None = None, *,
+                 parameters: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.tool_names = frozenset(tool_names)
         self.max_calls = max_calls
+        self.parameters = dict(parameters or {})
 
-    def known_call(self, name: object, arguments: object) -> ParsedCall | None:
-        """The call of a request's tool with object arguments, or None (the text then stays content)."""
-        if not isinstance(name, str) or name not in self.tool_names or not isinstance(arguments, dict):
-            return None
-        return ParsedCall(name, arguments_json(arguments))
+    def is_tool(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.tool_names
 
-    @abstractmethod
-    def parse(self, text: str) -> ParsedOutput: ...
+    def parse(self, text: str) -> ParsedOutput:
+        stream = self.stream()
+        content: list[str] = []
+        calls: list[list[str]] = []
+        for delta in (stream.feed(text), stream.finish()):
+            content.append(delta.content)
+            for call in delta.calls:
+                if call.name:
+                    calls.append([call.name, call.arguments])
+                else:
+                    calls[-1][1] += call.arguments
+        return ParsedOutput("".join(content), tuple(ParsedCall(name, args) for name, args in calls))
 
     @abstractmethod
     def stream(self) -> ToolCallStream: ...

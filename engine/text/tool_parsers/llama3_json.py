@@ -1,88 +1,87 @@
 """Llama 3.1/3.2 JSON calls: ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``,
 several separated by ``;``.
 
-The format has no content around calls: an output that starts like a call (``{`` or the tag, after
-whitespace) is either calls throughout or, if any part of it is not a valid call of a known tool, content
-as written. Streaming therefore holds such an output until it ends; any other output streams as it comes.
+The format has no content before calls: an output that starts (after whitespace) with ``{`` or the tag is
+read as calls, any other streams as content. An output read as calls whose first call is not a call of a
+known tool (or not JSON before its arguments begin) is content as written; so is everything from a later
+``;`` whose call is not. Text after a call that is neither whitespace nor ``;`` and a call is content.
 """
 
 from __future__ import annotations
 
-import json
-
-from engine.text.tool_parsers.base import (
-    ParsedCall,
-    ParsedOutput,
-    StreamDelta,
-    ToolCallStream,
-    ToolParser,
-)
+from engine.text.tool_parsers.base import ToolCallStream, ToolParser
+from engine.text.tool_parsers.json_reader import CallObjectReader
+from engine.text.tool_parsers.scan import WHITESPACE, ScanStream
 
 PYTHON_TAG = "<|python_tag|>"
+# Llama's own key is "parameters"; some fine-tunes write "arguments".
+ARGUMENT_KEYS = ("parameters", "arguments")
 
 
 class Llama3JsonToolParser(ToolParser):
-    def parse(self, text: str) -> ParsedOutput:
-        body = text.strip()
-        if body.startswith(PYTHON_TAG):
-            body = body[len(PYTHON_TAG):].lstrip()
-        if not body.startswith("{"):
-            return ParsedOutput(text)
-        decoder = json.JSONDecoder()
-        calls: list[ParsedCall] = []
-        pos = 0
-        while pos < len(body):
-            try:
-                obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
-                return ParsedOutput(text)
-            call = self.call(obj)
-            if call is None:
-                return ParsedOutput(text)
-            calls.append(call)
-            rest = body[pos:].lstrip()
-            if rest.startswith(";"):
-                rest = rest[1:].lstrip()
-            elif rest:
-                return ParsedOutput(text)
-            pos = len(body) - len(rest)
-        return self._limit("", calls)
-
-    def call(self, obj: object) -> ParsedCall | None:
-        if not isinstance(obj, dict):
-            return None
-        # Llama's own key is "parameters"; some fine-tunes write "arguments".
-        return self.known_call(obj.get("name"), obj.get("parameters", obj.get("arguments", {})))
-
     def stream(self) -> ToolCallStream:
         return _Llama3Stream(self)
 
 
-class _Llama3Stream(ToolCallStream):
-    def __init__(self, parser: Llama3JsonToolParser) -> None:
-        super().__init__(parser.max_calls)
-        self._parser = parser
-        self._buf = ""
-        self._mode: str | None = None  # "content" or "calls", once the output's start says which
+class _Llama3Stream(ScanStream):
+    def __init__(self, parser: ToolParser) -> None:
+        super().__init__(parser)
+        self.state = "start"
+        self.mark = 0  # until the start says calls or content
+        self.reader = CallObjectReader(ARGUMENT_KEYS, parser.is_tool)
 
-    def feed(self, text: str) -> StreamDelta:
-        if self._mode == "content":
-            return StreamDelta(content=text)
-        self._buf += text
-        head = self._buf.lstrip()
-        if self._mode is None and head:
-            if head.startswith("{") or head.startswith(PYTHON_TAG):
-                self._mode = "calls"
-            elif not PYTHON_TAG.startswith(head):  # not (yet) the start of the tag either
-                self._mode = "content"
-                rest, self._buf = self._buf, ""
-                return StreamDelta(content=rest)
-        return StreamDelta()
+    def step(self, final: bool) -> bool:
+        state = self.state
+        if state == "content":
+            self.content(self.buf[self.pos:])
+            self.pos = len(self.buf)
+            return False
+        if state == "drop":
+            self.pos = len(self.buf)
+            return False
+        if state == "call":
+            result = self.read_call(self.reader, len(self.buf))
+            if result is None:
+                return False
+            if result == "failed":
+                return self.fail_rest()
+            self.state = "after" if result == "closed" else "drop"
+            return True
+        if state == "after":  # a call ended: whitespace, then ";" and a call, or content
+            rest = len(self.buf) - len(self.buf[self.pos:].lstrip(WHITESPACE))
+            if rest == len(self.buf):
+                return False
+            if self.buf[rest] != ";":
+                self.state = "content"
+                return True
+            self.mark, self.pos, self.state = rest, rest + 1, "item"
+            return True
+        if not self.skip_ws():
+            if final and state == "item" and self.calls_seen:
+                self.mark = None  # a ";" after the last call: layout
+            return False
+        if state == "start":
+            tag = self.starts(PYTHON_TAG, len(self.buf), not final)
+            if tag is None:
+                return False
+            if tag:
+                self.pos += len(PYTHON_TAG)
+            elif self.buf[self.pos] != "{":
+                self.pos, self.mark = 0, None
+                self.state = "content"
+                return True
+            self.state = "item"
+            return True
+        # an item: a call's object
+        if self.buf[self.pos] != "{":
+            return self.fail_rest()
+        self.reader = CallObjectReader(ARGUMENT_KEYS, self.parser.is_tool)
+        self.state = "call"
+        return True
 
-    def finish(self) -> StreamDelta:
-        rest, self._buf = self._buf, ""
-        parsed = self._parser.parse(rest)
-        out = StreamDelta(content=parsed.content)
-        for call in parsed.calls:
-            self._emit(out, call)
-        return out
+    def fail_rest(self) -> bool:
+        """No resynchronizing in this format: everything from the mark on is content."""
+        self.pos = len(self.buf)
+        self.fail()
+        self.rest_is_content()
+        return True

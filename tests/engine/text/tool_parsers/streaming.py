@@ -1,8 +1,9 @@
-"""Drives a parser's stream over every way of cutting a text into pieces and reassembles what came out."""
+"""Drives a parser's stream over ways of cutting a text into pieces and reassembles what came out."""
 
 from __future__ import annotations
 
 import itertools
+import random
 import re
 from collections.abc import Iterator
 
@@ -19,6 +20,23 @@ def chunkings(text: str) -> Iterator[list[str]]:
         yield [text[:i], text[i:]]
     for i, j in itertools.combinations(range(1, len(text)), 2):
         yield [text[:i], text[i:j], text[j:]]
+
+
+def cuts(text: str, seed: int, random_chunkings: int = 24) -> Iterator[list[str]]:
+    """The text whole, one character at a time, cut once at every place, and cut at random into pieces of 1 to
+    12 characters (some empty, as a delta with no new text)."""
+    yield [text]
+    yield list(text)
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+    rng = random.Random(seed)
+    for _ in range(random_chunkings):
+        pieces, i = [], 0
+        while i < len(text):
+            n = rng.randint(0, 12)
+            pieces.append(text[i:i + n])
+            i += n
+        yield pieces
 
 
 def reassemble(deltas: list[StreamDelta]) -> ParsedOutput:
