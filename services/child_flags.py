@@ -52,12 +52,14 @@ def lora_flags(lora: LoRAConfig) -> list[str]:
 
 
 def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
-    """The tokenizer services' own flags (chat template, tool calling), passed on as given."""
+    """The tokenizer services' own flags (chat template, tool calling, reasoning), passed on as given."""
     flags = ["--chat-template", ns.chat_template] if ns.chat_template is not None else []
     if ns.enable_auto_tool_choice:
         flags.append("--enable-auto-tool-choice")
     if ns.tool_call_parser is not None:
         flags += ["--tool-call-parser", ns.tool_call_parser]
+    if ns.reasoning_parser is not None:
+        flags += ["--reasoning-parser", ns.reasoning_parser]
     if ns.trust_request_chat_template:
         flags.append("--trust-request-chat-template")
     return flags

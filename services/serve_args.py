@@ -16,6 +16,12 @@ from engine.entrypoints.vllm_compat import (
     refuse_always,
     refuse_unless,
 )
+from engine.text.reasoning import REASONING_PARSERS
+
+
+def _needs_reasoning_parser(value: object, ns: argparse.Namespace) -> str | None:
+    return None if ns.reasoning_parser is not None else "does nothing without --reasoning-parser, which is not given"
+
 
 SERVE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--uvicorn-log-level",), None, choices=("debug", "info", "warning", "error", "critical", "trace"),
@@ -32,9 +38,13 @@ SERVE_FLAGS: tuple[CompatFlag, ...] = (
                                                       "--gateways N runs N gateways on consecutive ports")),
     CompatFlag(("--disable-frontend-multiprocessing",), "the gateway and the engine are always separate processes",
                kind="switch"),
-    CompatFlag(("--enable-reasoning",), None, refuse_always("reasoning parsing is not implemented yet"),
-               kind="switch"),
-    CompatFlag(("--reasoning-parser",), None, refuse_always("reasoning parsing is not implemented yet")),
+    CompatFlag(("--enable-reasoning",), "reasoning is parsed whenever --reasoning-parser is given (vLLM dropped "
+                                        "this flag)", _needs_reasoning_parser, kind="switch"),
+    CompatFlag(("--reasoning-parser",), None,
+               refuse_unless(lambda v: v in REASONING_PARSERS, "is not a reasoning parser Sluice has: it has "
+                                                               f"{', '.join(sorted(REASONING_PARSERS))}"),
+               help="split chat outputs into the model's thinking (reasoning_content) and its answer: "
+                    f"{', '.join(sorted(REASONING_PARSERS))}"),
     CompatFlag(("--headless",), None, refuse_always("sluice serve always runs the API server"), kind="switch"),
 )
 

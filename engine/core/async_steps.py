@@ -2,12 +2,12 @@
 runs on the device (on CPU: on a worker thread, the forward pass releasing the GIL).
 
 A step may run ahead of the one before it only when that one is *plain*: each sampling row samples one token for
-one sequence, and nothing that row needs next (penalties, min_tokens, a grammar, beams, best_of, speculation,
-multi-step passes, LoRA adapters) depends on the token it is about to get. The scheduler then counts that token as
-pending (``Scheduler.advance``): the next step schedules the sequence's decode as usual, and the runner feeds the id
-from the previous step's output on the device. Anything else runs as before: scheduled after the step before it has
-been applied. Outputs are the same either way; a sequence that ends with the pending token (EOS, a stop token)
-wastes one row of the step ahead, whose result is dropped.
+one sequence, and nothing that row needs next (penalties, min_tokens, a grammar or a thinking budget, beams, best_of,
+speculation, multi-step passes, LoRA adapters) depends on the token it is about to get. The scheduler then counts
+that token as pending (``Scheduler.advance``): the next step schedules the sequence's decode as usual, and the runner
+feeds the id from the previous step's output on the device. Anything else runs as before: scheduled after the step
+before it has been applied. Outputs are the same either way; a sequence that ends with the pending token (EOS, a stop
+token) wastes one row of the step ahead, whose result is dropped.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def is_plain(sched: SchedulerOutput, config: EngineConfig) -> bool:
         params = request.sampling_params
         if (s.num_spec_tokens or s.num_lookahead_steps or s.num_beam_candidates or s.num_samples != 1
                 or request.holds_outputs
-                or request.beam is not None or params.structured_outputs is not None):
+                or request.beam is not None or params.follows_each_token):
             return False
         if s.sample and (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                          or params.presence_penalty != 0.0 or request.num_output_tokens < params.min_tokens):

@@ -81,6 +81,25 @@ class StructuredOutputsParams:
         return value
 
 
+@dataclass(frozen=True)
+class ReasoningParams:
+    """The output opens with a reasoning model's thinking, which ``end_token_id`` closes (the ``</think>`` token
+    of the tokenizer service's reasoning parser): ``structured_outputs`` constrain only what follows the first
+    one sampled, as vLLM's do with a reasoning parser; after ``thinking_token_budget`` output tokens without it
+    (vLLM's name), it is the only token the sampler may take."""
+
+    end_token_id: int
+    thinking_token_budget: int | None = None
+
+    def validate(self, vocab_size: int | None) -> None:
+        _check(_int(self.end_token_id) and self.end_token_id >= 0
+               and (vocab_size is None or self.end_token_id < vocab_size), "reasoning.end_token_id",
+               f"must be a token id of the vocabulary, got {self.end_token_id!r}")
+        budget = self.thinking_token_budget
+        _check(budget is None or (_int(budget) and budget >= 0), "thinking_token_budget",
+               f"must be an integer >= 0, got {budget!r}")
+
+
 # vLLM < 0.10 spelled it GuidedDecodingParams (SamplingParams.guided_decoding): the same thing.
 GuidedDecodingParams = StructuredOutputsParams
 
@@ -156,6 +175,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's older name for structured_outputs: moved there on construction (this field is then None).
     guided_decoding: StructuredOutputsParams | None = None
+    # A reasoning model's thinking opens the output: the constraint starts after it, a budget may close it.
+    reasoning: ReasoningParams | None = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -185,6 +206,13 @@ class SamplingParams:
     def holds_outputs(self) -> bool:
         """Outputs are held until the request ends, then its n best sequences are reported (best_of, beams)."""
         return self.best_of is not None or self.beam_search is not None
+
+    @property
+    def follows_each_token(self) -> bool:
+        """A grammar, or a thinking budget, decides each token from the ones before it: the sequence samples one
+        token at a time (no speculation, no multi-step passes, no step scheduled ahead of its token)."""
+        return self.structured_outputs is not None or (self.reasoning is not None
+                                                       and self.reasoning.thinking_token_budget is not None)
 
     @property
     def num_forked(self) -> int:
@@ -234,9 +262,14 @@ class SamplingParams:
                 _check(getattr(self, name) in (neutral, {}), name, "is not supported with beam search")
             # Beams are rewritten from their parents each step; per-sequence grammar state is not forked with them.
             _check(self.structured_outputs is None, "structured_outputs", "is not supported with beam search")
+            _check(self.reasoning is None or self.reasoning.thinking_token_budget is None, "thinking_token_budget",
+                   "is not supported with beam search")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "must be a StructuredOutputsParams")
+        if self.reasoning is not None:
+            _check(isinstance(self.reasoning, ReasoningParams), "reasoning", "must be a ReasoningParams")
+            self.reasoning.validate(vocab_size)
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 _check(_finite(bias) and -100 <= bias <= 100, "logit_bias",

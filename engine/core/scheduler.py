@@ -418,12 +418,12 @@ class Scheduler:
         (speculative decoding; ``limit`` also holds what the step's budget has room for after the decodes
         queued behind it), or its further decode passes (multi-step). None unless it decodes (one known token to
         compute), samples alone (not a beam search, not the fork of n > 1) and unconstrained (a grammar's masks
-        follow its tokens one by one); never past ``max_tokens`` or ``max_model_len`` (the step can emit one
-        token more than it has lookahead slots)."""
+        and a thinking budget follow its tokens one by one); never past ``max_tokens`` or ``max_model_len`` (the
+        step can emit one token more than it has lookahead slots)."""
         if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or request.beam is not None:
             return 0
         params = request.sampling_params
-        if params.structured_outputs is not None or params.num_forked > 1:
+        if params.follows_each_token or params.num_forked > 1:
             return 0
         k = min(limit, self.max_model_len - request.num_tokens - 1,
                 self.capacity_tokens - request.num_tokens - 1)

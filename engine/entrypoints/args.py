@@ -105,13 +105,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "four batches waits, more is sent elsewhere); 'unbounded' for no limit")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--enforce-eager", action="store_true", default=False,
-                   help="run every step eagerly: no CUDA graphs of decode steps are captured (CPU always runs "
-                        "eagerly)")
+                   help="run every step eagerly: no CUDA or NPU graphs of decode steps are captured (CPU "
+                        "always runs eagerly)")
     g.add_argument("--max-seq-len-to-capture", type=int, default=8192,
                    help="decode steps whose longest context exceeds this run eagerly")
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
-                   help="decode batch sizes captured as CUDA graphs (default 1 2 4 8 16 24 32 ... 512, up to "
-                        "--max-num-seqs); a step runs the smallest one that holds it")
+                   help="decode batch sizes captured as CUDA or NPU graphs (default 1 2 4 8 16 24 32 ... 512, "
+                        "up to --max-num-seqs); a step runs the smallest one that holds it")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and prepare step N + 1 while step N runs (default: on where it helps; "
                         "outputs are the same either way)")

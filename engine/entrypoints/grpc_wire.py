@@ -12,7 +12,13 @@ from common.errors import InvalidRequestError
 from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import PromptLogprobs, SequenceId
-from engine.core.sampling_params import BeamSearch, EarlyStopping, SamplingParams, StructuredOutputsParams
+from engine.core.sampling_params import (
+    BeamSearch,
+    EarlyStopping,
+    ReasoningParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from proto.sluice.v1 import common_pb2, engine_pb2
 
 _FINISH_TO_PB = {
@@ -68,6 +74,10 @@ def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest,
         kw["beam_search"] = beam_search_from_pb(req.beam_search, kw["n"])
     if req.HasField("guided"):
         kw["structured_outputs"] = structured_outputs_from_pb(req.guided)
+    if req.HasField("reasoning"):
+        r = req.reasoning
+        kw["reasoning"] = ReasoningParams(r.end_token_id, r.thinking_token_budget
+                                          if r.HasField("thinking_token_budget") else None)
     try:
         return SamplingParams(**kw)
     except InvalidRequestError as e:

@@ -24,10 +24,11 @@ from engine.worker.spec_decode import Proposer
 from engine.worker.stage_runner import StageRunner
 from engine.worker.step_inputs import MicroBatch, StepInputs
 from engine.worker.structured_output import PendingMasks, StructuredOutputs
+from engine.worker.thinking import ThinkingTracker
 
 if TYPE_CHECKING:  # the core's step types, handed down by the executor: annotations only
     from engine.core.request import PromptLogprobsChunk, SequenceId
-    from engine.core.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams, StructuredOutputsParams
     from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 Logprob = tuple[float, dict[int, float]]
@@ -114,6 +115,7 @@ class ModelRunner:
         self.sampled_ready = device.new_event()  # its ids are sampled (compute -> d2h stream)
         self.copied = device.new_event()         # they are on the host (d2h stream -> the runner's thread)
         self.generators: dict[SequenceId, torch.Generator] = {}  # seeded sequences' own, until they end
+        self.thinking = ThinkingTracker()  # where reasoning sequences stand in their thinking
         self.last_prepare_s = 0.0  # host time spent building the last step's inputs
         # Multi-step decode's further passes move the first pass's layout on (one micro-batch: not pipelined).
         self.lookahead = LookaheadLayout(block_size) if self.num_micro_batches == 1 else None
@@ -133,6 +135,7 @@ class ModelRunner:
         """Forget the per-sequence state (seeded generators, grammar matchers) of sequences that ended."""
         for seq_id in seq_ids:
             self.generators.pop(seq_id, None)
+        self.thinking.release(seq_ids)
         if self.proposer is not None:
             self.proposer.forget(seq_ids)
         if self.structured is not None:
@@ -186,7 +189,8 @@ class ModelRunner:
         row_of, rows, owners = self._sampling_rows(sampled, draft_of)
         # The grammar masks of this step's constrained rows depend only on tokens already sampled: they are
         # filled on the mask thread while the model runs.
-        masks = (self.structured.start_masks(owners, [row.params.structured_outputs for row in rows])
+        masks = (self.structured.start_masks(owners, [self._constraint(seq_id, row)
+                                                      for seq_id, row in zip(owners, rows)])
                  if self.structured is not None else None)
         self.last_prepare_s = time.perf_counter() - t0
         return PreparedStep(out, inputs, self._buffer, row_tokens, chunks, draft_of, counts, sampling, sampled,
@@ -486,13 +490,24 @@ class ModelRunner:
                 continue
             for offset, seq_id in enumerate(s.sample_seq_ids):
                 row_of.append(logits_row)
+                forced = (self.thinking.forced_token(seq_id, params.reasoning, req.output_token_ids)
+                          if params.reasoning is not None else None)
                 rows.append(SamplingRow(params=params, prompt_token_ids=req.prompt_token_ids,
                                         output_token_ids=req.output_token_ids,
                                         generator=self._generator(seq_id, params, offset),
-                                        cumulative=req.holds_outputs))
+                                        cumulative=req.holds_outputs, forced_token=forced))
                 owners.append(seq_id)
             logits_row += 1
         return row_of, rows, owners
+
+    def _constraint(self, seq_id: SequenceId, row: SamplingRow) -> StructuredOutputsParams | None:
+        """The row's grammar, once its thinking (if it thinks) has ended: the thinking is not constrained, and the
+        grammar starts from its start with the token after the thinking's end (vLLM's structured outputs with a
+        reasoning parser)."""
+        spec, reasoning = row.params.structured_outputs, row.params.reasoning
+        if spec is None or reasoning is None or self.thinking.has_ended(seq_id, reasoning, row.output_token_ids):
+            return spec
+        return None
 
     def _generator(self, seq_id: SequenceId, params: SamplingParams, offset: int) -> torch.Generator | None:
         """The sequence's own generator when its request is seeded: seed + its index, as the fork gives it

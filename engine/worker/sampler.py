@@ -2,8 +2,8 @@
 
 Order of operations, as vLLM: logits → float32 → logit bias → min_tokens mask →
 repetition penalty → frequency / presence penalties → structured-output token
-masks → greedy rows take the argmax; sampled rows: temperature → top-k → top-p →
-min-p → sample. Logprobs
+masks → a forced token (a spent thinking budget) → greedy rows take the argmax;
+sampled rows: temperature → top-k → top-p → min-p → sample. Logprobs
 are those of the raw model distribution (vLLM's default ``raw_logprobs``).
 
 Sampling is an exponential race (``argmax(p / E)``) so every row's noise comes
@@ -52,6 +52,8 @@ class SamplingRow:
     # When set, the generator's state after this row's draw is appended (a speculative row rewinds its seeded
     # generator to the last position it keeps).
     states: list[torch.Tensor] | None = None
+    # The only token this row may take (the end of a thinking whose budget is spent); None: any.
+    forced_token: int | None = None
 
 
 @dataclass
@@ -81,7 +83,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     """True when the row's token is the argmax of the raw logits and nothing else is asked."""
     p = row.params
     return (is_greedy(p) and p.logprobs is None and not row.cumulative and not p.logit_bias
-            and not _needs_penalties(p) and len(row.output_token_ids) >= p.min_tokens)
+            and not _needs_penalties(p) and len(row.output_token_ids) >= p.min_tokens and row.forced_token is None)
 
 
 class Sampler:
@@ -130,8 +132,8 @@ class Sampler:
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
                        masks: TokenMasks | None = None) -> torch.Tensor:
-        """Float32 logits after logit bias, min_tokens, penalties and grammar masks: what greedy rows take the
-        argmax of.
+        """Float32 logits after logit bias, min_tokens, penalties, grammar masks and forced tokens: what greedy
+        rows take the argmax of.
 
         Returns a new tensor; the caller's logits are never modified.
         """
@@ -141,6 +143,12 @@ class Sampler:
         x = self._apply_penalties(x, rows)
         if masks is not None:
             masks.apply_(x)
+        forced = [(i, row.forced_token) for i, row in enumerate(rows) if row.forced_token is not None]
+        if forced:
+            index = torch.tensor([i for i, _ in forced], device=x.device)
+            tokens = torch.tensor([t for _, t in forced], device=x.device)
+            x[index] = float("-inf")
+            x[index, tokens] = 0.0
         return x
 
     def beam_candidates(self, logits: torch.Tensor, rows: list[SamplingRow], num: int

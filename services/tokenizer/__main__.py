@@ -10,6 +10,7 @@ from common.observability import add_observability_args, observability_settings,
 from common.procs import die_with_parent
 from common.tls import add_grpc_tls_args, grpc_tls_from_args
 from engine.text.chat import load_chat_template
+from engine.text.reasoning import REASONING_PARSERS
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.tokenizer.limits import InputLimits
 from services.tokenizer.tools import ToolSettings
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
                         help='parse tool calls out of the output for tool_choice "auto" (needs --tool-call-parser)')
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="the model family's tool-call syntax")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split chat outputs into the model's thinking (reasoning_content) and its answer")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="render chat templates sent with requests (off: refused), each in a child process "
                              "bounded by --request-chat-template-timeout and the prompt size limit")
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                           served_model_name=ns.served_model_name, shm_tokens=ns.shm_tokens,
                           shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools,
                           limits=limits, tracing=tracing, log_requests=observability.log_requests,
-                          tls=tls, api_keys=keys))
+                          tls=tls, api_keys=keys, reasoning_parser=ns.reasoning_parser))
     finally:
         if tracing is not None:
             tracing.shutdown()

@@ -1,11 +1,13 @@
-"""One sequence's engine messages turned into public deltas: text (stop strings held back), tool calls,
-log probabilities with their text, the echoed prompt, and the finish reason."""
+"""One sequence's engine messages turned into public deltas: text (stop strings held back), the model's thinking
+apart from its answer, tool calls in the answer, log probabilities with their text, the echoed prompt, and the
+finish reason."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from engine.text import IncrementalDetokenizer, Tokenizer
+from engine.text.reasoning import ReasoningStream
 from engine.text.tool_parsers import StreamDelta, ToolCallStream
 from proto.sluice.v1 import common_pb2, engine_pb2, generation_pb2
 
@@ -33,14 +35,17 @@ class Usage:
 
 
 class SequenceOutput:
-    """Detokenization and tool-call state of one of a request's n sequences."""
+    """Detokenization, reasoning and tool-call state of one of a request's n sequences. ``reasoning`` splits the
+    text into thinking and answer first; ``tools`` reads calls out of the answer."""
 
     def __init__(self, index: int, tokenizer: Tokenizer, detok: IncrementalDetokenizer, *,
-                 tools: ToolCallStream | None = None, echo: str | None = None) -> None:
+                 tools: ToolCallStream | None = None, echo: str | None = None,
+                 reasoning: ReasoningStream | None = None) -> None:
         self.index = index
         self.tokenizer = tokenizer
         self.detok = detok
         self.tools = tools
+        self.reasoning = reasoning
         self.echo = echo  # the prompt text, until the first message carries it
         self.completion_tokens = 0
         self.finished = False
@@ -78,7 +83,7 @@ class SequenceOutput:
             if reason == common_pb2.FINISH_REASON_ERROR:
                 out.error_message = msg.error_message or "the engine failed while generating"
             return self._finish(out, reason)
-        if out.text or ids or out.tool_calls or out.prompt_logprobs:
+        if out.text or out.reasoning_content or ids or out.tool_calls or out.prompt_logprobs:
             return self._echoed(out)
         return None
 
@@ -92,6 +97,10 @@ class SequenceOutput:
     def _finish(self, out: generation_pb2.GenerateResponse, reason: common_pb2.FinishReason
                 ) -> generation_pb2.GenerateResponse:
         self.finished = True
+        if self.reasoning is not None:
+            rest = self.reasoning.finish()
+            out.reasoning_content += rest.reasoning
+            self._answer(out, rest.content)
         if self.tools is not None:
             self._add(out, self.tools.finish())
             # As vLLM: calls made end the turn, even past max_tokens when each call was whole.
@@ -109,6 +118,13 @@ class SequenceOutput:
         return out
 
     def _text(self, out: generation_pb2.GenerateResponse, text: str) -> None:
+        if self.reasoning is not None and text:
+            split = self.reasoning.feed(text)
+            out.reasoning_content += split.reasoning
+            text = split.content
+        self._answer(out, text)
+
+    def _answer(self, out: generation_pb2.GenerateResponse, text: str) -> None:
         if self.tools is None:
             out.text += text
         elif text:

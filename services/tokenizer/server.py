@@ -17,6 +17,7 @@ from engine.entrypoints.model_limits import model_context_length
 from engine.text import Tokenizer
 from proto.sluice.v1 import generation_pb2_grpc
 from services.tokenizer.limits import InputLimits, max_message_bytes
+from services.tokenizer.reasoning import Reasoning
 from services.tokenizer.service import GenerationServicer
 from services.tokenizer.tools import ToolSettings
 
@@ -29,15 +30,22 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
                 served_model_name: str | None, shm_tokens: int, shutdown_grace: float = 10.0,
                 chat_template: str | None = None, tools: ToolSettings | None = None,
                 limits: InputLimits | None = None, tracing: Tracing | None = None, log_requests: bool = False,
-                tls: GrpcTls | None = None, api_keys: Sequence[str] = ()) -> None:
+                tls: GrpcTls | None = None, api_keys: Sequence[str] = (), reasoning_parser: str | None = None) -> None:
     """``tls``: TLS on this service's port and on its channel to the engine (None: plaintext);
     ``chat_template``: the template text (``--chat-template``, already read), used instead of the model's;
     ``tracing``: a span per generation (None: off); ``log_requests``: a line per request received and finished;
-    ``api_keys``: the keys every call but health and reflection must carry (none: no key asked for)."""
+    ``api_keys``: the keys every call but health and reflection must carry (none: no key asked for);
+    ``reasoning_parser``: splits chat outputs into thinking and answer (``--reasoning-parser``); exits 2 when the
+    model's vocabulary lacks its tags."""
     model_path = model or default_model_path()
     tok = Tokenizer.from_pretrained(tokenizer or model_path)
     if chat_template is not None:
         tok.chat_template = chat_template
+    try:
+        reasoning = Reasoning.load(reasoning_parser, tok) if reasoning_parser is not None else None
+    except ValueError as e:
+        logger.error("%s", e)
+        raise SystemExit(2) from e
     channel = aio_channel(engine_addr, tls, options=CHANNEL_OPTIONS)
     server, health_service = public_server(tok, model_context_length(model_path), api_keys)
     name = served_model_name or (DEFAULT_SERVED_NAME if model is None else None)
@@ -47,7 +55,7 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
         name = EngineConfig(model=model).model_name
     servicer = GenerationServicer(tok, channel, served_model_name=name,
                                   shm_tokens=shm_tokens, tools=tools, limits=limits, tracing=tracing,
-                                  log_requests=log_requests, engine_address=engine_addr)
+                                  log_requests=log_requests, engine_address=engine_addr, reasoning=reasoning)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await health_service.set_serving(False)
     bind_port = bind(server, host, port, tls)

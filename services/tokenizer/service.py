@@ -36,6 +36,7 @@ from services.tokenizer.lora import LoRAAdapter, adapters_from_pb, adapters_to_p
 from services.tokenizer.multiplexer import Multiplexer
 from services.tokenizer.outputs import SequenceOutput, Usage
 from services.tokenizer.prompt import PromptBuilder
+from services.tokenizer.reasoning import Reasoning, plan_reasoning
 from services.tokenizer.tools import ToolSettings, plan_tools
 
 if TYPE_CHECKING:
@@ -78,9 +79,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, engine_channel: grpc.aio.Channel, *, served_model_name: str,
                  shm_tokens: int = 0, tools: ToolSettings | None = None,
                  limits: InputLimits | None = None, tracing: Tracing | None = None,
-                 log_requests: bool = False, engine_address: str | None = None) -> None:
-        """``engine_address``: where ``engine_channel`` goes, for the log."""
+                 log_requests: bool = False, engine_address: str | None = None,
+                 reasoning: Reasoning | None = None) -> None:
+        """``engine_address``: where ``engine_channel`` goes, for the log; ``reasoning``: the reasoning parser that
+        splits chat outputs (``--reasoning-parser``), None: none."""
         self.tokenizer = tokenizer
+        self.reasoning = reasoning
         self._engine_name = f"the engine at {engine_address}" if engine_address else "the engine"
         self.tracing = tracing
         # Engine keys: this service's random prefix (several services share one engine) and a counter.
@@ -225,17 +229,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         skip_special = (request.response.skip_special_tokens
                         if request.response.HasField("skip_special_tokens") else True)
         echo = self._echo_text(request, prompt_ids) if request.response.echo else None
-        seqs = {i: SequenceOutput(i, self.tokenizer, IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, skip_special_tokens=skip_special, stop=list(request.stopping.stop),
-            include_stop_str_in_output=request.stopping.include_stop_str_in_output), tools=plan.stream(), echo=echo)
-            for i in range(n)}
-        usage = Usage(prompt=len(prompt_ids))
-        source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
         # The engine's key for the request is Sluice's own, unique in this service's life: never the caller's id,
         # which two requests may share and a caller may reuse while an earlier abort is still on its way.
         key = self._engine_key()
-        engine_req, handoff = await self.engine_request(engine_options(request, key, n, plan.guided, adapter),
-                                                        prompt_ids, source=source)
+        options = engine_options(request, key, n, plan.guided, adapter)
+        thinking = plan_reasoning(request, self.reasoning, prompt_ids, constrained=options.HasField("guided"))
+        if thinking.engine is not None:
+            options.reasoning.CopyFrom(thinking.engine)
+        seqs = {i: SequenceOutput(i, self.tokenizer, IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, skip_special_tokens=skip_special, stop=list(request.stopping.stop),
+            include_stop_str_in_output=request.stopping.include_stop_str_in_output), tools=plan.stream(), echo=echo,
+            reasoning=thinking.stream())
+            for i in range(n)}
+        usage = Usage(prompt=len(prompt_ids))
+        source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
+        engine_req, handoff = await self.engine_request(options, prompt_ids, source=source)
         engine_req.client_request_id = request_id
         if span is not None and self.tracing is not None:
             span.add_event("prompt_ready", {"gen_ai.usage.prompt_tokens": len(prompt_ids)})

@@ -66,7 +66,9 @@ def plan_tools(request: generation_pb2.GenerateRequest, settings: ToolSettings) 
         if not settings.enable_auto_tool_choice or settings.tool_call_parser is None:
             raise InvalidRequestError("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
                                                      "--tool-call-parser to be set")
-        return ToolPlan(TOOL_PARSERS[settings.tool_call_parser]([s.name for s in specs], max_calls))
+        parameters = {s.name: s.parameters for s in specs if s.parameters is not None}
+        return ToolPlan(TOOL_PARSERS[settings.tool_call_parser]([s.name for s in specs], max_calls,
+                                                                parameters=parameters))
     if request.guided.WhichOneof("kind") is not None:
         raise InvalidRequestError("tool_choice", f"{choice.replace('function_name', 'a named function')} "
                                                  "constrains the output itself; it cannot be combined with guided")

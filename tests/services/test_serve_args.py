@@ -43,7 +43,7 @@ GUIDE_COMMANDS: list[tuple[str, str, str | None]] = [
     ("multi NPU, Qwen3 MoE", "vllm serve Qwen/Qwen3-30B-A3B --tensor-parallel-size 4 --enable-expert-parallel", None),
     # https://github.com/vllm-project/vllm-ascend/blob/main/docs/source/tutorials/multi_npu_quantization.md
     ("multi NPU, W8A8", "vllm serve /home/models/QwQ-32B-w8a8 --tensor-parallel-size 1 --served-model-name "
-                        "qwq-32b-w8a8 --max-model-len 4096 --quantization ascend", "--quantization"),
+                        "qwq-32b-w8a8 --max-model-len 4096 --quantization ascend", None),
 ]
 
 # vLLM's common `serve` flags (vllm/engine/arg_utils.py, vllm/entrypoints/openai/cli_args.py) that Sluice has under
@@ -96,7 +96,7 @@ REFUSED = [
     "--override-generation-config {}", "--hf-overrides {}", "--rope-scaling {}", "--rope-theta 1e6",
     "--task embed", "--limit-mm-per-prompt image=2", "--kv-transfer-config {}", "--enable-sleep-mode",
     "--skip-tokenizer-init", "--root-path /api", "--middleware m.M", "--response-role bot",
-    "--return-tokens-as-token-ids", "--api-server-count 2", "--enable-reasoning", "--reasoning-parser deepseek_r1",
+    "--return-tokens-as-token-ids", "--api-server-count 2", "--enable-reasoning", "--reasoning-parser granite",
     "--headless",
 ]
 NO_EFFECT = [
@@ -107,9 +107,9 @@ NO_EFFECT = [
     "--compilation-config 3", "--additional-config {}",
     "--max-parallel-loading-workers 2", "--tokenizer-pool-size 4",
     "--task generate", "--response-role assistant", "--api-server-count 1",
-    "--disable-frontend-multiprocessing",
+    "--disable-frontend-multiprocessing", "--enable-reasoning --reasoning-parser deepseek_r1",
 ]
-IMPLEMENTED = ["--num-gpu-blocks-override", "--uvicorn-log-level"]   # effects tested below
+IMPLEMENTED = ["--num-gpu-blocks-override", "--uvicorn-log-level", "--reasoning-parser"]   # effects tested below
 
 
 def resolve(command: str) -> tuple[argparse.Namespace, list[str]]:
@@ -214,6 +214,17 @@ def test_uvicorn_log_level_is_the_gateways_log_level() -> None:
     assert engine[engine.index("--log-level") + 1] == "info"
 
 
+def test_reasoning_parser_reaches_every_tokenizer_service(capsys: pytest.CaptureFixture[str]) -> None:
+    ns, notes = resolve("--reasoning-parser qwen3 --tokenizers 2")
+    assert notes == []
+    for tokenizer in supervisor.Supervisor(ns, config_from_args(ns)).tokenizers:
+        assert tokenizer.argv[tokenizer.argv.index("--reasoning-parser") + 1] == "qwen3"
+    ns, _ = resolve("")
+    assert "--reasoning-parser" not in supervisor.Supervisor(ns, config_from_args(ns)).tokenizers[0].argv
+    err = refusal("--reasoning-parser granite", capsys)
+    assert err.endswith("is not a reasoning parser Sluice has: it has deepseek_r1, qwen3")
+
+
 def test_keepalive_is_off_unless_asked_and_forwarded_when_asked() -> None:
     def gateway_value(command: str) -> float:
         ns, _ = resolve(command)
@@ -243,6 +254,8 @@ def test_the_engine_cli_takes_the_same_engine_flags() -> None:
 @pytest.mark.parametrize(("command", "line"), [
     (["services.cli", "serve", "-tp", "2"],   # the default model, checked before any process starts
      "sluice serve: error: the model's 9 attention heads do not divide over tensor_parallel_size 2"),
+    (["services.cli", "serve", "--reasoning-parser", "qwen3"],   # the default model does not think
+     "sluice serve: error: --reasoning-parser qwen3: the model's vocabulary has no token '<think>'"),
     (["engine", "-dp", "2"],
      "sluice engine: error: --data-parallel-size: one engine is one replica: `sluice serve --data-parallel-size N` "
      "runs N engines behind its gateways"),

@@ -34,8 +34,8 @@ def test_auto_tool_choice_without_a_parser_and_unknown_parsers_are_refused(capsy
         supervisor.resolve_settings(["--enable-auto-tool-choice"])
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        supervisor.resolve_settings(["--tool-call-parser", "mistral"])
-    assert "invalid choice: 'mistral'" in capsys.readouterr().err
+        supervisor.resolve_settings(["--tool-call-parser", "granite"])
+    assert "invalid choice: 'granite'" in capsys.readouterr().err
 
 
 def test_engine_flags_round_trip_through_the_engine_cli() -> None:

@@ -100,10 +100,10 @@ def test_auto_with_the_hermes_parser_streams_content_then_calls(fake: tuple[Rich
     assert "".join(m.text for m in msgs) == "I will look both up.\n"
     assert calls(msgs) == [("get_weather", '{"location": "Paris"}'), ("get_time", '{"timezone": "Asia/Tokyo"}')]
     assert [m.finish_reason for m in msgs if m.finish_reason] == [common_pb2.FINISH_REASON_TOOL_CALLS]
-    # The content came before the first call was complete, each call in the message that closed it.
+    # The content came before the first call began; each call's arguments came in fragments as the tokens did.
     first_call = next(i for i, m in enumerate(msgs) if m.tool_calls)
     assert "".join(m.text for m in msgs[:first_call]) == "I will look both up.\n"
-    assert sum(len(m.tool_calls) for m in msgs) == 2
+    assert sum(len(m.tool_calls) for m in msgs) > 2
     assert [t for m in msgs for t in m.token_ids] == engine.script
 
 

@@ -69,6 +69,7 @@ def test_auto_is_the_default_with_tools_and_uses_the_services_parser() -> None:
     plan = plan_tools(chat_request(WEATHER), AUTO)
     assert isinstance(plan.parser, HermesToolParser) and plan.guided is None
     assert plan.parser.tool_names == {"get_weather"} and plan.parser.max_calls is None
+    assert plan.parser.parameters == {"get_weather": WEATHER_PARAMS}  # for formats the schema types (qwen3_coder)
     plan = plan_tools(chat_request(WEATHER, parallel_tool_calls=False), AUTO)
     assert plan.parser is not None and plan.parser.max_calls == 1
 
@@ -111,5 +112,6 @@ def test_refusals_name_the_field(request_: generation_pb2.GenerateRequest, setti
 def test_settings_refuse_auto_without_a_parser_and_unknown_parsers() -> None:
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         ToolSettings(enable_auto_tool_choice=True)
-    with pytest.raises(ValueError, match="expected one of hermes, llama3_json"):
-        ToolSettings(tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="expected one of deepseek_v3, deepseek_v31, hermes, llama3_json, mistral, "
+                                         "pythonic, qwen3_coder"):
+        ToolSettings(tool_call_parser="granite")

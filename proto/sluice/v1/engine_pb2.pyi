@@ -40,7 +40,7 @@ class EngineStoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class EngineGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "prompt_shm", "sampling", "stopping", "logprobs", "priority", "n", "stream_interval", "guided", "prompt_logprobs", "best_of", "beam_search", "lora_adapter", "trace_headers", "client_request_id")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_shm", "sampling", "stopping", "logprobs", "priority", "n", "stream_interval", "guided", "prompt_logprobs", "best_of", "beam_search", "lora_adapter", "trace_headers", "client_request_id", "reasoning")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class EngineGenerateRequest(_message.Message):
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _common_pb2.TokenIds
     prompt_shm: SharedMemoryRef
@@ -80,7 +81,16 @@ class EngineGenerateRequest(_message.Message):
     lora_adapter: str
     trace_headers: _containers.ScalarMap[str, str]
     client_request_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., prompt_shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[EngineStoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., stream_interval: _Optional[int] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., client_request_id: _Optional[str] = ...) -> None: ...
+    reasoning: EngineReasoning
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., prompt_shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[EngineStoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., stream_interval: _Optional[int] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., client_request_id: _Optional[str] = ..., reasoning: _Optional[_Union[EngineReasoning, _Mapping]] = ...) -> None: ...
+
+class EngineReasoning(_message.Message):
+    __slots__ = ("end_token_id", "thinking_token_budget")
+    END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    end_token_id: int
+    thinking_token_budget: int
+    def __init__(self, end_token_id: _Optional[int] = ..., thinking_token_budget: _Optional[int] = ...) -> None: ...
 
 class TokenIdLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

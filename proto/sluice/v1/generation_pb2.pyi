@@ -102,7 +102,7 @@ class ResponseOptions(_message.Message):
     def __init__(self, skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., stream_interval: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "chat", "token_ids", "sampling", "stopping", "response", "guided", "priority", "n", "tool_choice", "parallel_tool_calls", "best_of", "beam_search", "trace_headers")
+    __slots__ = ("request_id", "model", "text", "chat", "token_ids", "sampling", "stopping", "response", "guided", "priority", "n", "tool_choice", "parallel_tool_calls", "best_of", "beam_search", "trace_headers", "thinking_token_budget")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class GenerateRequest(_message.Message):
     BEST_OF_FIELD_NUMBER: _ClassVar[int]
     BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -142,7 +143,8 @@ class GenerateRequest(_message.Message):
     best_of: int
     beam_search: _common_pb2.BeamSearch
     trace_headers: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., trace_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    thinking_token_budget: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., thinking_token_budget: _Optional[int] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
     __slots__ = ("index", "id", "name", "arguments")
@@ -183,7 +185,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., text_bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "text", "token_ids", "logprobs", "usage", "finish_reason", "stop_string", "stop_token_id", "error_message", "tool_calls", "cumulative_logprob", "prompt_logprobs")
+    __slots__ = ("request_id", "index", "text", "token_ids", "logprobs", "usage", "finish_reason", "stop_string", "stop_token_id", "error_message", "tool_calls", "cumulative_logprob", "prompt_logprobs", "reasoning_content")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +199,7 @@ class GenerateResponse(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     text: str
@@ -210,7 +213,8 @@ class GenerateResponse(_message.Message):
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
     cumulative_logprob: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptTokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., error_message: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., cumulative_logprob: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ...) -> None: ...
+    reasoning_content: str
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., error_message: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., cumulative_logprob: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("id", "generate", "cancel", "timeout_ms")
