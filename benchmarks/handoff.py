@@ -126,8 +126,8 @@ class RecordingEngine:
     async def generate(self, request_id: str, prompt_token_ids: Any, params: Any,
                        *, priority: int = 0, lora_request: Any = None) -> AsyncIterator[Any]:
         t = time.perf_counter()  # first thing: the ids are in the engine in the form its core takes
-        from engine.core.outputs import EngineCoreOutput
         from engine.core.finish_reason import FinishReason
+        from engine.core.outputs import EngineCoreOutput
 
         yield EngineCoreOutput(request_id, [], finish_reason=FinishReason.LENGTH,
                                num_prompt_tokens=len(prompt_token_ids))

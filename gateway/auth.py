@@ -12,8 +12,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from common.auth import key_matches
 from gateway.errors import ApiError
 
-# Probes, Prometheus scrapers and the API's description carry no key (as in vLLM); nothing here is private.
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/docs"})
+# Probes, Prometheus scrapers and the API's description carry no key (as in vLLM; Triton's health probes as in
+# Triton); nothing here is private.
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/docs", "/v2/health/live",
+                          "/v2/health/ready"})
 
 
 def bearer_token(scope: Scope) -> str | None:

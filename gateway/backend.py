@@ -122,6 +122,7 @@ class GenerationParams:
     beam_search: BeamSearch | None = None
     tool_choice: ToolChoice | None = None  # None: the backend's default (auto with tools)
     parallel_tool_calls: bool | None = None
+    thinking_token_budget: int | None = None  # chat with a reasoning parser: tokens to think for; None: no limit
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,7 @@ class Delta:
     error_message: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
     prompt_logprobs: tuple[PromptTokenLogprob, ...] = ()  # on a sequence's first delta, when asked for
+    reasoning_content: str = ""  # new thinking of a reasoning model (then ``text`` is the answer after it)
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,8 @@ def generate_request_to_pb(prompt: Prompt, p: GenerationParams, request_id: str,
         _tool_choice_to_pb(p.tool_choice, req.tool_choice)
     if p.parallel_tool_calls is not None:
         req.parallel_tool_calls = p.parallel_tool_calls
+    if p.thinking_token_budget is not None:
+        req.thinking_token_budget = p.thinking_token_budget
     return req
 
 
@@ -159,6 +161,7 @@ def delta_from_pb(msg: generation_pb2.GenerateResponse) -> Delta:
         stop_reason=stop_reason,
         error_message=msg.error_message,
         tool_calls=tuple(ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in msg.tool_calls),
+        reasoning_content=msg.reasoning_content,
         prompt_logprobs=tuple(
             PromptTokenLogprob(p.token_id, p.text, p.logprob if p.HasField("logprob") else None,
                                tuple(TopLogprob(t.token_id, t.text, t.text_bytes, t.logprob) for t in p.top_logprobs))

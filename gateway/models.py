@@ -263,6 +263,9 @@ class ChatCompletionRequest(SamplingFields, _ChatTemplate):
     top_logprobs: Logprobs | None = None
     tool_choice: ToolChoiceArg | None = None
     parallel_tool_calls: bool | None = None
+    thinking_token_budget: Int | None = Field(None, ge=0, le=UINT32_MAX, description=(
+        "vLLM's: the most tokens a reasoning model may think for before its thinking is closed (needs the "
+        "server's --reasoning-parser)."))
 
 
 class TokenizeRequest(_Model):

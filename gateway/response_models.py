@@ -82,6 +82,7 @@ class ToolCall(_Body):
 class AssistantMessage(_Body):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None  # a reasoning model's thinking (the server's --reasoning-parser)
     tool_calls: list[ToolCall] | None = None
 
 
@@ -120,6 +121,7 @@ class ToolCallDelta(_Body):
 class ChatDelta(_Body):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -33,6 +33,7 @@ class Choice:
     """What one choice has produced so far."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)  # a reasoning model's thinking
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: tuple[PromptTokenLogprob, ...] = ()
     tool_calls: dict[int, ToolCallSoFar] = field(default_factory=dict)  # by the calls' index
@@ -80,6 +81,8 @@ class ResponseBuilder:
         offset = choice.text_length
         choice.text.append(delta.text)
         choice.text_length += len(delta.text)
+        if delta.reasoning_content:
+            choice.reasoning.append(delta.reasoning_content)
         choice.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs:
             choice.prompt_logprobs = delta.prompt_logprobs
@@ -124,10 +127,14 @@ class ResponseBuilder:
 
     @staticmethod
     def _message(text: str, choice: Choice) -> dict[str, object]:
-        if not choice.tool_calls:
-            return {"role": "assistant", "content": text}
-        calls = [choice.tool_calls[i].json() for i in sorted(choice.tool_calls)]
-        return {"role": "assistant", "content": text or None, "tool_calls": calls}
+        message: dict[str, object] = {"role": "assistant", "content": text}
+        if choice.reasoning:   # as vLLM: a thinking with no answer after it has null content
+            message["content"] = text or None
+            message["reasoning_content"] = "".join(choice.reasoning)
+        if choice.tool_calls:
+            message["content"] = text or None
+            message["tool_calls"] = [choice.tool_calls[i].json() for i in sorted(choice.tool_calls)]
+        return message
 
     # -- stream chunks ---------------------------------------------------
 
@@ -145,11 +152,15 @@ class ResponseBuilder:
 
     def delta_chunk(self, index: int, delta: Delta, text_offset: int) -> dict[str, object] | None:
         """The chunk of one delta (already :meth:`add`-ed), or None when it carries nothing."""
-        if not delta.text and not delta.logprobs and not delta.tool_calls and delta.finish_reason is None:
+        if (not delta.text and not delta.reasoning_content and not delta.logprobs and not delta.tool_calls
+                and delta.finish_reason is None):
             return None  # text held back by the detokenizer: nothing to tell the client yet
         body: dict[str, object]
         if self.is_chat:
-            message: dict[str, object] = {"content": delta.text} if delta.text else {}
+            message: dict[str, object] = {"reasoning_content": delta.reasoning_content} \
+                if delta.reasoning_content else {}
+            if delta.text:
+                message["content"] = delta.text
             if delta.tool_calls:
                 message["tool_calls"] = [_tool_call_chunk(c) for c in delta.tool_calls]
             body = {"delta": message, "logprobs": chat_logprobs(delta.logprobs) if self.logprobs else None}

@@ -39,7 +39,8 @@ REFUSED = {
     "function_call": "`function_call` (deprecated by OpenAI) is not supported; use `tool_choice`.",
 }
 # Chat's fields, refused by completions (with a hint).
-CHAT_ONLY = {"tools": "", "tool_choice": "", "top_logprobs": " (completions take `logprobs`, an integer)"}
+CHAT_ONLY = {"tools": "", "tool_choice": "", "top_logprobs": " (completions take `logprobs`, an integer)",
+             "thinking_token_budget": ""}
 # Sampling fields beam search does not use, with the values that mean "off": any other is refused with it.
 _NOT_FOR_BEAMS: dict[str, tuple[object, ...]] = {"temperature": (0,), "top_p": (1,), "top_k": (0, -1), "min_p": (0,),
                                                  "seed": ()}
@@ -106,7 +107,8 @@ def parse_chat(body: Mapping[str, object], max_n: int) -> GenerationRequest:
                                                                                       ToolChoiceMode.FUNCTION):
         raise bad_request("tool_choice", "`tool_choice` that forces a call constrains the output itself: it "
                                          "cannot be combined with `response_format` or guided decoding.")
-    params = replace(params, tool_choice=tool_choice, parallel_tool_calls=req.parallel_tool_calls)
+    params = replace(params, tool_choice=tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+                     thinking_token_budget=req.thinking_token_budget)
     prompt = _chat_prompt(req, turns)
     stream, include_usage = _stream(req, params)
     # vLLM's chat echo: a conversation ending in an assistant turn is continued, and the answer repeats it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
+from gateway.routes.dialects import dialect_routes
 from gateway.routes.generate import chat_completions, completions
 from gateway.routes.lora import load_lora_adapter, unload_lora_adapter
 from gateway.routes.ops import health, list_models, metrics, ready
@@ -22,4 +23,5 @@ def build_routes() -> list[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *dialect_routes(),  # TGI, vLLM's legacy /generate, Triton's generate extension, MindIE's /infer
     ]

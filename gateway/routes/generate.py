@@ -37,10 +37,12 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, is_chat=True)
 
 
-class _Run:
+class Run:
     """One request in flight: its merged calls, the response being built, usage, metrics."""
 
-    def __init__(self, state: GatewayState, req: GenerationRequest, model: ModelChoice, rid: str) -> None:
+    def __init__(self, state: GatewayState, req: GenerationRequest, model: ModelChoice, rid: str,
+                 timeout: float | None = None) -> None:
+        """``timeout``: the request's own deadline in seconds (MindIE's ``timeout``), within --request-timeout."""
         self.state = state
         self.req = req
         self.model = model
@@ -51,7 +53,7 @@ class _Run:
             for i, prompt in enumerate(req.prompts):
                 calls.append(state.backend.generate(prompt, req.params,
                                                     request_id=rid if num_prompts == 1 else f"{rid}-{i}",
-                                                    timeout=state.settings.request_timeout,
+                                                    timeout=_within(timeout, state.settings.request_timeout),
                                                     adapter=model.adapter))
         except BaseException:
             for call in calls:  # started already: abort them
@@ -99,13 +101,17 @@ class _Run:
         self.tracker.close()
 
 
+def _within(timeout: float | None, limit: float | None) -> float | None:
+    return limit if timeout is None else timeout if limit is None else min(timeout, limit)
+
+
 async def _generate(request: Request, *, is_chat: bool) -> Response:
     state = gateway_state(request)
     body = await read_json(request)
     max_n = state.settings.max_n
     req = parse_chat(body, max_n) if is_chat else parse_completion(body, max_n)
     model = await resolve_model(request, req.model)
-    run = _Run(state, req, model, request_id(request))
+    run = Run(state, req, model, request_id(request))
     if not req.stream:
         return await _whole(request, run)
     try:
@@ -119,14 +125,14 @@ async def _generate(request: Request, *, is_chat: bool) -> Response:
     return SSEResponse(_events(run, first), on_close=run.close)
 
 
-async def _whole(request: Request, run: _Run) -> Response:
+async def _whole(request: Request, run: Run) -> Response:
     async def collect() -> None:
         while (item := await run.stream.next()) is not None:
             assert isinstance(item, tuple)
             run.record(*item)
 
     try:
-        if not await _unless_disconnected(request, collect()):
+        if not await unless_disconnected(request, collect()):
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         if run.failed():
             raise internal_error(run.rid)
@@ -138,7 +144,7 @@ async def _whole(request: Request, run: _Run) -> Response:
         await run.close()
 
 
-async def _events(run: _Run, first: tuple[int, Delta] | str | None) -> AsyncIterator[str]:
+async def _events(run: Run, first: tuple[int, Delta] | str | None) -> AsyncIterator[str]:
     builder = run.builder
     for role_chunk in builder.role_chunks():
         yield event(role_chunk)
@@ -176,7 +182,7 @@ async def _events(run: _Run, first: tuple[int, Delta] | str | None) -> AsyncIter
     yield DONE
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[None]) -> bool:
+async def unless_disconnected(request: Request, work: Awaitable[None]) -> bool:
     """Run ``work`` unless the client disconnects first (then cancel it): False if it did."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
