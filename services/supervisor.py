@@ -49,11 +49,13 @@ from common.tls import (
 from engine.config import EngineConfig
 from engine.entrypoints.args import add_engine_args, check_local_paths, config_from_args
 from engine.entrypoints.vllm_compat import normalize_flag_spelling
+from engine.text import Tokenizer
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.child_flags import engine_flags, tokenizer_flags
 from services.mindie import ConfigFileError, load_mindie_config
 from services.replicas import check_model_splits, metrics_ports, replica_configs
 from services.serve_args import add_vllm_serve_args, check_vllm_serve_args
+from services.tokenizer.reasoning import Reasoning
 
 logger = logging.getLogger("sluice.serve")
 
@@ -438,6 +440,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:   # "the model's 9 attention heads do not divide over tensor_parallel_size 2",
         # "deepseek_v3: topk_method='greedy' is not supported (...)"
         build_parser().error(str(e))
+    if ns.reasoning_parser is not None:   # its tags must be plain tokens of the vocabulary: said before any start
+        try:
+            Reasoning.load(ns.reasoning_parser, Tokenizer.from_pretrained(config.tokenizer or config.model_path))
+        except (OSError, ValueError) as e:
+            build_parser().error(str(e))
     supervisor = Supervisor(ns, config, observability, keys, grpc_tls=grpc_tls, rest_tls=rest_tls)
     configure_logging(ns.log_level, observability.log_format, "serve")
     for note in notes:
