@@ -18,6 +18,8 @@ _ENGINE_FINISH = {
     common_pb2.FINISH_REASON_ABORTED: common_pb2.FINISH_REASON_ABORTED,
     common_pb2.FINISH_REASON_ERROR: common_pb2.FINISH_REASON_ERROR,
 }
+# The output ended on a token: eos, or one of stop_token_ids.
+_STOPPED_BY_TOKEN = frozenset({common_pb2.FINISH_REASON_EOS, common_pb2.FINISH_REASON_STOP})
 # The model ended its turn (not cut short): when it made calls, the turn's reason is that.
 _TURN_ENDS = frozenset({common_pb2.FINISH_REASON_EOS, common_pb2.FINISH_REASON_STOP,
                         common_pb2.FINISH_REASON_STOP_STRING})
@@ -40,8 +42,11 @@ class SequenceOutput:
 
     def __init__(self, index: int, tokenizer: Tokenizer, detok: IncrementalDetokenizer, *,
                  tools: ToolCallStream | None = None, echo: str | None = None,
-                 reasoning: ReasoningStream | None = None) -> None:
+                 reasoning: ReasoningStream | None = None, drop_final_special: bool = False) -> None:
+        """``drop_final_special``: a special token that ends the output (eos) is not decoded into the text (special
+        tokens are kept in it for a tool parser whose markers are special)."""
         self.index = index
+        self.drop_final_special = drop_final_special
         self.tokenizer = tokenizer
         self.detok = detok
         self.tools = tools
@@ -54,10 +59,15 @@ class SequenceOutput:
               options: generation_pb2.ResponseOptions) -> generation_pb2.GenerateResponse | None:
         ids = list(msg.token_ids)
         before = self.detok.num_output_tokens
-        delta = self.detok.add_tokens(ids) if ids else None
+        shown = ids
+        if (self.drop_final_special and msg.finish_reason in _STOPPED_BY_TOKEN and ids
+                and ids[-1] in self.tokenizer.all_special_ids):
+            shown = ids[:-1]   # the end-of-sequence token: kept in the ids, not in the text
+        delta = self.detok.add_tokens(shown) if shown else None
         # Under a stream interval a message holds several tokens: those after a stop string are not
         # generated as far as the client is concerned (not returned, not counted).
-        del ids[self.detok.num_output_tokens - before:]
+        consumed = self.detok.num_output_tokens - before
+        del ids[consumed if consumed < len(shown) else len(ids):]
         self.completion_tokens += len(ids)
         usage.per_seq[self.index] = self.completion_tokens
         out = generation_pb2.GenerateResponse(request_id=request_id, index=self.index, token_ids=ids,

@@ -226,8 +226,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         plan = plan_tools(request, self.tools)
         prompt_ids = await self.prompt_ids(request)  # its exact length against max_model_len: the engine's check
         n = request.n or 1
+        # A tool parser whose call markers are special tokens (Mistral's [TOOL_CALLS]) needs them in the text, as
+        # vLLM's does: then the default keeps special tokens, and the special token that ends the output is left out.
+        parser_keeps = plan.parser is not None and plan.parser.keeps_special_tokens
         skip_special = (request.response.skip_special_tokens
-                        if request.response.HasField("skip_special_tokens") else True)
+                        if request.response.HasField("skip_special_tokens") else not parser_keeps)
         echo = self._echo_text(request, prompt_ids) if request.response.echo else None
         # The engine's key for the request is Sluice's own, unique in this service's life: never the caller's id,
         # which two requests may share and a caller may reuse while an earlier abort is still on its way.
@@ -239,7 +242,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         seqs = {i: SequenceOutput(i, self.tokenizer, IncrementalDetokenizer(
             self.tokenizer, prompt_ids, skip_special_tokens=skip_special, stop=list(request.stopping.stop),
             include_stop_str_in_output=request.stopping.include_stop_str_in_output), tools=plan.stream(), echo=echo,
-            reasoning=thinking.stream())
+            reasoning=thinking.stream(), drop_final_special=parser_keeps and not skip_special)
             for i in range(n)}
         usage = Usage(prompt=len(prompt_ids))
         source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
