@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import AddedToken
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 from engine.text import Tokenizer
 from engine.text.detokenizer import IncrementalDetokenizer
@@ -35,7 +34,8 @@ def run(tok: Tokenizer, ids: list[int], *, skip: bool, drop: bool) -> list[gener
     usage = Usage(prompt=1)
     out = [seq.delta("r", engine_pb2.EngineGenerateResponse(token_ids=ids[:-2]), usage,
                      generation_pb2.ResponseOptions()),
-           seq.delta("r", engine_pb2.EngineGenerateResponse(token_ids=ids[-2:], finish_reason=common_pb2.FINISH_REASON_EOS),
+           seq.delta("r", engine_pb2.EngineGenerateResponse(token_ids=ids[-2:],
+                                                            finish_reason=common_pb2.FINISH_REASON_EOS),
                      usage, generation_pb2.ResponseOptions())]
     return [m for m in out if m is not None]
 
