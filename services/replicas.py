@@ -25,15 +25,19 @@ def metrics_ports(ns: argparse.Namespace) -> list[int]:
 def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:
     """Each replica's engine settings: its own tensor_parallel_size x pipeline_parallel_size ranks on devices of its
     own, the r-th slice of ``device_ids`` (of 0, 1, ... on an accelerator when none are named), as vLLM places its
-    data-parallel ranks. On the CPU every replica shares the host's cores."""
+    data-parallel ranks. On the CPU every replica shares the host's cores. Each knows its rank (KV events bind
+    their ports + rank)."""
     world = config.world_size
-    if replicas == 1 or (config.device_ids is None and config.device == "cpu"):
-        return [config] * replicas
+    if replicas == 1:
+        return [config]
+    if config.device_ids is None and config.device == "cpu":
+        return [config.with_changes(data_parallel_rank=r) for r in range(replicas)]
     ids = config.device_ids if config.device_ids is not None else tuple(range(replicas * world))
     if len(ids) < replicas * world:
         raise InvalidRequestError("--device-ids", f"{replicas} replicas of {world} ranks need {replicas * world} "
                                                   f"device ids; got {len(ids)}: {list(ids)}")
-    return [config.with_changes(device_ids=ids[r * world:(r + 1) * world]) for r in range(replicas)]
+    return [config.with_changes(device_ids=ids[r * world:(r + 1) * world], data_parallel_rank=r)
+            for r in range(replicas)]
 
 
 def check_model_splits(config: EngineConfig) -> None:

@@ -5,14 +5,16 @@ table (``request.block_ids``) maps its token positions to blocks; the block
 manager is the only writer of that table.
 
 Prefix caching: every FULL block of a request gets a chained hash
-``hash((parent_hash, block_tokens, extra_keys))`` (kept on
+``H((parent_hash, block_tokens, extra_keys))`` (``engine.core.block_hashing``, vLLM's function; kept on
 ``request.block_hashes``). Once its KV is computed the block is registered under
 that hash; a later request whose prefix has the same hash chain reuses it, after
 comparing the stored key (parent hash, tokens, extra keys) so that a hash
 collision can never serve wrong KV. The extra keys name the request's LoRA
-adapter (``request.lora_id``): KV computed through one adapter's weights is
-never served to another adapter or to the base model, whose blocks (no extra
-keys) hash as they always did. A freed block that is registered is not
+adapter (its ``lora_name``, as vLLM hashes it; the stored key adds its
+``lora_id``): KV computed through one adapter's weights is never served to
+another adapter or to the base model, whose blocks have no extra keys.
+With KV events on, registering, evicting and clearing blocks record vLLM's
+BlockStored / BlockRemoved / AllBlocksCleared (``take_events``). A freed block that is registered is not
 wiped: it waits on an LRU list and is only reused (and unregistered) when no
 plain free block is left.
 
@@ -26,24 +28,24 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
+from engine.core.block_hashing import ExtraKeys, external_block_hash, make_block_hasher
+from engine.core.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from engine.core.request import Request
 
-ExtraKeys = tuple[object, ...] | None
-# What a cached block is verified against on a hit: (parent hash, its tokens, extra keys).
-BlockKey = tuple[int | None, tuple[int, ...], ExtraKeys]
-HashFn = Callable[[int | None, tuple[int, ...], ExtraKeys], int]
+BlockHash = bytes | int   # bytes from engine.core.block_hashing; a test may hash to ints
+# What a cached block is verified against on a hit: (parent hash, its tokens, extra keys, LoRA adapter id).
+BlockKey = tuple[BlockHash | None, tuple[int, ...], ExtraKeys, int | None]
+HashFn = Callable[[Any, tuple[int, ...], ExtraKeys], Any]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def block_extra_keys(request: Request) -> ExtraKeys:
-    """What besides its tokens a request's KV depends on: its LoRA adapter's id (None for the base model)."""
-    lora_id = request.lora_id
-    return None if lora_id is None else (lora_id,)
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: ExtraKeys = None) -> int:
-    """Chained hash of one full block (vLLM ``hash_block_tokens``). Valid within one process only."""
-    return hash((parent_hash, token_ids, extra_keys))
+    """What besides its tokens a request's KV depends on, as vLLM hashes it: its LoRA adapter's name (None for
+    the base model). Sluice has no cache salt nor multimodal inputs, so every block of a request has the same."""
+    lora = request.lora_request
+    return None if lora is None else (lora.lora_name,)
 
 
 # A table entry whose block was given back: outside every layer's sliding window, never read again.
@@ -59,19 +61,22 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
-                 hash_fn: HashFn = hash_block_tokens) -> None:
+                 hash_fn: HashFn | None = None, enable_kv_cache_events: bool = False) -> None:
+        """``hash_fn``: None is ``make_block_hasher("sha256")``. ``enable_kv_cache_events``: record the
+        prefix cache's changes for ``take_events``."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._hash_fn = hash_fn
+        self._hash_fn: HashFn = hash_fn if hash_fn is not None else make_block_hasher()
+        self._events: list[KVEvent] | None = [] if enable_kv_cache_events else None
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))        # refcount 0, holding nothing reusable
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, cached; front = least recent
-        self._hash_of_block: list[int | None] = [None] * num_blocks
+        self._hash_of_block: list[BlockHash | None] = [None] * num_blocks
         self._key_of_block: list[BlockKey | None] = [None] * num_blocks
-        self._block_of_hash: dict[int, int] = {}
+        self._block_of_hash: dict[BlockHash, int] = {}
         self._copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0   # tokens looked up, counted when a request is first given blocks
         self.prefix_cache_hits = 0      # of those, tokens served from the cache
@@ -94,7 +99,7 @@ class BlockManager:
         """Cached free blocks, least recently freed (next to be evicted) first."""
         return list(self._evictable)
 
-    def cached_block(self, block_hash: int) -> int | None:
+    def cached_block(self, block_hash: BlockHash) -> int | None:
         return self._block_of_hash.get(block_hash)
 
     # ----- prefix cache ------------------------------------------------------------
@@ -113,13 +118,13 @@ class BlockManager:
         hashes = self._block_hashes(request, max_blocks)
         tokens = request.all_token_ids
         bs = self.block_size
-        extra = block_extra_keys(request)
+        extra, lora_id = block_extra_keys(request), request.lora_id
         blocks: list[int] = []
-        parent: int | None = None
+        parent: BlockHash | None = None
         for i in range(max_blocks):
             block_id = self._block_of_hash.get(hashes[i])
-            if (block_id is None
-                    or self._key_of_block[block_id] != (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), extra)):
+            if (block_id is None or self._key_of_block[block_id]
+                    != (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), extra, lora_id)):
                 break
             blocks.append(block_id)
             parent = hashes[i]
@@ -137,7 +142,8 @@ class BlockManager:
         hashes = self._block_hashes(request, num_full)
         tokens = request.all_token_ids
         bs = self.block_size
-        extra = block_extra_keys(request)
+        extra, lora_id = block_extra_keys(request), request.lora_id
+        stored: list[int] = []   # the table indices registered now, for BlockStored
         for i in range(start, num_full):
             block_id = request.block_ids[i]
             # Already registered (a prefix hit, or shared by a fork), or the same content is cached in
@@ -145,12 +151,36 @@ class BlockManager:
             if self._hash_of_block[block_id] is not None or hashes[i] in self._block_of_hash:
                 continue
             parent = hashes[i - 1] if i > 0 else None
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs].tolist())
             self._hash_of_block[block_id] = hashes[i]
-            self._key_of_block[block_id] = (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), extra)
+            self._key_of_block[block_id] = (parent, block_tokens, extra, lora_id)
             self._block_of_hash[hashes[i]] = block_id
+            stored.append(i)
         request.num_seen_blocks = num_full
+        if self._events is not None and stored:
+            self._record_stored(request, hashes, stored)
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+    def _record_stored(self, request: Request, hashes: list[Any], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive table indices in ``stored`` (each run is one hash chain)."""
+        assert self._events is not None
+        tokens, bs = request.all_token_ids, self.block_size
+        lora = request.lora_request
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self._events.append(BlockStored(
+                block_hashes=[external_block_hash(hashes[i]) for i in run],
+                parent_block_hash=external_block_hash(hashes[first - 1]) if first > 0 else None,
+                token_ids=tokens[first * bs:(last + 1) * bs].tolist(), block_size=bs,
+                lora_id=None if lora is None else lora.lora_int_id, medium=MEDIUM_GPU,
+                lora_name=None if lora is None else lora.lora_name))
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[Any]:
         """request.block_hashes, extended to cover its first ``num_blocks`` (full) blocks."""
         hashes = request.block_hashes
         tokens = request.all_token_ids
@@ -230,7 +260,31 @@ class BlockManager:
         del self._block_of_hash[block_hash]
         self._hash_of_block[block_id] = None
         self._key_of_block[block_id] = None
+        if self._events is not None:
+            self._events.append(BlockRemoved(block_hashes=[external_block_hash(block_hash)], medium=MEDIUM_GPU))
         return block_id
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``); only when no request holds a block, else
+        False and nothing changes. Records AllBlocksCleared."""
+        if len(self._free) + len(self._evictable) != self.num_blocks:
+            return False
+        for block_id in self._evictable:
+            self._hash_of_block[block_id] = None
+            self._key_of_block[block_id] = None
+            self._free.append(block_id)
+        self._evictable.clear()
+        self._block_of_hash.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events recorded since the last call (none when events are off)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def free(self, request: Request) -> None:
         """Drop the request's hold on its blocks and clear its table.

@@ -19,6 +19,7 @@ from common.errors import InvalidRequestError
 from engine.config import EngineConfig
 from engine.core.async_steps import AsyncSteps
 from engine.core.finish_reason import FinishReason
+from engine.core.kv_events import EventPublisher, NullEventPublisher, event_batch, make_event_publisher
 from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import Request, SequenceId
@@ -96,6 +97,13 @@ class EngineCore:
                                  else config.device != "cpu")
         self._async = (AsyncSteps(self.scheduler, self.executor, config, self._apply) if self.async_scheduling
                        else None)
+        # KV cache events (--kv-events-config): the prefix cache's changes of each step, published as one batch.
+        self.kv_event_publisher: EventPublisher = NullEventPublisher()
+        try:
+            self.kv_event_publisher = make_event_publisher(config.kv_events_config, config.data_parallel_rank)
+        except BaseException:   # an endpoint that cannot be bound: the replica's other ranks end with it
+            self.close()
+            raise
         logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%s), max_model_len %d, async "
                     "scheduling %s", config.model_name, self.executor.dtype_name, num_blocks, config.block_size,
                     self.executor.kv_cache_dtype_name, self.max_model_len, "on" if self.async_scheduling else "off")
@@ -109,6 +117,7 @@ class EngineCore:
         """Stops the replica's other ranks (nothing to stop with the uniproc executor); idempotent."""
         if self._async is not None:
             self._async.close()
+        self.kv_event_publisher.shutdown()
         self.executor.shutdown()
 
     def _reclaim_window(self, mc: ModelConfig) -> int | None:
@@ -343,8 +352,21 @@ class EngineCore:
         if run is not None and any(s.num_lookahead_steps for s in sched.scheduled):
             step_outputs = self._lookahead_passes(sched, step_outputs)
         self._release_ended()
+        self._publish_kv_events()
         self.total_steps += 1
         return step_outputs
+
+    def _publish_kv_events(self) -> None:
+        events = self.scheduler.block_manager.take_events()
+        if events:
+            self.kv_event_publisher.publish(event_batch(events))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's ``reset_prefix_cache``): False, and nothing changes, while a request
+        holds blocks. Publishes AllBlocksCleared."""
+        done = self.scheduler.block_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
 
     def _release_ended(self) -> None:
         """Forget the worker state of the sequences the last update ended, and their adapters' uses."""

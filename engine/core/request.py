@@ -134,7 +134,7 @@ class Request:
         self.num_pending = 0
         self.num_cached_tokens = 0           # prompt tokens served from the prefix cache (first schedule)
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []    # chained hashes of full blocks, filled by the block manager
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks, filled by the block manager
         self.num_seen_blocks = 0             # leading blocks the block manager's cache_blocks has looked at
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

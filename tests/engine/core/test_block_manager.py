@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.block_manager import BlockManager, hash_block_tokens
+from engine.core.block_hashing import make_block_hasher
+from engine.core.block_manager import BlockManager
 from engine.core.lora_request import LoRARequest
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
@@ -58,8 +59,11 @@ def test_allocate_grows_one_block_at_a_boundary_and_refuses_atomically() -> None
     bm.check_invariants([r])
 
 
+hash_block_tokens = make_block_hasher("sha256", {"PYTHONHASHSEED": "0"})
+
+
 def test_prefix_hit_shares_full_blocks_and_counts_tokens() -> None:
-    bm = BlockManager(8, 4)
+    bm = BlockManager(8, 4, hash_fn=hash_block_tokens)
     r1 = make_request("r1", list(range(10)))
     assert bm.get_computed_blocks(r1) == []
     run_prefill(bm, r1)
@@ -85,8 +89,8 @@ def test_prefix_hit_shares_full_blocks_and_counts_tokens() -> None:
     bm.check_invariants([])
 
 
-def test_blocks_are_keyed_by_the_lora_adapter_and_base_blocks_hash_as_before() -> None:
-    bm = BlockManager(16, 4)
+def test_blocks_are_keyed_by_the_lora_adapter_name_and_base_blocks_have_no_extra_keys() -> None:
+    bm = BlockManager(16, 4, hash_fn=hash_block_tokens)
     prompt = list(range(9))   # two full blocks
     base = make_request("base", prompt)
     a, b = make_request("a", prompt, lora_id=1), make_request("b", prompt, lora_id=2)
@@ -96,8 +100,8 @@ def test_blocks_are_keyed_by_the_lora_adapter_and_base_blocks_hash_as_before() -
     assert (base.block_ids, a.block_ids, b.block_ids) == ([0, 1, 2], [3, 4, 5], [6, 7, 8])
     h0 = hash_block_tokens(None, (0, 1, 2, 3))
     assert base.block_hashes == [h0, hash_block_tokens(h0, (4, 5, 6, 7))]   # no extra keys: unchanged
-    a0 = hash_block_tokens(None, (0, 1, 2, 3), (1,))
-    assert a.block_hashes == [a0, hash_block_tokens(a0, (4, 5, 6, 7), (1,))]
+    a0 = hash_block_tokens(None, (0, 1, 2, 3), ("adapter1",))   # vLLM's extra key: the adapter's name
+    assert a.block_hashes == [a0, hash_block_tokens(a0, (4, 5, 6, 7), ("adapter1",))]
     assert len({*base.block_hashes, *a.block_hashes, *b.block_hashes}) == 6
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (27, 0)
     # Each hits its own blocks on a repeat, and only those.
