@@ -281,6 +281,52 @@ class SpeculativeConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+# --prefix-caching-hash-algo's choices, vLLM's names: engine.core.block_hashing implements each.
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events (vLLM's ``--kv-events-config``, its keys and defaults; engine.core.kv_events)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None             # null | zmq; None: zmq when events are on, else null
+    endpoint: str = "tcp://*:5557"           # PUB socket: bound when it holds * (or is ipc/inproc), else connected
+    replay_endpoint: str | None = None       # ROUTER socket answering replay requests; None: no replay
+    buffer_steps: int = 10_000               # batches kept for replay
+    hwm: int = 100_000                       # the PUB socket's high-water mark
+    max_queue_size: int = 100_000            # batches waiting for the publisher thread
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        flag = "kv_events_config"
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise InvalidRequestError(f"{flag}.publisher", f"must be one of {', '.join(KV_EVENT_PUBLISHERS)}, "
+                                                            f"got {self.publisher!r}")
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"{flag}.{key}", f"must be an integer >= 1, got {value!r}")
+        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise InvalidRequestError(f"{flag}.endpoint", f"must be a tcp://, ipc:// or inproc:// address, got "
+                                                           f"{self.endpoint!r}")
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, object]) -> KVEventsConfig:
+        """vLLM's JSON object; a key it does not have is refused by name."""
+        if not isinstance(value, Mapping):
+            raise InvalidRequestError("kv_events_config", "must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(f"kv_events_config.{unknown[0]}",
+                                      f"unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        return cls(**value)  # type: ignore[arg-type]
+
+
 # EngineConfig.quantization's values: W8A8 int8 quantized at load, a compressed-tensors W8A8 int8 checkpoint, or an
 # msModelSlim one (vLLM-Ascend's "ascend", or "modelslim").
 QUANTIZATIONS = ("w8a8", "compressed-tensors", "ascend", "modelslim")
@@ -347,6 +393,10 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora_config: LoRAConfig | None = None    # None: LoRA off (vLLM's --enable-lora turns it on)
     speculative_config: SpeculativeConfig | None = None   # None: no speculative decoding
+    kv_events_config: KVEventsConfig | None = None   # None: no KV cache events (engine.core.kv_events)
+    # The prefix cache's block hash (engine.core.block_hashing): sha256 | sha256_cbor | xxhash | xxhash_cbor.
+    prefix_caching_hash_algo: str = "sha256"
+    data_parallel_rank: int = 0              # this engine's replica among `sluice serve --data-parallel-size N`
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None and not isinstance(self.kv_cache_memory, int):
@@ -366,6 +416,9 @@ class EngineConfig:
               f"unknown KV cache dtype {self.kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}"
               + (" (fp8 KV caches are not supported)" if self.kv_cache_dtype.startswith("fp8") else ""))
         check(self.device in ("cpu", "cuda", "npu"), "device", f"unknown device {self.device!r}")
+        check(self.prefix_caching_hash_algo in PREFIX_CACHING_HASH_ALGOS, "prefix_caching_hash_algo",
+              f"unknown hash {self.prefix_caching_hash_algo!r}; one of {', '.join(PREFIX_CACHING_HASH_ALGOS)}")
+        check(self.data_parallel_rank >= 0, "data_parallel_rank", "must be >= 0")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")

@@ -18,6 +18,7 @@ from gateway.errors import ApiError, api_error_handler, http_exception_handler
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import docs_routes
 from gateway.request_context import RequestContextMiddleware
+from gateway.responses_api.store import ResponseStore
 from gateway.routes import build_routes
 from gateway.routes.common import GatewayState, ServedModels
 from gateway.settings import GatewaySettings
@@ -81,6 +82,7 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
     )
     # A redirect to the slash-less path would be built from the client's Host header.
     app.router.redirect_slashes = False
+    app.state.responses = ResponseStore()  # /v1/responses' previous_response_id, in this process only
     if backend is not None:
         app.state.gateway = _state(settings, backend, metrics)
     return app

@@ -103,6 +103,7 @@ class GenerationParams:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled; empty: any
     seed: int | None = None
     max_tokens: int | None = None
     min_tokens: int = 0
@@ -123,6 +124,8 @@ class GenerationParams:
     tool_choice: ToolChoice | None = None  # None: the backend's default (auto with tools)
     parallel_tool_calls: bool | None = None
     thinking_token_budget: int | None = None  # chat with a reasoning parser: tokens to think for; None: no limit
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last this many tokens; None: all of it
+    add_special_tokens: bool | None = None  # None: the tokenizer service's default (text: true, chat: false)
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,8 @@ def generate_request_to_pb(prompt: Prompt, p: GenerationParams, request_id: str,
             setattr(s, name, value)
     for tok, bias in p.logit_bias.items():
         s.logit_bias[tok] = bias
+    if p.allowed_token_ids:  # extending by nothing would still set `sampling`
+        s.allowed_token_ids.extend(p.allowed_token_ids)
     st = req.stopping
     if p.max_tokens is not None:
         st.max_tokens = p.max_tokens
@@ -140,6 +142,10 @@ def generate_request_to_pb(prompt: Prompt, p: GenerationParams, request_id: str,
         req.parallel_tool_calls = p.parallel_tool_calls
     if p.thinking_token_budget is not None:
         req.thinking_token_budget = p.thinking_token_budget
+    if p.truncate_prompt_tokens is not None:
+        req.truncate_prompt_tokens = p.truncate_prompt_tokens
+    if p.add_special_tokens is not None:
+        req.add_special_tokens = p.add_special_tokens
     return req
 
 

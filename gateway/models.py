@@ -11,8 +11,8 @@ the rest of a request's CPU (docs/benchmarks.md, "Request validation"). msgspec 
 not installed here.
 
 Validation is strict (no "10" for 10, no true for 1), except that an integral float is an integer, as
-JSON has one number type. Unknown fields are ignored, as OpenAI and vLLM do; the known fields Sluice
-does not honour are refused by name in gateway/schemas.py.
+JSON has one number type. Unknown fields are ignored (and logged once), as vLLM does; the known fields
+Sluice does not honour are refused by name (gateway/request_fields.py).
 """
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(None, description="vLLM's: with include_usage, every chunk "
+                                                                  "carries the usage so far.")
+    include_obfuscation: bool | None = Field(None, description="OpenAI's; only false: chunks carry no padding.")
 
 
 class JsonSchemaFormat(_Model):
@@ -150,6 +153,8 @@ class SamplingFields(_Model):
     logit_bias: Annotated[dict[str, Annotated[Number, Field(ge=-100, le=100)]],
                           _report_whole("must map token ids to numbers in [-100, 100]")] | None = None
     seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, description=(
+        "vLLM's: only these token ids may be sampled (each below the vocabulary size)."))
     min_tokens: Int | None = Field(None, ge=0, le=UINT32_MAX)
     stop: StopArg | None = Field(None, description="Up to 4 strings of 1 to 256 characters.")
     stop_token_ids: list[TokenId] | None = None
@@ -160,11 +165,19 @@ class SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     stream_interval: Int | None = Field(None, ge=1, le=UINT32_MAX)
     prompt_logprobs: Logprobs | None = None
+    truncate_prompt_tokens: Int | None = Field(None, ge=1, le=UINT32_MAX, description=(
+        "vLLM's: keep only the last this many prompt tokens (at most the model's max_model_len)."))
+    add_special_tokens: bool | None = Field(None, description=(
+        "vLLM's: add the tokenizer's special tokens (BOS) to a text prompt (default true), or to a chat prompt "
+        "on top of its template's (default false); token ids are used as they are."))
     priority: Int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     use_beam_search: bool | None = None
     length_penalty: Number | None = Field(None, ge=-10, le=10)
     early_stopping: Annotated[bool | Literal["never"], _report_whole('must be true, false or "never"')] | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
     echo: bool | None = None
     response_format: ResponseFormat | None = None
     guided_json: SchemaArg | None = None
@@ -263,6 +276,10 @@ class ChatCompletionRequest(SamplingFields, _ChatTemplate):
     top_logprobs: Logprobs | None = None
     tool_choice: ToolChoiceArg | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool | None = Field(None, description="vLLM's: false leaves reasoning_content out.")
+    reasoning_effort: Text | None = Field(None, description=(
+        "Passed to the chat template as its `reasoning_effort` variable, as vLLM does (an explicit "
+        "chat_template_kwargs entry wins); templates that read none ignore it."))
     thinking_token_budget: Int | None = Field(None, ge=0, le=UINT32_MAX, description=(
         "vLLM's: the most tokens a reasoning model may think for before its thinking is closed (needs the "
         "server's --reasoning-parser)."))

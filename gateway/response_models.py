@@ -135,7 +135,7 @@ class ChatChunkChoice(_Body):
 
 class ChatCompletionChunk(_Body):
     """One ``data:`` event of a chat stream; the last before ``[DONE]`` carries ``usage`` alone when
-    ``stream_options.include_usage`` is set."""
+    ``stream_options.include_usage`` is set (with ``continuous_usage_stats``, every chunk its usage so far)."""
 
     id: str
     object: Literal["chat.completion.chunk"]

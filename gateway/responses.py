@@ -61,7 +61,8 @@ class ResponseBuilder:
     """The shapes of one request's response: completions or chat, whole or chunked."""
 
     def __init__(self, *, is_chat: bool, request_id: str, created: int, model: str, num_choices: int,
-                 logprobs: bool, prompt_logprobs: bool = False, echo: bool = False, echo_prefix: str = "") -> None:
+                 logprobs: bool, prompt_logprobs: bool = False, echo: bool = False, echo_prefix: str = "",
+                 include_reasoning: bool = True) -> None:
         self.is_chat = is_chat
         self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{request_id}"
         self.created = created
@@ -70,6 +71,7 @@ class ResponseBuilder:
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs asked for
         self.echo = echo  # completions: the prompt's tokens lead the logprobs
         self.echo_prefix = echo_prefix  # chat: the gateway's own echo
+        self.include_reasoning = include_reasoning  # vLLM's include_reasoning: False drops the thinking
         self.choices = [Choice() for _ in range(num_choices)]
 
     def _head(self, obj: str) -> dict[str, object]:
@@ -81,7 +83,7 @@ class ResponseBuilder:
         offset = choice.text_length
         choice.text.append(delta.text)
         choice.text_length += len(delta.text)
-        if delta.reasoning_content:
+        if delta.reasoning_content and self.include_reasoning:
             choice.reasoning.append(delta.reasoning_content)
         choice.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs:
@@ -152,13 +154,13 @@ class ResponseBuilder:
 
     def delta_chunk(self, index: int, delta: Delta, text_offset: int) -> dict[str, object] | None:
         """The chunk of one delta (already :meth:`add`-ed), or None when it carries nothing."""
-        if (not delta.text and not delta.reasoning_content and not delta.logprobs and not delta.tool_calls
+        reasoning = delta.reasoning_content if self.include_reasoning else ""
+        if (not delta.text and not reasoning and not delta.logprobs and not delta.tool_calls
                 and delta.finish_reason is None):
-            return None  # text held back by the detokenizer: nothing to tell the client yet
+            return None  # text held back by the detokenizer (or thinking left out): nothing to tell the client
         body: dict[str, object]
         if self.is_chat:
-            message: dict[str, object] = {"reasoning_content": delta.reasoning_content} \
-                if delta.reasoning_content else {}
+            message: dict[str, object] = {"reasoning_content": reasoning} if reasoning else {}
             if delta.text:
                 message["content"] = delta.text
             if delta.tool_calls:

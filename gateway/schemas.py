@@ -3,8 +3,8 @@
 The models (gateway/models.py) check each field's type and bounds; what spans
 fields or settings is checked here, on the typed object, before any backend
 call, and reported as a 400 naming the field. Unknown fields are ignored, as
-OpenAI and vLLM do; known fields Sluice does not honour are refused by name,
-never dropped.
+vLLM does (and logged once per name); known fields Sluice does not honour are
+refused by name, never dropped (gateway/request_fields.py).
 """
 
 from __future__ import annotations
@@ -25,22 +25,14 @@ from gateway.models import (
     SamplingFields,
     TokenizeRequest,
 )
+from gateway.request_fields import CHAT_REFUSED, COMPLETION_REFUSED, declared, log_unknown, refuse
 from gateway.tools import to_tool_calls, to_tool_choice, to_tools
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_LENGTH = 256  # characters; the detokenizer holds back this much text
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
-# Known fields Sluice does not honour, and what to use instead.
-REFUSED = {
-    "suffix": "`suffix` is not supported.",
-    "structural_tag": "`structural_tag` is not supported; use `guided_grammar` or `response_format`.",
-    "guided_whitespace_pattern": "`guided_whitespace_pattern` is not supported.",
-    "functions": "`functions` (deprecated by OpenAI) is not supported; use `tools`.",
-    "function_call": "`function_call` (deprecated by OpenAI) is not supported; use `tool_choice`.",
-}
-# Chat's fields, refused by completions (with a hint).
-CHAT_ONLY = {"tools": "", "tool_choice": "", "top_logprobs": " (completions take `logprobs`, an integer)",
-             "thinking_token_budget": ""}
+_COMPLETION_FIELDS = declared(CompletionRequest) | COMPLETION_REFUSED.keys()
+_CHAT_FIELDS = declared(ChatCompletionRequest) | CHAT_REFUSED.keys()
 # Sampling fields beam search does not use, with the values that mean "off": any other is refused with it.
 _NOT_FOR_BEAMS: dict[str, tuple[object, ...]] = {"temperature": (0,), "top_p": (1,), "top_k": (0, -1), "min_p": (0,),
                                                  "seed": ()}
@@ -57,6 +49,8 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     echo_prefix: str = ""  # chat echo: the gateway starts each choice's content with it
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    include_reasoning: bool = True  # chat: False leaves a reasoning model's thinking out of the response
 
 
 @dataclass(frozen=True)
@@ -73,27 +67,21 @@ class Detokenize:
     token_ids: tuple[int, ...]
 
 
-def _refuse(body: Mapping[str, object], refused: Mapping[str, str]) -> None:
-    """Known fields no model declares, because Sluice does not honour them: refused, never ignored."""
-    for name, message in refused.items():
-        if body.get(name) is not None:
-            raise bad_request(name, message)
-
-
 def parse_completion(body: Mapping[str, object], max_n: int) -> GenerationRequest:
-    _refuse(body, {name: f"`{name}` is for /v1/chat/completions{hint}." for name, hint in CHAT_ONLY.items()})
-    _refuse(body, REFUSED)
+    refuse(body, COMPLETION_REFUSED)
+    log_unknown(body, _COMPLETION_FIELDS)
     req = validate(CompletionRequest, body)
     prompts = _prompts(req.prompt)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = _params(req, max_n, max_tokens, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
                      echo=bool(req.echo))
-    stream, include_usage = _stream(req, params)
-    return GenerationRequest(False, req.model, prompts, params, stream, include_usage)
+    stream, include_usage, continuous = _stream(req, params)
+    return GenerationRequest(False, req.model, prompts, params, stream, include_usage, continuous_usage=continuous)
 
 
 def parse_chat(body: Mapping[str, object], max_n: int) -> GenerationRequest:
-    _refuse(body, REFUSED)
+    refuse(body, CHAT_REFUSED)
+    log_unknown(body, _CHAT_FIELDS)
     req = validate(ChatCompletionRequest, body)
     turns = _messages(req.messages)
     logprobs = bool(req.logprobs)
@@ -110,11 +98,12 @@ def parse_chat(body: Mapping[str, object], max_n: int) -> GenerationRequest:
     params = replace(params, tool_choice=tool_choice, parallel_tool_calls=req.parallel_tool_calls,
                      thinking_token_budget=req.thinking_token_budget)
     prompt = _chat_prompt(req, turns)
-    stream, include_usage = _stream(req, params)
+    stream, include_usage, continuous = _stream(req, params)
     # vLLM's chat echo: a conversation ending in an assistant turn is continued, and the answer repeats it.
     echo = bool(req.echo) and turns[-1].role == "assistant"
     return GenerationRequest(True, req.model, (prompt,), params, stream, include_usage,
-                             turns[-1].content if echo else "")
+                             turns[-1].content if echo else "", continuous_usage=continuous,
+                             include_reasoning=req.include_reasoning is not False)
 
 
 def parse_tokenize(body: Mapping[str, object]) -> Tokenize:
@@ -137,20 +126,30 @@ def parse_detokenize(body: Mapping[str, object]) -> Detokenize:
 
 def _chat_prompt(req: ChatCompletionRequest | TokenizeRequest, turns: tuple[ChatTurn, ...]) -> Prompt:
     kwargs = req.chat_template_kwargs
+    effort = req.reasoning_effort if isinstance(req, ChatCompletionRequest) else None
+    if effort is not None:  # vLLM hands it to the template; the request's own kwargs win
+        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
     return Prompt(chat=turns, add_generation_prompt=req.add_generation_prompt is not False, tools=to_tools(req.tools),
                   chat_template=req.chat_template,
                   chat_template_kwargs="" if kwargs is None else json.dumps(kwargs, ensure_ascii=False))
 
 
-def _stream(req: SamplingFields, params: GenerationParams) -> tuple[bool, bool]:
+def _stream(req: SamplingFields, params: GenerationParams) -> tuple[bool, bool, bool]:
+    """``stream``, ``include_usage`` and vLLM's ``continuous_usage_stats`` (usage on every chunk; it needs
+    ``include_usage``, as in vLLM)."""
     stream = bool(req.stream)
     if stream and params.prompt_logprobs is not None:  # as vLLM: they would come before the first token
         raise bad_request("prompt_logprobs", "`prompt_logprobs` are not available when `stream` is true.")
-    if req.stream_options is None:
-        return stream, False
+    options = req.stream_options
+    if options is None:
+        return stream, False, False
     if not stream:
         raise bad_request("stream_options", "`stream_options` is only allowed when `stream` is true.")
-    return stream, bool(req.stream_options.include_usage)
+    if options.include_obfuscation:
+        raise bad_request("stream_options.include_obfuscation",
+                          "`stream_options.include_obfuscation` can only be false: chunks carry no padding.")
+    include_usage = bool(options.include_usage)
+    return stream, include_usage, include_usage and bool(options.continuous_usage_stats)
 
 
 def _prompts(value: str | list[int] | list[str | list[int]]) -> tuple[Prompt, ...]:
@@ -221,6 +220,7 @@ def _params(req: SamplingFields, max_n: int, max_tokens: int | None, *, logprobs
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias),
+        allowed_token_ids=tuple(req.allowed_token_ids or ()),
         seed=req.seed,
         max_tokens=max_tokens,
         min_tokens=min_tokens,
@@ -238,6 +238,8 @@ def _params(req: SamplingFields, max_n: int, max_tokens: int | None, *, logprobs
         priority=req.priority or 0,
         best_of=best_of,
         beam_search=beam_search,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        add_special_tokens=req.add_special_tokens,
     )
 
 

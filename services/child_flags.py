@@ -31,6 +31,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
             flags += lora_flags(value)
         elif name == "device_ids":
             flags += ["--device-ids", ",".join(map(str, value))]
+        elif name == "kv_events_config":   # vLLM's JSON, every key
+            flags += ["--kv-events-config", json.dumps(asdict(value))]
         elif name == "speculative_config":   # its keys as vLLM's JSON, the normalized n-gram window included
             flags += ["--speculative-config", json.dumps({k: v for k, v in asdict(value).items() if v is not None})]
         else:

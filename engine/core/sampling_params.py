@@ -131,7 +131,7 @@ class BeamSearch:
 
 # What beam search cannot honour as Hugging Face does (its processors act on log-softmaxed scores): refused.
 _NOT_WITH_BEAMS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                   "logit_bias": None, "logprobs": None, "best_of": None}
+                   "logit_bias": None, "logprobs": None, "best_of": None, "allowed_token_ids": None}
 
 
 @dataclass
@@ -152,6 +152,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's); None: any.
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -192,6 +194,8 @@ class SamplingParams:
                 self.logit_bias = {_token_id(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
                 raise InvalidRequestError("logit_bias", "keys must be token ids and values numbers") from e
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k is not None and self.top_k <= 0:
             # vLLM spells "disabled" as 0 or -1; we keep None as the one spelling.
             if self.top_k in (0, -1):
@@ -209,10 +213,11 @@ class SamplingParams:
 
     @property
     def follows_each_token(self) -> bool:
-        """A grammar, or a thinking budget, decides each token from the ones before it: the sequence samples one
-        token at a time (no speculation, no multi-step passes, no step scheduled ahead of its token)."""
-        return self.structured_outputs is not None or (self.reasoning is not None
-                                                       and self.reasoning.thinking_token_budget is not None)
+        """A grammar, or a thinking budget, decides each token from the ones before it, and allowed_token_ids mask
+        every token: the sequence samples one token at a time (no speculation, no multi-step passes, no step
+        scheduled ahead of its token), so that every token it keeps went through the sampler's masks."""
+        return (self.structured_outputs is not None or self.allowed_token_ids is not None
+                or (self.reasoning is not None and self.reasoning.thinking_token_budget is not None))
 
     @property
     def num_forked(self) -> int:
@@ -270,13 +275,17 @@ class SamplingParams:
         if self.reasoning is not None:
             _check(isinstance(self.reasoning, ReasoningParams), "reasoning", "must be a ReasoningParams")
             self.reasoning.validate(vocab_size)
+        _check(self.allowed_token_ids is None or (bool(self.allowed_token_ids)
+                                                   and all(_int(t) and t >= 0 for t in self.allowed_token_ids)),
+               "allowed_token_ids", "must be a non-empty list of token ids")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 _check(_finite(bias) and -100 <= bias <= 100, "logit_bias",
                        f"bias for token {tok} must be in [-100, 100], got {bias!r}")
         if vocab_size is not None:
             for name, ids in (("stop_token_ids", self.stop_token_ids),
-                              ("logit_bias", list(self.logit_bias or {}))):
+                              ("logit_bias", list(self.logit_bias or {})),
+                              ("allowed_token_ids", self.allowed_token_ids or [])):
                 bad = [t for t in ids if not (_int(t) and 0 <= t < vocab_size)]
                 _check(not bad, name, f"token id {bad[:1]} out of range [0, {vocab_size})")
 

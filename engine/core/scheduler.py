@@ -35,6 +35,7 @@ from common.errors import InvalidRequestError, QueueFullError
 from engine.config import EngineConfig
 from engine.core.beam import Candidates
 from engine.core.beam_groups import BeamGroups
+from engine.core.block_hashing import make_block_hasher
 from engine.core.block_manager import BlockManager
 from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
@@ -64,7 +65,11 @@ class Scheduler:
         self.reclaim_window = reclaim_window
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        events = config.kv_events_config
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            hash_fn=make_block_hasher(config.prefix_caching_hash_algo),
+            enable_kv_cache_events=events is not None and events.enable_kv_cache_events)
         self.beam_groups = BeamGroups(self.block_manager, eos_token_ids=self.eos_token_ids,
                                       max_model_len=max_model_len, fork=self.fork_request, finish=self._finish)
         self.requests: dict[SequenceId, Request] = {}

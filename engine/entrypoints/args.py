@@ -14,7 +14,9 @@ from common.settings import runtime_lora_updating
 from engine.config import (
     KV_CACHE_DTYPES,
     LORA_DTYPES,
+    PREFIX_CACHING_HASH_ALGOS,
     EngineConfig,
+    KVEventsConfig,
     LoRAConfig,
     LoRAModule,
     SpeculativeConfig,
@@ -94,6 +96,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=PREFIX_CACHING_HASH_ALGOS,
+                   help="the prefix cache's block hash, vLLM's (docs/serving.md, 'KV cache events'); the cbor "
+                        "ones can be recomputed outside Python. Set PYTHONHASHSEED for hashes a router can predict")
+    g.add_argument("--data-parallel-rank", "-dpn", type=int, default=0,
+                   help="this engine's data-parallel rank (`sluice serve --data-parallel-size N` sets it): KV events "
+                        "are stamped with it and bind their ports + rank")
+    g.add_argument("--kv-events-config", default=None,
+                   help='KV cache events as vLLM publishes them, JSON with vLLM\'s keys: \'{"enable_kv_cache_events": '
+                        'true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\'')
     g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache bytes on CPU, e.g. 4GiB")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--device-memory-utilization", "--gpu-memory-utilization", dest="device_memory_utilization",
@@ -213,6 +224,9 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         getattr(ns, "structured_outputs_config", None), getattr(ns, "guided_decoding_backend", None))
     values["lora_config"] = lora_config(ns)
     values["speculative_config"] = speculative_config(ns)
+    given = getattr(ns, "kv_events_config", None)
+    values["kv_events_config"] = (None if given is None
+                                  else kv_events_config(json_object(given, "--kv-events-config")))
     values["num_kv_blocks"] = kv_blocks(ns)
     if values.get("quantization") == "gguf":   # what a GGUF file always runs (vllm_compat notes it)
         values["quantization"] = None
@@ -324,6 +338,16 @@ def check_local_paths(config: EngineConfig) -> None:
     if spec is not None and spec.model is not None and not Path(spec.model).exists():
         raise InvalidRequestError("--speculative-config.model", f"{spec.model!r} does not exist: the draft model "
                                                                 "is a local HF directory or .gguf file")
+
+
+def kv_events_config(values: dict[str, object]) -> KVEventsConfig:
+    """``--kv-events-config``'s JSON object; errors name the flag and the key."""
+    try:
+        return KVEventsConfig.from_dict(values)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(e.field.replace("kv_events_config", "--kv-events-config", 1), e.message) from e
+    except TypeError as e:   # a value of the wrong type
+        raise InvalidRequestError("--kv-events-config", str(e)) from e
 
 
 def json_object(text: str, flag: str) -> dict[str, object]:

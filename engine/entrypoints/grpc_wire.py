@@ -55,6 +55,8 @@ def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest,
         kw["seed"] = s.seed
     if s.logit_bias:
         kw["logit_bias"] = dict(s.logit_bias)
+    if s.allowed_token_ids:
+        kw["allowed_token_ids"] = list(s.allowed_token_ids)
     if st.HasField("max_tokens"):
         kw["max_tokens"] = st.max_tokens
     else:

@@ -22,7 +22,7 @@ from engine.entrypoints.process import set_openmp_defaults
 set_openmp_defaults()
 
 from common.errors import InvalidRequestError  # noqa: E402
-from engine.config import EngineConfig, LoRAConfig, SpeculativeConfig  # noqa: E402
+from engine.config import EngineConfig, KVEventsConfig, LoRAConfig, SpeculativeConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.core.finish_reason import FinishReason  # noqa: E402
 from engine.core.lora_request import LoRARequest  # noqa: E402
@@ -117,6 +117,8 @@ class LLM:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         if enable_lora or lora_args:
             engine_args["lora_config"] = _lora_config(enable_lora, lora_args, engine_args.get("lora_config"))
+        if isinstance(engine_args.get("kv_events_config"), Mapping):   # vLLM's keys, as --kv-events-config
+            engine_args["kv_events_config"] = KVEventsConfig.from_dict(engine_args["kv_events_config"])
         self.config = EngineConfig(model=model, tokenizer=tokenizer,
                                    speculative_config=_speculative_config(speculative_config), **engine_args)
         if self.config.lora_config is not None and self.config.lora_config.lora_modules:
@@ -136,6 +138,11 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's ``LLM.reset_prefix_cache``); False while a request holds blocks. With KV
+        events on, subscribers get AllBlocksCleared."""
+        return self.engine.reset_prefix_cache()
 
     def close(self) -> None:
         """Stops the engine's other ranks (tensor / pipeline parallel); idempotent. Also done when the LLM is

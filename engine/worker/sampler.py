@@ -1,6 +1,6 @@
 """The batched sampler: one step's logits ``[B, V]`` in, one token id (and logprobs) per row out.
 
-Order of operations, as vLLM: logits → float32 → logit bias → min_tokens mask →
+Order of operations, as vLLM: logits → float32 → allowed_token_ids mask → logit bias → min_tokens mask →
 repetition penalty → frequency / presence penalties → structured-output token
 masks → a forced token (a spent thinking budget) → greedy rows take the argmax;
 sampled rows: temperature → top-k → top-p → min-p → sample. Logprobs
@@ -83,7 +83,8 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     """True when the row's token is the argmax of the raw logits and nothing else is asked."""
     p = row.params
     return (is_greedy(p) and p.logprobs is None and not row.cumulative and not p.logit_bias
-            and not _needs_penalties(p) and len(row.output_token_ids) >= p.min_tokens and row.forced_token is None)
+            and p.allowed_token_ids is None and not _needs_penalties(p) and len(row.output_token_ids) >= p.min_tokens
+            and row.forced_token is None)
 
 
 class Sampler:
@@ -138,6 +139,7 @@ class Sampler:
         Returns a new tensor; the caller's logits are never modified.
         """
         x = self._trim(logits).to(torch.float32, copy=True)
+        self._apply_allowed_token_ids(x, rows)
         self._apply_logit_bias(x, rows)
         self._apply_min_tokens(x, rows, masks)
         x = self._apply_penalties(x, rows)
@@ -166,6 +168,19 @@ class Sampler:
     def _trim(self, logits: torch.Tensor) -> torch.Tensor:
         # Some models pad their output layer past the tokenizer's vocabulary: never sample a padding column.
         return logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
+
+    @staticmethod
+    def _apply_allowed_token_ids(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """A row with ``allowed_token_ids`` keeps only those logits (vLLM masks them before the bias too)."""
+        vocab = x.shape[1]
+        for i, row in enumerate(rows):
+            allowed = row.params.allowed_token_ids
+            if allowed is None:
+                continue
+            keep = torch.tensor([t for t in allowed if 0 <= t < vocab], dtype=torch.long, device=x.device)
+            masked = torch.full_like(x[i], float("-inf"))
+            masked[keep] = x[i, keep]
+            x[i] = masked
 
     def _apply_logit_bias(self, x: torch.Tensor, rows: list[SamplingRow]) -> None:
         vocab = x.shape[1]

@@ -8,6 +8,7 @@ from gateway.routes.dialects import dialect_routes
 from gateway.routes.generate import chat_completions, completions
 from gateway.routes.lora import load_lora_adapter, unload_lora_adapter
 from gateway.routes.ops import health, list_models, metrics, ready
+from gateway.routes.responses import create_response
 from gateway.routes.tokens import detokenize, tokenize
 
 
@@ -15,6 +16,7 @@ def build_routes() -> list[Route]:
     return [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.backend import Delta, FinishReason, GenerateCall
 from gateway.errors import ApiError, BackendError, internal_error
 from gateway.metrics import GenerationTracker
-from gateway.responses import ResponseBuilder, UsageSum
+from gateway.responses import ResponseBuilder, UsageSum, usage_json
 from gateway.routes.common import GatewayState, ModelChoice, gateway_state, read_json, request_id, resolve_model
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
@@ -64,7 +64,8 @@ class Run:
                                        model=model.name,
                                        num_choices=num_prompts * req.params.n, logprobs=req.params.logprobs,
                                        prompt_logprobs=req.params.prompt_logprobs is not None,
-                                       echo=req.params.echo, echo_prefix=req.echo_prefix)
+                                       echo=req.params.echo, echo_prefix=req.echo_prefix,
+                                       include_reasoning=req.include_reasoning)
         self.usage = UsageSum(num_prompts)
         self.tracker: GenerationTracker = state.metrics.track(model.name)
 
@@ -160,6 +161,8 @@ async def _events(run: Run, first: tuple[int, Delta] | str | None) -> AsyncItera
                 index, offset = run.record(prompt_index, delta)
                 chunk = builder.delta_chunk(index, delta, offset)
                 if chunk is not None:
+                    if run.req.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
+                        chunk["usage"] = usage_json(run.usage.total())
                     yield event(chunk)
                 if delta.finish_reason is FinishReason.ERROR:
                     yield event(internal_error(run.rid).body())

@@ -106,7 +106,7 @@ async def test_no_field_is_silently_ignored(gateway: Gateway, name: str, endpoin
 
 async def test_unknown_fields_are_ignored_but_known_ones_kept(gateway: Gateway) -> None:
     known = {"guided_regex": "[a-z]+", "priority": 2, "top_k": 3, "seed": 4}
-    for extra in ({}, {"reasoning_effort": "low", "metadata": {"k": "v"}, "store": False, "x_custom": [1]}):
+    for extra in ({}, {"metadata": {"k": "v"}, "store": False, "x_custom": [1]}):
         r = await gateway.client.post("/v1/chat/completions",
                                       json={"messages": [{"role": "user", "content": "hi"}], **known, **extra})
         assert r.status_code == 200, r.text

@@ -163,6 +163,14 @@ CASES = [
     Case("priority", True, {"priority": -5}, _set(priority=-5)),
     Case("echo", False, {"echo": True}, _set(**{"response.echo": True})),
     Case("chat-echo-stays-in-the-gateway", True, {"echo": True}, lambda r: None),
+    Case("truncate-prompt-tokens", False, {"truncate_prompt_tokens": 8}, _set(truncate_prompt_tokens=8)),
+    Case("add-special-tokens-chat", True, {"add_special_tokens": True}, _set(add_special_tokens=True)),
+    Case("add-special-tokens-text", False, {"add_special_tokens": False}, _set(add_special_tokens=False)),
+    Case("allowed-token-ids", True, {"allowed_token_ids": [3, 9]},
+         lambda r: r.sampling.allowed_token_ids.extend([3, 9])),
+    Case("include-reasoning-stays-in-the-gateway", True, {"include_reasoning": False}, lambda r: None),
+    Case("spaces-between-special-tokens-true-is-what-happens", True, {"spaces_between_special_tokens": True},
+         lambda r: None),
 ]
 
 

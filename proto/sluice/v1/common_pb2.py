@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/common.proto\x12\tsluice.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xca\x03\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12@\n\nlogit_bias\x18\x08 \x03(\x0b\x32,.sluice.v1.SamplingParameters.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x03H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x90\x01\n\x0eGuidedDecoding\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.sluice.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x81\x01\n\nBeamSearch\x12\x12\n\nbeam_width\x18\x01 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0e\x65\x61rly_stopping\x18\x03 \x01(\x0e\x32\x17.sluice.v1.BeamStoppingB\x11\n\x0f_length_penalty\"\x9d\x01\n\x12PromptTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\ntext_bytes\x18\x03 \x01(\x0c\x12\x14\n\x07logprob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x31\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1b.sluice.v1.PromptTopLogprobB\n\n\x08_logprob\"W\n\x10PromptTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\ntext_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"4\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\x02 \x01(\t\"W\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\x03 \x01(\t\"B\n\x17LoadLoRAAdapterResponse\x12\'\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x16.sluice.v1.LoRAAdapter\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponse*\x85\x02\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TIME_LIMIT\x10\x06\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x07\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x08*_\n\x0c\x42\x65\x61mStopping\x12\x1d\n\x19\x42\x45\x41M_STOPPING_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42\x45\x41M_STOPPING_EARLY\x10\x01\x12\x17\n\x13\x42\x45\x41M_STOPPING_NEVER\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/common.proto\x12\tsluice.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe5\x03\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12@\n\nlogit_bias\x18\x08 \x03(\x0b\x32,.sluice.v1.SamplingParameters.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x03H\x07\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x90\x01\n\x0eGuidedDecoding\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.sluice.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x81\x01\n\nBeamSearch\x12\x12\n\nbeam_width\x18\x01 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0e\x65\x61rly_stopping\x18\x03 \x01(\x0e\x32\x17.sluice.v1.BeamStoppingB\x11\n\x0f_length_penalty\"\x9d\x01\n\x12PromptTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\ntext_bytes\x18\x03 \x01(\x0c\x12\x14\n\x07logprob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x31\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1b.sluice.v1.PromptTopLogprobB\n\n\x08_logprob\"W\n\x10PromptTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\ntext_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"4\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\x02 \x01(\t\"W\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\x03 \x01(\t\"B\n\x17LoadLoRAAdapterResponse\x12\'\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x16.sluice.v1.LoRAAdapter\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponse*\x85\x02\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TIME_LIMIT\x10\x06\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x07\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x08*_\n\x0c\x42\x65\x61mStopping\x12\x1d\n\x19\x42\x45\x41M_STOPPING_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42\x45\x41M_STOPPING_EARLY\x10\x01\x12\x17\n\x13\x42\x45\x41M_STOPPING_NEVER\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1449
-  _globals['_FINISHREASON']._serialized_end=1710
-  _globals['_BEAMSTOPPING']._serialized_start=1712
-  _globals['_BEAMSTOPPING']._serialized_end=1807
+  _globals['_FINISHREASON']._serialized_start=1476
+  _globals['_FINISHREASON']._serialized_end=1737
+  _globals['_BEAMSTOPPING']._serialized_start=1739
+  _globals['_BEAMSTOPPING']._serialized_end=1834
   _globals['_TOKENIDS']._serialized_start=37
   _globals['_TOKENIDS']._serialized_end=60
   _globals['_SAMPLINGPARAMETERS']._serialized_start=63
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=521
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=352
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=400
-  _globals['_USAGE']._serialized_start=523
-  _globals['_USAGE']._serialized_end=603
-  _globals['_CHOICES']._serialized_start=605
-  _globals['_CHOICES']._serialized_end=631
-  _globals['_GUIDEDDECODING']._serialized_start=634
-  _globals['_GUIDEDDECODING']._serialized_end=778
-  _globals['_BEAMSEARCH']._serialized_start=781
-  _globals['_BEAMSEARCH']._serialized_end=910
-  _globals['_PROMPTTOKENLOGPROB']._serialized_start=913
-  _globals['_PROMPTTOKENLOGPROB']._serialized_end=1070
-  _globals['_PROMPTTOPLOGPROB']._serialized_start=1072
-  _globals['_PROMPTTOPLOGPROB']._serialized_end=1159
-  _globals['_LORAADAPTER']._serialized_start=1161
-  _globals['_LORAADAPTER']._serialized_end=1213
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1215
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1302
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1304
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=1370
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1372
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1417
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=1419
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=1446
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=548
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=379
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=427
+  _globals['_USAGE']._serialized_start=550
+  _globals['_USAGE']._serialized_end=630
+  _globals['_CHOICES']._serialized_start=632
+  _globals['_CHOICES']._serialized_end=658
+  _globals['_GUIDEDDECODING']._serialized_start=661
+  _globals['_GUIDEDDECODING']._serialized_end=805
+  _globals['_BEAMSEARCH']._serialized_start=808
+  _globals['_BEAMSEARCH']._serialized_end=937
+  _globals['_PROMPTTOKENLOGPROB']._serialized_start=940
+  _globals['_PROMPTTOKENLOGPROB']._serialized_end=1097
+  _globals['_PROMPTTOPLOGPROB']._serialized_start=1099
+  _globals['_PROMPTTOPLOGPROB']._serialized_end=1186
+  _globals['_LORAADAPTER']._serialized_start=1188
+  _globals['_LORAADAPTER']._serialized_end=1240
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1242
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1329
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1331
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=1397
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1399
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1444
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=1446
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=1473
 # @@protoc_insertion_point(module_scope)

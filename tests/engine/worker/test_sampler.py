@@ -256,6 +256,21 @@ def test_logit_bias_forces_a_token() -> None:
     assert sampler.process_logits(logits, rows)[0].tolist() == [-95.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0, 98.0]
 
 
+def test_allowed_token_ids_mask_every_other_token_before_the_bias() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0]]).repeat(3, 1)
+    allowed = [3, 6]
+    rows = [make_row(SamplingParams(temperature=0.0, allowed_token_ids=allowed, logit_bias={6: 10.0, 0: 50.0})),
+            make_row(SamplingParams(temperature=1.0, allowed_token_ids=allowed), generator=make_generator(1)),
+            make_row(SamplingParams(temperature=0.0))]
+    sampler = make_sampler()
+    # The bias lifts 6 over 3 but cannot bring back the masked 0 (vLLM masks first, then biases).
+    assert sampler.process_logits(logits, rows)[0].tolist() == [-INF, -INF, -INF, 2.0, -INF, -INF, 9.0, -INF]
+    assert kept(sampler.process_logits(logits, rows)[1:2]) == {3, 6}
+    for _ in range(50):
+        assert sampler(logits, rows).token_ids[::2] == [6, 0]
+        assert sampler(logits, rows).token_ids[1] in allowed
+
+
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_min_tokens_masks_eos_and_stop_ids_until_reached(ignore_eos: bool) -> None:
     logits = torch.tensor([[9.0, 1.0, 2.0, 3.0, 0.0, 8.0, 0.0, 0.0]])  # EOS (0) then stop id 5 are the best
