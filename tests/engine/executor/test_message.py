@@ -135,4 +135,11 @@ def test_nothing_in_the_engine_pickles() -> None:
     files = sorted(ENGINE.rglob("*.py"))
     assert len(files) > 50
     uses = {str(f.relative_to(ENGINE)): u for f in files if (u := _pickle_uses(f.read_text(encoding="utf-8")))}
+    # vLLM's block hash (--prefix-caching-hash-algo sha256, its default, which routers reproduce) hashes the
+    # pickled bytes of a block's key: that module may serialise with pickle, and only that — never deserialise.
+    hashing = uses.pop("core/block_hashing.py", [])
     assert uses == {}
+    assert set(hashing) <= {"pickle"}
+    attrs = {node.attr for node in ast.walk(ast.parse((ENGINE / "core" / "block_hashing.py").read_text()))
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "pickle"}
+    assert attrs <= {"dumps", "HIGHEST_PROTOCOL"}, attrs
