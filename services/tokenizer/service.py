@@ -13,6 +13,7 @@ tokenizing and templating; its context goes on to the engine in the engine reque
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -164,6 +165,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.prompts.close()
         if self._ring is not None:
             self._ring.close()
+
+    @contextlib.asynccontextmanager
+    async def engine_for(self, token_ids: list[int] | np.ndarray, *, lora_name: str = "", cache_salt: str = ""
+                         ) -> AsyncIterator[engine_pb2_grpc.EngineStub]:
+        """The engine to send one request to, held for as long as the request runs there (a router counts it
+        as that engine's load meanwhile). One engine here."""
+        yield self.engine
 
     # -- public RPCs --------------------------------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext

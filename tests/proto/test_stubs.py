@@ -67,6 +67,8 @@ def test_engine_service_methods() -> None:
         "RegisterSharedMemory": ("RegisterSharedMemoryRequest", "RegisterSharedMemoryResponse", False, False),
         "LoadLoRAAdapter": ("LoadLoRAAdapterRequest", "LoadLoRAAdapterResponse", False, False),
         "UnloadLoRAAdapter": ("UnloadLoRAAdapterRequest", "UnloadLoRAAdapterResponse", False, False),
+        "Pool": ("EnginePoolRequest", "EnginePoolResponse", False, False),
+        "ResetPrefixCache": ("ResetPrefixCacheRequest", "ResetPrefixCacheResponse", False, False),
     }
     for name in ("EngineStub", "EngineServicer", "add_EngineServicer_to_server"):
         assert hasattr(engine_pb2_grpc, name), name
@@ -82,6 +84,10 @@ def test_generation_service_methods() -> None:
         "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False, False),
         "LoadLoRAAdapter": ("LoadLoRAAdapterRequest", "LoadLoRAAdapterResponse", False, False),
         "UnloadLoRAAdapter": ("UnloadLoRAAdapterRequest", "UnloadLoRAAdapterResponse", False, False),
+        "Embed": ("EmbedRequest", "EmbedResponse", False, False),
+        "Score": ("ScoreRequest", "ScoreResponse", False, False),
+        "Classify": ("ClassifyRequest", "ClassifyResponse", False, False),
+        "ResetPrefixCache": ("ResetPrefixCacheRequest", "ResetPrefixCacheResponse", False, False),
     }
     for name in ("GenerationStub", "GenerationServicer", "add_GenerationServicer_to_server"):
         assert hasattr(generation_pb2_grpc, name), name

@@ -173,3 +173,13 @@ class UnloadLoRAAdapterRequest(_message.Message):
 class UnloadLoRAAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("ok",)
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    def __init__(self, ok: _Optional[bool] = ...) -> None: ...

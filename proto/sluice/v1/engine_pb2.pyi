@@ -40,7 +40,7 @@ class EngineStoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class EngineGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "prompt_shm", "sampling", "stopping", "logprobs", "priority", "n", "stream_interval", "guided", "prompt_logprobs", "best_of", "beam_search", "lora_adapter", "trace_headers", "client_request_id", "reasoning")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_shm", "sampling", "stopping", "logprobs", "priority", "n", "stream_interval", "guided", "prompt_logprobs", "best_of", "beam_search", "lora_adapter", "trace_headers", "client_request_id", "reasoning", "cache_salt")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class EngineGenerateRequest(_message.Message):
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _common_pb2.TokenIds
     prompt_shm: SharedMemoryRef
@@ -82,7 +83,8 @@ class EngineGenerateRequest(_message.Message):
     trace_headers: _containers.ScalarMap[str, str]
     client_request_id: str
     reasoning: EngineReasoning
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., prompt_shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[EngineStoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., stream_interval: _Optional[int] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., client_request_id: _Optional[str] = ..., reasoning: _Optional[_Union[EngineReasoning, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., prompt_shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[EngineStoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., stream_interval: _Optional[int] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., client_request_id: _Optional[str] = ..., reasoning: _Optional[_Union[EngineReasoning, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class EngineReasoning(_message.Message):
     __slots__ = ("end_token_id", "thinking_token_budget")
@@ -207,7 +209,7 @@ class EngineCounters(_message.Message):
     def __init__(self, shm_handoffs: _Optional[int] = ..., inline_handoffs: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., stream_calls: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "counters", "device", "dtype", "lora_enabled", "lora_adapters", "instance_id")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "counters", "device", "dtype", "lora_enabled", "lora_adapters", "instance_id", "runner", "pooling_tasks", "embedding_size", "is_matryoshka", "matryoshka_dimensions", "labels", "prefix_caching", "prefix_caching_hash_algo", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic", "kv_cache_usage")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +226,18 @@ class GetInfoResponse(_message.Message):
     LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TASKS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IS_MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -240,7 +254,60 @@ class GetInfoResponse(_message.Message):
     lora_enabled: bool
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoRAAdapter]
     instance_id: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoRAAdapter, _Mapping]]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    runner: str
+    pooling_tasks: _containers.RepeatedScalarFieldContainer[str]
+    embedding_size: int
+    is_matryoshka: bool
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    prefix_caching: bool
+    prefix_caching_hash_algo: str
+    kv_events_endpoint: str
+    kv_events_replay_endpoint: str
+    kv_events_topic: str
+    kv_cache_usage: float
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoRAAdapter, _Mapping]]] = ..., instance_id: _Optional[str] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., is_matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., prefix_caching: _Optional[bool] = ..., prefix_caching_hash_algo: _Optional[str] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+
+class EnginePoolRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "token_type_ids", "task", "normalize", "dimensions", "activation", "priority", "trace_headers", "client_request_id")
+    class TraceHeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TYPE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _common_pb2.TokenIds
+    token_type_ids: _containers.RepeatedScalarFieldContainer[int]
+    task: str
+    normalize: bool
+    dimensions: int
+    activation: bool
+    priority: int
+    trace_headers: _containers.ScalarMap[str, str]
+    client_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., token_type_ids: _Optional[_Iterable[int]] = ..., task: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., activation: _Optional[bool] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., client_request_id: _Optional[str] = ...) -> None: ...
+
+class EnginePoolResponse(_message.Message):
+    __slots__ = ("data", "row_size", "prompt_tokens")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ROW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedScalarFieldContainer[float]
+    row_size: int
+    prompt_tokens: int
+    def __init__(self, data: _Optional[_Iterable[float]] = ..., row_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterSharedMemoryRequest(_message.Message):
     __slots__ = ("segment", "size_bytes", "owner")

@@ -71,6 +71,16 @@ class EngineStub:
                 request_serializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
+        self.Pool = channel.unary_unary(
+                '/sluice.v1.Engine/Pool',
+                request_serializer=sluice_dot_v1_dot_engine__pb2.EnginePoolRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_engine__pb2.EnginePoolResponse.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/sluice.v1.Engine/ResetPrefixCache',
+                request_serializer=sluice_dot_v1_dot_common__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_common__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -144,6 +154,27 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pool(self, request, context):
+        """Runs one pooling request on a pooling model (GetInfoResponse.runner
+        "pooling": an embedding model, a cross-encoder, a classifier): one
+        forward pass over the prompt, pooled, batched with the engine's other
+        requests by the same scheduler. A generation model answers
+        FAILED_PRECONDITION, a task the model does not support INVALID_ARGUMENT
+        naming it. Cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """Forgets every cached prefix block (vLLM's /reset_prefix_cache); with KV
+        events on, publishes AllBlocksCleared. Refused (ok false) while a request
+        holds blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +212,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'Pool': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pool,
+                    request_deserializer=sluice_dot_v1_dot_engine__pb2.EnginePoolRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_engine__pb2.EnginePoolResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=sluice_dot_v1_dot_common__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_common__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -373,6 +414,60 @@ class Engine:
             '/sluice.v1.Engine/UnloadLoRAAdapter',
             sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Engine/Pool',
+            sluice_dot_v1_dot_engine__pb2.EnginePoolRequest.SerializeToString,
+            sluice_dot_v1_dot_engine__pb2.EnginePoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Engine/ResetPrefixCache',
+            sluice_dot_v1_dot_common__pb2.ResetPrefixCacheRequest.SerializeToString,
+            sluice_dot_v1_dot_common__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -102,7 +102,7 @@ class ResponseOptions(_message.Message):
     def __init__(self, skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., stream_interval: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "chat", "token_ids", "sampling", "stopping", "response", "guided", "priority", "n", "tool_choice", "parallel_tool_calls", "best_of", "beam_search", "trace_headers", "thinking_token_budget", "truncate_prompt_tokens", "add_special_tokens")
+    __slots__ = ("request_id", "model", "text", "chat", "token_ids", "sampling", "stopping", "response", "guided", "priority", "n", "tool_choice", "parallel_tool_calls", "best_of", "beam_search", "trace_headers", "thinking_token_budget", "truncate_prompt_tokens", "add_special_tokens", "cache_salt")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class GenerateRequest(_message.Message):
     THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -148,7 +149,8 @@ class GenerateRequest(_message.Message):
     thinking_token_budget: int
     truncate_prompt_tokens: int
     add_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., thinking_token_budget: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., thinking_token_budget: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
     __slots__ = ("index", "id", "name", "arguments")
@@ -319,7 +321,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "has_chat_template", "lora_enabled", "lora_adapters")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "has_chat_template", "lora_enabled", "lora_adapters", "runner", "pooling_tasks", "embedding_size", "is_matryoshka", "matryoshka_dimensions", "labels")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +330,12 @@ class GetModelInfoResponse(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TASKS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IS_MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -336,4 +344,149 @@ class GetModelInfoResponse(_message.Message):
     has_chat_template: bool
     lora_enabled: bool
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoRAAdapter]
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., lora_enabled: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoRAAdapter, _Mapping]]] = ...) -> None: ...
+    runner: str
+    pooling_tasks: _containers.RepeatedScalarFieldContainer[str]
+    embedding_size: int
+    is_matryoshka: bool
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., lora_enabled: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoRAAdapter, _Mapping]]] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., is_matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PoolingInput(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _common_pb2.TokenIds
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "model", "inputs", "dimensions", "normalize", "truncate_prompt_tokens", "add_special_tokens", "priority", "trace_headers", "task")
+    class TraceHeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    inputs: _containers.RepeatedCompositeFieldContainer[PoolingInput]
+    dimensions: int
+    normalize: bool
+    truncate_prompt_tokens: int
+    add_special_tokens: bool
+    priority: int
+    trace_headers: _containers.ScalarMap[str, str]
+    task: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[PoolingInput, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., task: _Optional[str] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values", "row_size", "prompt_tokens")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    ROW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    row_size: int
+    prompt_tokens: int
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., row_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "usage")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    usage: _common_pb2.Usage
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("request_id", "model", "queries", "documents", "truncate_prompt_tokens", "activation", "priority", "trace_headers")
+    class TraceHeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    queries: _containers.RepeatedScalarFieldContainer[str]
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    truncate_prompt_tokens: int
+    activation: bool
+    priority: int
+    trace_headers: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., queries: _Optional[_Iterable[str]] = ..., documents: _Optional[_Iterable[str]] = ..., truncate_prompt_tokens: _Optional[int] = ..., activation: _Optional[bool] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "prompt_tokens", "usage")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    usage: _common_pb2.Usage
+    def __init__(self, scores: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class ClassifyRequest(_message.Message):
+    __slots__ = ("request_id", "model", "inputs", "truncate_prompt_tokens", "add_special_tokens", "activation", "priority", "trace_headers")
+    class TraceHeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    inputs: _containers.RepeatedCompositeFieldContainer[PoolingInput]
+    truncate_prompt_tokens: int
+    add_special_tokens: bool
+    activation: bool
+    priority: int
+    trace_headers: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[PoolingInput, _Mapping]]] = ..., truncate_prompt_tokens: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., activation: _Optional[bool] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Classification(_message.Message):
+    __slots__ = ("scores", "label", "prompt_tokens")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    label: str
+    prompt_tokens: int
+    def __init__(self, scores: _Optional[_Iterable[float]] = ..., label: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
+    __slots__ = ("results", "usage")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[Classification]
+    usage: _common_pb2.Usage
+    def __init__(self, results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...

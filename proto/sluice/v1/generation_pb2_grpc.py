@@ -76,6 +76,26 @@ class GenerationStub:
                 request_serializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/sluice.v1.Generation/Embed',
+                request_serializer=sluice_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/sluice.v1.Generation/Score',
+                request_serializer=sluice_dot_v1_dot_generation__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_generation__pb2.ScoreResponse.FromString,
+                _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/sluice.v1.Generation/Classify',
+                request_serializer=sluice_dot_v1_dot_generation__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_generation__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/sluice.v1.Generation/ResetPrefixCache',
+                request_serializer=sluice_dot_v1_dot_common__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_common__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -151,6 +171,37 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds texts or token ids with a pooling model (GetModelInfoResponse
+        runner "pooling", task "embed"). A generation model is
+        FAILED_PRECONDITION saying so; so is Generate on a pooling model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """Scores documents against queries: a cross-encoder's relevance of each
+        pair, or an embedding model's cosine similarity (as vLLM's /score).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Classify(self, request, context):
+        """Classifies texts with a sequence-classification model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """Forgets the prefix cache of every engine behind this service.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -193,6 +244,26 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=sluice_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=sluice_dot_v1_dot_generation__pb2.ScoreRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_generation__pb2.ScoreResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=sluice_dot_v1_dot_generation__pb2.ClassifyRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_generation__pb2.ClassifyResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=sluice_dot_v1_dot_common__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_common__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -412,6 +483,114 @@ class Generation:
             '/sluice.v1.Generation/UnloadLoRAAdapter',
             sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             sluice_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Generation/Embed',
+            sluice_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            sluice_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Generation/Score',
+            sluice_dot_v1_dot_generation__pb2.ScoreRequest.SerializeToString,
+            sluice_dot_v1_dot_generation__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Generation/Classify',
+            sluice_dot_v1_dot_generation__pb2.ClassifyRequest.SerializeToString,
+            sluice_dot_v1_dot_generation__pb2.ClassifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Generation/ResetPrefixCache',
+            sluice_dot_v1_dot_common__pb2.ResetPrefixCacheRequest.SerializeToString,
+            sluice_dot_v1_dot_common__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
