@@ -173,6 +173,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         as that engine's load meanwhile). One engine here."""
         yield self.engine
 
+    def all_engines(self) -> list[engine_pb2_grpc.EngineStub]:
+        """Every engine behind this service (for calls that go to each: ResetPrefixCache). One here."""
+        return [self.engine]
+
     # -- public RPCs --------------------------------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
