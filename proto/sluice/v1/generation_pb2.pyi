@@ -102,7 +102,7 @@ class ResponseOptions(_message.Message):
     def __init__(self, skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., stream_interval: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "chat", "token_ids", "sampling", "stopping", "response", "guided", "priority", "n", "tool_choice", "parallel_tool_calls", "best_of", "beam_search", "trace_headers", "thinking_token_budget", "truncate_prompt_tokens", "add_special_tokens", "cache_salt")
+    __slots__ = ("request_id", "model", "text", "chat", "token_ids", "sampling", "stopping", "response", "guided", "priority", "n", "tool_choice", "parallel_tool_calls", "best_of", "beam_search", "trace_headers", "thinking_token_budget", "truncate_prompt_tokens", "add_special_tokens", "cache_salt", "bad_words")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class GenerateRequest(_message.Message):
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -150,7 +151,8 @@ class GenerateRequest(_message.Message):
     truncate_prompt_tokens: int
     add_special_tokens: bool
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., thinking_token_budget: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    bad_words: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., thinking_token_budget: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bad_words: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
     __slots__ = ("index", "id", "name", "arguments")
