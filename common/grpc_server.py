@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.grpc_errors import ErrorMappingInterceptor
+from common.grpc_utf8 import DecodeErrorInterceptor
 from common.tls import GrpcTls, bind_port
 
 # What a client receives (our own answers: prompt logprobs of 128k tokens) and sends (prompts of 128k ids
@@ -42,8 +43,9 @@ class Health:
 def new_server(service_name: str, *, max_receive_bytes: int,
                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> tuple[grpc.aio.Server, Health]:
     """A grpc.aio server with the error interceptor (after ``interceptors``), reflection, and health starting
-    NOT_SERVING. A request over ``max_receive_bytes`` is refused by gRPC (RESOURCE_EXHAUSTED) unread."""
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorMappingInterceptor()],
+    NOT_SERVING. A request over ``max_receive_bytes`` is refused by gRPC (RESOURCE_EXHAUSTED) unread; one that
+    does not parse (invalid UTF-8 in a string field) is INVALID_ARGUMENT naming the field."""
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorMappingInterceptor(), DecodeErrorInterceptor()],
                              # Two servers must never share a port silently.
                              options=[("grpc.max_receive_message_length", max_receive_bytes),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)])

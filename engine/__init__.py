@@ -7,14 +7,15 @@ from typing import TYPE_CHECKING, Any
 from common.errors import EngineDeadError, InvalidRequestError, QueueFullError, SluiceError
 from engine.config import EngineConfig
 from engine.core.lora_request import LoRARequest
-from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.core.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.entrypoints.llm import LLM, BeamSearchParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
-           "LoRARequest", "EngineConfig", "RequestOutput", "CompletionOutput",
+           "LoRARequest", "PoolingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob",
            "InvalidRequestError", "QueueFullError", "EngineDeadError", "SluiceError"]
 
 

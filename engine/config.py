@@ -327,9 +327,38 @@ class KVEventsConfig:
         return cls(**value)  # type: ignore[arg-type]
 
 
+KV_OFFLOADING_BACKENDS = ("native", "disk")
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """A KV offload tier (vLLM's ``--kv-offloading-size`` / ``--kv-offloading-backend``; engine.core.kv_offload):
+    full blocks evicted from the device pool are kept in host memory (``native``) or files under ``path``
+    (``disk``), LRU within ``size_gib``, and loaded back on a prefix miss."""
+
+    size_gib: float
+    backend: str = "native"
+    path: str | None = None   # disk: the directory its files go in
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size_gib, (int, float)) or isinstance(self.size_gib, bool) or self.size_gib <= 0:
+            raise InvalidRequestError("kv_offloading_size", f"must be a number of GiB > 0, got {self.size_gib!r}")
+        if self.backend not in KV_OFFLOADING_BACKENDS:
+            raise InvalidRequestError("kv_offloading_backend", f"must be one of {', '.join(KV_OFFLOADING_BACKENDS)}"
+                                                               f", got {self.backend!r}")
+        if (self.backend == "disk") != (self.path is not None):
+            raise InvalidRequestError("kv_offloading_path", "is required with --kv-offloading-backend disk"
+                                      if self.path is None else "is only for --kv-offloading-backend disk")
+
+    @property
+    def size_bytes(self) -> int:
+        return int(self.size_gib * 2**30)
+
+
 # EngineConfig.quantization's values: W8A8 int8 quantized at load, a compressed-tensors W8A8 int8 checkpoint, or an
-# msModelSlim one (vLLM-Ascend's "ascend", or "modelslim").
-QUANTIZATIONS = ("w8a8", "compressed-tensors", "ascend", "modelslim")
+# msModelSlim one (vLLM-Ascend's "ascend", or "modelslim"); "gptq" / "awq" require such a 4-bit checkpoint (a
+# compressed-tensors W4A16 one is "compressed-tensors"; all three are detected without the flag).
+QUANTIZATIONS = ("w8a8", "compressed-tensors", "ascend", "modelslim", "gptq", "awq")
 
 
 @dataclass(frozen=True)
@@ -394,9 +423,15 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None    # None: LoRA off (vLLM's --enable-lora turns it on)
     speculative_config: SpeculativeConfig | None = None   # None: no speculative decoding
     kv_events_config: KVEventsConfig | None = None   # None: no KV cache events (engine.core.kv_events)
+    kv_offloading_config: KVOffloadConfig | None = None   # None: no KV offload tier (engine.core.kv_offload)
     # The prefix cache's block hash (engine.core.block_hashing): sha256 | sha256_cbor | xxhash | xxhash_cbor.
     prefix_caching_hash_algo: str = "sha256"
     data_parallel_rank: int = 0              # this engine's replica among `sluice serve --data-parallel-size N`
+    # vLLM's --runner (auto | generate | pooling), --convert (auto | none | embed | classify) and --pooler-config
+    # (a JSON object): engine.models.pooling_config reads the model and these.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None and not isinstance(self.kv_cache_memory, int):
@@ -419,6 +454,10 @@ class EngineConfig:
         check(self.prefix_caching_hash_algo in PREFIX_CACHING_HASH_ALGOS, "prefix_caching_hash_algo",
               f"unknown hash {self.prefix_caching_hash_algo!r}; one of {', '.join(PREFIX_CACHING_HASH_ALGOS)}")
         check(self.data_parallel_rank >= 0, "data_parallel_rank", "must be >= 0")
+        check(self.runner in ("auto", "generate", "pooling"), "runner",
+              f"unknown runner {self.runner!r}; expected auto, generate or pooling")
+        check(self.convert in ("auto", "none", "embed", "classify"), "convert",
+              f"unknown convert {self.convert!r}; expected auto, none, embed or classify")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
@@ -442,7 +481,7 @@ class EngineConfig:
               f"{self.quantization!r} is not supported; expected one of {', '.join(QUANTIZATIONS)} (or none: the "
               "checkpoint's own weights)")
         check(self.quantization is None or self.device != "cuda", "quantization",
-              "W8A8 runs on cpu and npu: no CUDA int8 kernel is wired")
+              "W8A8 and 4-bit checkpoints run on cpu and npu: no CUDA int8 kernel or W4A16 kernel is wired")
         check(isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1, "num_scheduler_steps",
               "must be an integer >= 1")
         # vLLM refuses the pair too: both put lookahead slots on a decode row, and their passes would interleave.
@@ -485,6 +524,8 @@ class EngineConfig:
                   "speculative_config.num_speculative_tokens",
                   f"must be below max_num_batched_tokens ({self.max_num_batched_tokens}): a step verifies them "
                   f"with the token before them")
+        if self.kv_offloading_config is not None:
+            check_kv_offloading(self)
         if self.lora_config is not None:
             taken = {self.model_name}
             for module in self.lora_config.lora_modules:
@@ -533,3 +574,22 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def check_kv_offloading(config: EngineConfig) -> None:
+    """The combinations a KV offload tier cannot honour yet, refused at start-up by the flag that causes them."""
+    spec = config.speculative_config
+    for ok, name, msg in (
+            (config.enable_prefix_caching, "kv_offloading_size",
+             "the offload tier keeps blocks under their prefix-cache hashes: it needs --enable-prefix-caching"),
+            (config.tensor_parallel_size == 1, "tensor_parallel_size",
+             "the KV offload tier runs on one rank so far (--kv-offloading-size with tensor parallelism)"),
+            (config.pipeline_parallel_size == 1, "pipeline_parallel_size",
+             "the KV offload tier runs on one rank so far (--kv-offloading-size with pipeline parallelism)"),
+            (spec is None or spec.method not in ("draft_model", *MTP_METHODS), "speculative_config.method",
+             "a draft model's (or MTP layers') own KV cache is not offloaded: run --kv-offloading-size with n-gram "
+             "speculation or none"),
+            (config.async_scheduling is not True, "async_scheduling",
+             "--async-scheduling does not run with --kv-offloading-size yet: leave it unset or --no-async-scheduling")):
+        if not ok:
+            raise InvalidRequestError(name, msg)

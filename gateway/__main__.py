@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 
 from common.argtypes import at_least
 from common.auth import add_api_key_args, api_keys
@@ -42,6 +43,15 @@ def _keepalive(value: str) -> float | None:
     return _seconds(value) or None
 
 
+def server_dev_mode(environ: Mapping[str, str]) -> bool:
+    """vLLM's ``VLLM_SERVER_DEV_MODE``: an integer, non-zero mounts the development routes (unset: off)."""
+    value = environ.get("VLLM_SERVER_DEV_MODE", "0")
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ValueError(f"VLLM_SERVER_DEV_MODE must be an integer (1: on, 0: off), got {value!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice gateway", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "`sluice serve` turns it on)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind the port with SO_REUSEPORT (Linux), so several gateways share it and the kernel "
+                        "spreads connections over them (`sluice serve --gateways N` sets it)")
     add_api_key_args(p)
     p.add_argument("--allowed-origins", type=_csv, default=(), metavar="ORIGIN[,ORIGIN...]",
                    help="CORS origins ('*' for any); default: CORS off")
@@ -119,6 +132,7 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         max_n=ns.max_n,
         shutdown_timeout=ns.shutdown_timeout,
         enable_docs=not ns.disable_fastapi_docs,
+        server_dev_mode=server_dev_mode(environ),
         log_requests=ns.log_requests,
         metrics_federate=federate_targets(ns.metrics_federate),
         rest_tls=rest_tls_from_args(ns),
@@ -142,8 +156,13 @@ def main(argv: list[str] | None = None) -> None:
 
     drain = Drain()
     server = build_server(create_app(settings, drain=drain, tracing=tracing), settings, drain, log_level=ns.log_level)
+    sockets = None
+    if ns.reuse_port:
+        from common.reuse_port import shared_socket
+
+        sockets = [shared_socket(settings.host, settings.port)]
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         if tracing is not None:
             tracing.shutdown()

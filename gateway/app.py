@@ -20,6 +20,7 @@ from gateway.openapi import docs_routes
 from gateway.request_context import RequestContextMiddleware
 from gateway.responses_api.store import ResponseStore
 from gateway.routes import build_routes
+from gateway.routes.cache import dev_routes
 from gateway.routes.common import GatewayState, ServedModels
 from gateway.settings import GatewaySettings
 from gateway.tracing import TracingMiddleware
@@ -34,6 +35,8 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
     which turns new requests away once SIGTERM came. ``tracing``: a span per request, its
     context sent on to the backend (None: tracing off)."""
     routes = build_routes()
+    if settings.server_dev_mode:
+        routes += dev_routes()
     if settings.enable_docs:
         routes += docs_routes(secured=bool(settings.api_keys))
     metrics = metrics if metrics is not None else GatewayMetrics(federate=settings.metrics_federate)

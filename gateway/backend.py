@@ -104,6 +104,7 @@ class GenerationParams:
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled; empty: any
+    bad_words: tuple[str, ...] = ()  # words the output never contains (vLLM's); empty: none
     seed: int | None = None
     max_tokens: int | None = None
     min_tokens: int = 0
@@ -126,6 +127,7 @@ class GenerationParams:
     thinking_token_budget: int | None = None  # chat with a reasoning parser: tokens to think for; None: no limit
     truncate_prompt_tokens: int | None = None  # keep the prompt's last this many tokens; None: all of it
     add_special_tokens: bool | None = None  # None: the tokenizer service's default (text: true, chat: false)
+    cache_salt: str = ""  # only requests with the same salt share cached prompt blocks (vLLM's); "": no salt
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,11 @@ class Backend(Protocol):
 
     async def unload_lora_adapter(self, name: str, *, timeout: float | None) -> None:
         """NOT_FOUND for an unknown name; FAILED_PRECONDITION as for loading."""
+        ...
+
+    async def reset_prefix_cache(self, *, timeout: float | None) -> bool:
+        """Every engine's prefix cache forgotten: False when one refused (its requests hold blocks) or could not
+        be reached."""
         ...
 
     async def check_ready(self, *, timeout: float) -> bool: ...

@@ -28,6 +28,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -45,6 +46,7 @@ from gateway.convert import (
     model_info_from_pb,
 )
 from gateway.errors import BackendError, BackendErrorKind
+from gateway.pooling_schemas import Classifications, Embeddings, PoolingInput, PoolingOptions, Scores
 from gateway.targets import channel_options, grpc_target, tls_authority
 from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -225,6 +227,21 @@ class FailoverCall:
         self._call.cancel()
 
 
+def pooling_inputs_to_pb(inputs: Sequence[PoolingInput]) -> list[generation_pb2.PoolingInput]:
+    return [generation_pb2.PoolingInput(text=i.text) if i.text is not None else
+            generation_pb2.PoolingInput(token_ids=common_pb2.TokenIds(ids=i.token_ids)) for i in inputs]
+
+
+def set_pooling_options(req: Any, options: PoolingOptions, **flags: bool | None) -> None:
+    """``truncate_prompt_tokens`` and the request's optional ``flags``, each set only when given (unset: the
+    service's default)."""
+    if options.truncate_prompt_tokens is not None:
+        req.truncate_prompt_tokens = options.truncate_prompt_tokens
+    for name, value in flags.items():
+        if value is not None:
+            setattr(req, name, value)
+
+
 class GrpcBackend:
     """:class:`gateway.backend.Backend` over one ``grpc.aio`` channel (and, with ``mux``, one
     ``GenerateStream`` per tokenizer address on channels of their own). With ``api_key``, every call carries
@@ -314,6 +331,56 @@ class GrpcBackend:
             raise to_backend_error(err) from None
         return str(resp.text)
 
+    # -- pooling (gateway/pooling_schemas.py's PoolingBackend) ---------------------------------------------------
+    async def _pooling_call(self, method: Callable[..., Any], req: Any, request_id: str, timeout: float | None) -> Any:
+        """A unary pooling call; UNAVAILABLE (a service or its engine went away) tries the next service, each at most
+        once: nothing was returned, and pooling has no side effects."""
+        if self._tracing is not None:
+            self._tracing.inject_current(req.trace_headers)
+        for attempt in range(self._services):
+            try:
+                return await method(req, timeout=timeout, metadata=self._metadata(request_id))
+            except grpc.aio.AioRpcError as err:
+                error = to_backend_error(err)
+                if error.kind is not BackendErrorKind.UNAVAILABLE or attempt + 1 >= self._services:
+                    raise error from None
+        raise AssertionError("unreachable")
+
+    async def embed(self, inputs: Sequence[PoolingInput], options: PoolingOptions, *, dimensions: int | None,
+                    task: str, request_id: str, timeout: float | None, model: str = "") -> Embeddings:
+        req = generation_pb2.EmbedRequest(model=model, inputs=pooling_inputs_to_pb(inputs), task=task,
+                                          priority=options.priority)
+        set_pooling_options(req, options, normalize=options.activation, add_special_tokens=options.add_special_tokens)
+        if dimensions is not None:
+            req.dimensions = dimensions
+        resp = await self._pooling_call(self._stub.Embed, req, request_id, timeout)
+        return Embeddings(tuple(tuple(e.values) for e in resp.embeddings), tuple(e.row_size for e in resp.embeddings),
+                          resp.usage.prompt_tokens)
+
+    async def score(self, queries: Sequence[str], documents: Sequence[str], options: PoolingOptions, *,
+                    request_id: str, timeout: float | None, model: str = "") -> Scores:
+        req = generation_pb2.ScoreRequest(model=model, queries=queries, documents=documents, priority=options.priority)
+        set_pooling_options(req, options, activation=options.activation)
+        resp = await self._pooling_call(self._stub.Score, req, request_id, timeout)
+        return Scores(tuple(resp.scores), resp.usage.prompt_tokens)
+
+    async def classify(self, inputs: Sequence[PoolingInput], options: PoolingOptions, *, request_id: str,
+                       timeout: float | None, model: str = "") -> Classifications:
+        req = generation_pb2.ClassifyRequest(model=model, inputs=pooling_inputs_to_pb(inputs),
+                                             priority=options.priority)
+        set_pooling_options(req, options, activation=options.activation, add_special_tokens=options.add_special_tokens)
+        resp = await self._pooling_call(self._stub.Classify, req, request_id, timeout)
+        return Classifications(tuple(tuple(r.scores) for r in resp.results), tuple(r.label for r in resp.results),
+                               resp.usage.prompt_tokens)
+
+    async def pooling_tasks(self, *, timeout: float | None) -> tuple[str, ...]:
+        try:
+            resp = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout,
+                                                 metadata=self._auth)
+        except grpc.aio.AioRpcError as err:
+            raise to_backend_error(err) from None
+        return tuple(resp.pooling_tasks)
+
     async def model_info(self, *, timeout: float | None) -> ModelInfo:
         try:
             resp = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout,
@@ -337,6 +404,14 @@ class GrpcBackend:
                                                metadata=self._auth)
         except grpc.aio.AioRpcError as err:
             raise to_backend_error(err) from None
+
+    async def reset_prefix_cache(self, *, timeout: float | None) -> bool:
+        try:
+            resp = await self._stub.ResetPrefixCache(common_pb2.ResetPrefixCacheRequest(), timeout=timeout,
+                                                     metadata=self._auth)
+        except grpc.aio.AioRpcError as err:
+            raise to_backend_error(err) from None
+        return bool(resp.ok)
 
     async def check_ready(self, *, timeout: float) -> bool:
         """SERVING on the standard health service (NOT_SERVING while a backend drains),

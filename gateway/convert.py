@@ -146,6 +146,8 @@ def generate_request_to_pb(prompt: Prompt, p: GenerationParams, request_id: str,
         req.truncate_prompt_tokens = p.truncate_prompt_tokens
     if p.add_special_tokens is not None:
         req.add_special_tokens = p.add_special_tokens
+    req.cache_salt = p.cache_salt
+    req.bad_words.extend(p.bad_words)
     return req
 
 

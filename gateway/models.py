@@ -155,6 +155,8 @@ class SamplingFields(_Model):
     seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, description=(
         "vLLM's: only these token ids may be sampled (each below the vocabulary size)."))
+    bad_words: list[str] | None = Field(None, max_length=128, description=(
+        "vLLM's: words the output never contains (each tokenized as it is and after a space)."))
     min_tokens: Int | None = Field(None, ge=0, le=UINT32_MAX)
     stop: StopArg | None = Field(None, description="Up to 4 strings of 1 to 256 characters.")
     stop_token_ids: list[TokenId] | None = None
@@ -167,6 +169,9 @@ class SamplingFields(_Model):
     prompt_logprobs: Logprobs | None = None
     truncate_prompt_tokens: Int | None = Field(None, ge=1, le=UINT32_MAX, description=(
         "vLLM's: keep only the last this many prompt tokens (at most the model's max_model_len)."))
+    cache_salt: str | None = Field(None, min_length=1, description=(
+        "vLLM's: salts the prefix cache, so only requests with the same salt reuse each other's cached prompt "
+        "blocks (a non-empty string)."))
     add_special_tokens: bool | None = Field(None, description=(
         "vLLM's: add the tokenizer's special tokens (BOS) to a text prompt (default true), or to a chat prompt "
         "on top of its template's (default false); token ids are used as they are."))

@@ -39,13 +39,11 @@ _BOTH: dict[str, Refusal] = {
     "functions": _no("functions", " (deprecated by OpenAI); use `tools`"),
     "function_call": _no("function_call", " (deprecated by OpenAI); use `tool_choice`"),
     "prompt_embeds": _no("prompt_embeds", "; send `prompt` as text or token ids"),
-    "bad_words": _no("bad_words", "; use `logit_bias`"),
     "spaces_between_special_tokens": Refusal(
         "`spaces_between_special_tokens` can only be true: text is decoded by the tokenizers library, as vLLM's "
         "fast detokenizer decodes it when true.", (True,)),
     "logits_processors": _no("logits_processors"),
     "return_tokens_as_token_ids": _no("return_tokens_as_token_ids"),
-    "cache_salt": _no("cache_salt"),
     "kv_transfer_params": _no("kv_transfer_params"),
     "vllm_xargs": _no("vllm_xargs"),
     "request_id": _no("request_id", "; send the `X-Request-Id` header"),

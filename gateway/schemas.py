@@ -221,6 +221,7 @@ def _params(req: SamplingFields, max_n: int, max_tokens: int | None, *, logprobs
         repetition_penalty=req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias),
         allowed_token_ids=tuple(req.allowed_token_ids or ()),
+        bad_words=tuple(req.bad_words or ()),
         seed=req.seed,
         max_tokens=max_tokens,
         min_tokens=min_tokens,
@@ -240,6 +241,7 @@ def _params(req: SamplingFields, max_n: int, max_tokens: int | None, *, logprobs
         beam_search=beam_search,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         add_special_tokens=req.add_special_tokens,
+        cache_salt=req.cache_salt or "",
     )
 
 

@@ -11,10 +11,10 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.config import LifespanType
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common.tls import RestTls
 from gateway.drain import Drain
+from gateway.linger import LingeringHttpToolsProtocol
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger("gateway")
@@ -47,12 +47,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def header_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol that closes a connection whose request headers have not all
-    arrived ``timeout`` seconds after it opened (or after the request's first byte, on a kept-alive
-    connection). uvicorn has no header-read timeout: ``timeout_keep_alive`` is armed only after a
+    """uvicorn's httptools protocol (closing with a linger: ``gateway/linger.py``) that closes a connection whose
+    request headers have not all arrived ``timeout`` seconds after it opened (or after the request's first byte,
+    on a kept-alive connection). uvicorn has no header-read timeout: ``timeout_keep_alive`` is armed only after a
     response, so a client that opens connections and sends half a request line held each forever."""
 
-    class HeaderTimeoutProtocol(HttpToolsProtocol):
+    class HeaderTimeoutProtocol(LingeringHttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

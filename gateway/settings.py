@@ -62,6 +62,8 @@ class GatewaySettings:
     shutdown_timeout: float = 10.0
     # Serve /openapi.json and /docs (vLLM's --disable-fastapi-docs turns them off).
     enable_docs: bool = True
+    # vLLM's development routes (POST /reset_prefix_cache), mounted only with VLLM_SERVER_DEV_MODE=1, as vLLM.
+    server_dev_mode: bool = False
     # One INFO line per request received and finished (--enable-log-requests, vLLM's; off by default as there).
     log_requests: bool = False
     # Metrics pages appended to this gateway's /metrics (`sluice serve`: its engine's vllm:* page).

@@ -33,6 +33,9 @@ def engine_flags(config: EngineConfig) -> list[str]:
             flags += ["--device-ids", ",".join(map(str, value))]
         elif name == "kv_events_config":   # vLLM's JSON, every key
             flags += ["--kv-events-config", json.dumps(asdict(value))]
+        elif name == "kv_offloading_config":   # vLLM's three flags
+            flags += ["--kv-offloading-size", repr(value.size_gib), "--kv-offloading-backend", value.backend]
+            flags += ["--kv-offloading-path", value.path] if value.path is not None else []
         elif name == "speculative_config":   # its keys as vLLM's JSON, the normalized n-gram window included
             flags += ["--speculative-config", json.dumps({k: v for k, v in asdict(value).items() if v is not None})]
         else:
@@ -54,7 +57,7 @@ def lora_flags(lora: LoRAConfig) -> list[str]:
 
 
 def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
-    """The tokenizer services' own flags (chat template, tool calling, reasoning), passed on as given."""
+    """The tokenizer services' own flags (chat template, tool calling, reasoning, routing), passed on as given."""
     flags = ["--chat-template", ns.chat_template] if ns.chat_template is not None else []
     if ns.enable_auto_tool_choice:
         flags.append("--enable-auto-tool-choice")
@@ -64,4 +67,6 @@ def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
         flags += ["--reasoning-parser", ns.reasoning_parser]
     if ns.trust_request_chat_template:
         flags.append("--trust-request-chat-template")
+    if ns.routing is not None:
+        flags += ["--routing", ns.routing]
     return flags

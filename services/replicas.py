@@ -4,11 +4,15 @@ over a replica's ranks, each replica's devices, each engine's metrics port."""
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
+import socket
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from common.errors import InvalidRequestError
 from common.procs import free_port
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVEventsConfig
 
 if TYPE_CHECKING:
     from engine.models import ModelConfig
@@ -38,6 +42,41 @@ def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:
                                                   f"device ids; got {len(ids)}: {list(ids)}")
     return [config.with_changes(device_ids=ids[r * world:(r + 1) * world], data_parallel_rank=r)
             for r in range(replicas)]
+
+
+def kv_events_for_routing(config: EngineConfig, replicas: int, routing: str | None) -> EngineConfig:
+    """The engines' settings when the tokenizer services route by cache (``kv_aware``, the default, over several
+    replicas): KV events on, with replay, replica r publishing on the ports given + r (the engine adds its rank),
+    a block of ports free now (the PUB sockets', then the replay sockets'). Kept as they are when
+    ``--kv-events-config`` was given, with prefix caching off, or with one replica."""
+    if (replicas == 1 or routing not in (None, "kv_aware") or config.kv_events_config is not None
+            or not config.enable_prefix_caching):
+        return config
+    first = consecutive_free_ports(2 * replicas)
+    return config.with_changes(kv_events_config=KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"tcp://*:{first}", replay_endpoint=f"tcp://*:{first + replicas}"))
+
+
+def shared_hash_seed() -> str:
+    """The ``PYTHONHASHSEED`` every child gets: a router recomputes the engines' block hashes only when it shares
+    their seed (engine.core.block_hashing). This environment's, else a random one for this run."""
+    return os.environ.get("PYTHONHASHSEED") or str(secrets.randbelow(2**32))
+
+
+def consecutive_free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """The first of ``n`` consecutive TCP ports free on ``host`` now."""
+    while True:
+        first = free_port(host)
+        if first + n > 65536:
+            continue
+        with ExitStack() as held:
+            try:
+                for port in range(first, first + n):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind((host, port))
+            except OSError:
+                continue
+        return first
 
 
 def check_model_splits(config: EngineConfig) -> None:

@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from common import reuse_port
 from common.argtypes import at_least
 from common.auth import add_api_key_args, api_keys
 from common.errors import InvalidRequestError
@@ -53,9 +54,16 @@ from engine.text import Tokenizer
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.child_flags import engine_flags, tokenizer_flags
 from services.mindie import ConfigFileError, load_mindie_config
-from services.replicas import check_model_splits, metrics_ports, replica_configs
+from services.replicas import (
+    check_model_splits,
+    kv_events_for_routing,
+    metrics_ports,
+    replica_configs,
+    shared_hash_seed,
+)
 from services.serve_args import add_vllm_serve_args, check_vllm_serve_args
 from services.tokenizer.reasoning import Reasoning
+from services.tokenizer.routing import ROUTING_POLICIES
 
 logger = logging.getLogger("sluice.serve")
 
@@ -73,10 +81,11 @@ class Child:
     restarts: int = 0
     next_restart: float = 0.0
     log: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)   # over this process's environment
 
     def start(self) -> None:
         # The child arms its own parent-death signal (common.procs): no preexec_fn in a threaded parent.
-        self.proc = subprocess.Popen(self.argv, env={**os.environ, ENV_PARENT_PID: str(os.getpid())})
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env, ENV_PARENT_PID: str(os.getpid())})
         logger.info("started %s (pid %d)", self.name, self.proc.pid)
 
     def alive(self) -> bool:
@@ -122,9 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="a MindIE config.json, used as is (flags override it)")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (0.0.0.0 in containers)")
-    p.add_argument("--port", type=int, default=8000, help="first gateway port (gateways use consecutive ports)")
-    p.add_argument("--gateways", type=int, default=1)
+    p.add_argument("--port", type=int, default=8000,
+                   help="the gateways' port (on Linux every gateway serves on it, SO_REUSEPORT; elsewhere the "
+                        "first of consecutive ports)")
+    p.add_argument("--gateways", type=int, default=1,
+                   help="gateway processes, each serving its own connections on the one --port (Linux; elsewhere "
+                        "on consecutive ports); one that exits is restarted, the others serving meanwhile")
     p.add_argument("--tokenizers", type=int, default=1, help="tokenizer services per replica")
+    p.add_argument("--routing", default=None, choices=ROUTING_POLICIES,
+                   help="how the tokenizer services pick a replica for each request: kv_aware (the default with "
+                        "--data-parallel-size > 1: the replica whose prefix cache holds the longest prefix of the "
+                        "prompt, from the engines' KV events, unless their loads drift apart), least_loaded, "
+                        "round_robin")
     p.add_argument("--engine-port", type=int, default=50051,
                    help="first engine port (replicas' engines use consecutive ports)")
     p.add_argument("--tokenizer-port", type=int, default=50061,
@@ -240,6 +258,11 @@ class Supervisor:
         self.api_keys = api_keys
         self.key_file = (os.path.join(tempfile.gettempdir(), f"sluice-api-keys-{os.getpid()}-{secrets.token_hex(8)}")
                          if api_keys else None)
+        # Several replicas: every tokenizer service fronts every engine and routes each request (--routing); by
+        # cache, it follows the engines' KV events and hashes prompts as they do (the same PYTHONHASHSEED).
+        config = kv_events_for_routing(config, ns.data_parallel_size, ns.routing)
+        self.child_env = {"PYTHONHASHSEED": shared_hash_seed()} if ns.data_parallel_size > 1 else {}
+        self.engine_addrs = [f"127.0.0.1:{ns.engine_port + r}" for r in range(ns.data_parallel_size)]
         self.config = config
         self.observability = observability if observability is not None else observability_settings(ns)
         self.grpc_tls = grpc_tls
@@ -252,11 +275,13 @@ class Supervisor:
         tok_addrs = [f"127.0.0.1:{ns.tokenizer_port + r * ns.tokenizers + i}"
                      for i in range(ns.tokenizers) for r in range(ns.data_parallel_size)]
         self.scheme = "http" if rest_tls is None else "https"
+        self.shared_port = ns.gateways > 1 and reuse_port.SUPPORTED  # else consecutive ports
         self.gateways = [self._gateway(i, tok_addrs, rest_tls) for i in range(ns.gateways)]
 
     def _child_flags(self, *, log_requests: bool = True) -> list[str]:
         """Every child traces and logs alike; request lines come from the gateways and the engine (as vLLM's API
-        server and engine), not from the tokenizer services in between."""
+        server and engine), and from the tokenizer services in between only where they choose a replica (their
+        line says which, and why)."""
         obs = self.observability if log_requests else replace(self.observability, log_requests=False)
         return [*observability_flags(obs), *grpc_tls_flags(self.grpc_tls)]
 
@@ -265,7 +290,7 @@ class Supervisor:
 
     def _replica(self, r: int, config: EngineConfig, metrics_port: int) -> Replica:
         """Replica ``r``: its engine on the r-th engine port, its tokenizer services on the r-th block of
-        ``--tokenizers`` ports."""
+        ``--tokenizers`` ports, each sending requests to every replica's engine."""
         ns, py, tls = self.ns, sys.executable, self.grpc_tls
         suffix = "" if ns.data_parallel_size == 1 else f"-{r}"
         port = ns.engine_port + r
@@ -275,7 +300,7 @@ class Supervisor:
                                            str(ns.shutdown_timeout), "--metrics-port", str(metrics_port),
                                            *engine_flags(config), *self._child_flags()],
                        ready=lambda: grpc_serving(engine_addr, "sluice.v1.Engine", tls),
-                       ready_timeout=_ENGINE_READY_TIMEOUT)
+                       ready_timeout=_ENGINE_READY_TIMEOUT, env=self.child_env)
         model_flags = (["--model", config.model] if config.model else []) + (
             ["--tokenizer", config.tokenizer] if config.tokenizer else []) + tokenizer_flags(ns)
         tokenizers = []
@@ -284,17 +309,18 @@ class Supervisor:
             addr = f"127.0.0.1:{tok_port}"
             tokenizers.append(Child(
                 f"tokenizer{suffix}-{i}",
-                [py, "-m", "services.tokenizer", "--engine", engine_addr, "--host", "127.0.0.1", "--port",
+                [py, "-m", "services.tokenizer", "--engine", ",".join(self.engine_addrs), "--host", "127.0.0.1",
+                 "--port",
                  str(tok_port), "--served-model-name", config.model_name, "--log-level", ns.log_level,
                  "--shutdown-timeout", str(ns.shutdown_timeout), *model_flags, *self._key_flags(),
-                 *self._child_flags(log_requests=False)],
-                ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation", tls))))
+                 *self._child_flags(log_requests=ns.data_parallel_size > 1)],
+                ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation", tls)), env=self.child_env))
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
         return Replica(engine, tokenizers, metrics_url)
 
     def _gateway(self, i: int, tok_addrs: list[str], rest_tls: RestTls | None) -> Child:
         ns, config = self.ns, self.config
-        port = ns.port + i
+        port = ns.port if self.shared_port else ns.port + i
         argv = [sys.executable, "-m", "gateway", "--tokenizer", ",".join(tok_addrs), "--host", ns.host,
                 "--port", str(port), *[f for name in served_names(ns, config) for f in ("--served-model-name", name)],
                 "--shutdown-timeout", str(ns.shutdown_timeout), "--keepalive-interval", str(ns.keepalive_interval),
@@ -320,9 +346,16 @@ class Supervisor:
             if replica.metrics_url is not None:
                 argv += ["--metrics-federate", replica.metrics_url]
         argv += rest_tls_flags(rest_tls)
+        if self.shared_port:
+            argv.append("--reuse-port")
         probe = None if rest_tls is None else rest_tls.probe_context()
         scheme = self.scheme
-        return Child(f"gateway-{i}", argv, ready=(lambda: http_ok(f"{scheme}://127.0.0.1:{port}/health", probe)))
+        child = Child(f"gateway-{i}", argv, ready=(lambda: http_ok(f"{scheme}://127.0.0.1:{port}/health", probe)),
+                      env=self.child_env)
+        if self.shared_port:  # any gateway may answer the probe: this one is ready once it listens as well
+            child.ready = lambda: (child.proc is not None and reuse_port.listens_on(child.proc.pid, port)
+                                   and http_ok(f"{scheme}://127.0.0.1:{port}/health", probe))
+        return child
 
     @property
     def engines(self) -> list[Child]:
@@ -345,6 +378,9 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        if self.shared_port and not reuse_port.port_free(self.ns.host, self.ns.port):
+            logger.error("port %d is in use: the gateways would share it with what listens there", self.ns.port)
+            return 1
         self.write_key_file()
         # Every child starts at once: the tokenizer services and gateways load while the engines load the model
         # (each waits for the hop behind it, NOT_SERVING / 503 until then), and readiness is waited for in order.
@@ -357,7 +393,8 @@ class Supervisor:
                 logger.error("%s did not become ready; stopping", child.name)
                 self.shutdown()
                 return 1
-        urls = ", ".join(f"{self.scheme}://{self.ns.host}:{self.ns.port + i}/v1" for i in range(self.ns.gateways))
+        ports = [self.ns.port] if self.shared_port else [self.ns.port + i for i in range(self.ns.gateways)]
+        urls = ", ".join(f"{self.scheme}://{self.ns.host}:{port}/v1" for port in ports)
         if self.observability.log_format == "json":  # every line it prints stays JSON
             logger.info("Sluice is serving %s at %s", self.config.model_name, urls)
         else:

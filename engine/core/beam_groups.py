@@ -160,7 +160,7 @@ def rewrite_beams(block_manager: BlockManager, beams: Sequence[Request], continu
         if c.parent != j:
             parent = beams[c.parent]
             holder = Request(parent.request_id, parent.prompt_token_ids, parent.sampling_params, index=parent.index,
-                             lora_request=parent.lora_request)
+                             lora_request=parent.lora_request, cache_salt=parent.cache_salt)
             block_manager.fork(parent, holder)
             holder.copy_tokens_from(parent)
             holder.num_computed_tokens = parent.num_computed_tokens

@@ -12,7 +12,9 @@ comparing the stored key (parent hash, tokens, extra keys) so that a hash
 collision can never serve wrong KV. The extra keys name the request's LoRA
 adapter (its ``lora_name``, as vLLM hashes it; the stored key adds its
 ``lora_id``): KV computed through one adapter's weights is never served to
-another adapter or to the base model, whose blocks have no extra keys.
+another adapter or to the base model, whose blocks have no extra keys. The
+first block's also carry the request's ``cache_salt`` (vLLM's), so the chain
+of a salted prompt is shared only by requests with the same salt.
 With KV events on, registering, evicting and clearing blocks record vLLM's
 BlockStored / BlockRemoved / AllBlocksCleared (``take_events``). A freed block that is registered is not
 wiped: it waits on an LRU list and is only reused (and unregistered) when no
@@ -31,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from engine.core.block_hashing import ExtraKeys, external_block_hash, make_block_hasher
+from engine.core.block_hashing import block_extra_keys as hashing_extra_keys
 from engine.core.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from engine.core.request import Request
 
@@ -41,11 +44,11 @@ HashFn = Callable[[Any, tuple[int, ...], ExtraKeys], Any]
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def block_extra_keys(request: Request) -> ExtraKeys:
-    """What besides its tokens a request's KV depends on, as vLLM hashes it: its LoRA adapter's name (None for
-    the base model). Sluice has no cache salt nor multimodal inputs, so every block of a request has the same."""
+def block_extra_keys(request: Request, first_block: bool) -> ExtraKeys:
+    """What besides its tokens a block's KV depends on, as vLLM hashes it: the LoRA adapter's name, and on the
+    first block the request's cache salt (None for an unsalted base-model block). No multimodal inputs here."""
     lora = request.lora_request
-    return None if lora is None else (lora.lora_name,)
+    return hashing_extra_keys(None if lora is None else lora.lora_name, request.cache_salt, first_block)
 
 
 # A table entry whose block was given back: outside every layer's sliding window, never read again.
@@ -78,6 +81,8 @@ class BlockManager:
         self._key_of_block: list[BlockKey | None] = [None] * num_blocks
         self._block_of_hash: dict[BlockHash, int] = {}
         self._copies: list[tuple[int, int]] = []
+        # Called with (block id, hash, key) as a cached block is evicted, before it is reused (a KV offload tier).
+        self.on_evict: Callable[[int, BlockHash, BlockKey], None] | None = None
         self.prefix_cache_queries = 0   # tokens looked up, counted when a request is first given blocks
         self.prefix_cache_hits = 0      # of those, tokens served from the cache
 
@@ -118,13 +123,13 @@ class BlockManager:
         hashes = self._block_hashes(request, max_blocks)
         tokens = request.all_token_ids
         bs = self.block_size
-        extra, lora_id = block_extra_keys(request), request.lora_id
+        lora_id = request.lora_id
         blocks: list[int] = []
         parent: BlockHash | None = None
         for i in range(max_blocks):
             block_id = self._block_of_hash.get(hashes[i])
-            if (block_id is None or self._key_of_block[block_id]
-                    != (parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), extra, lora_id)):
+            if (block_id is None or self._key_of_block[block_id] != (
+                    parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), block_extra_keys(request, i == 0), lora_id)):
                 break
             blocks.append(block_id)
             parent = hashes[i]
@@ -142,7 +147,7 @@ class BlockManager:
         hashes = self._block_hashes(request, num_full)
         tokens = request.all_token_ids
         bs = self.block_size
-        extra, lora_id = block_extra_keys(request), request.lora_id
+        lora_id = request.lora_id
         stored: list[int] = []   # the table indices registered now, for BlockStored
         for i in range(start, num_full):
             block_id = request.block_ids[i]
@@ -153,7 +158,7 @@ class BlockManager:
             parent = hashes[i - 1] if i > 0 else None
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs].tolist())
             self._hash_of_block[block_id] = hashes[i]
-            self._key_of_block[block_id] = (parent, block_tokens, extra, lora_id)
+            self._key_of_block[block_id] = (parent, block_tokens, block_extra_keys(request, i == 0), lora_id)
             self._block_of_hash[hashes[i]] = block_id
             stored.append(i)
         request.num_seen_blocks = num_full
@@ -185,11 +190,10 @@ class BlockManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         bs = self.block_size
-        extra = block_extra_keys(request)
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(self._hash_fn(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs].tolist()),
-                                        extra))
+                                        block_extra_keys(request, i == 0)))
         return hashes
 
     # ----- allocation --------------------------------------------------------------
@@ -214,7 +218,8 @@ class BlockManager:
         num_revived = sum(1 for b in computed_blocks if self._ref_counts[b] == 0)
         return num_fresh + len(cow) + num_revived <= self.num_free_blocks
 
-    def allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+    def allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (), *,
+                 count: bool = True) -> bool:
         """Give ``request`` blocks for ``num_computed + num_new_tokens`` tokens; False (nothing changed) if short.
 
         ``num_computed`` is ``len(computed_blocks) * block_size`` when cached
@@ -225,7 +230,7 @@ class BlockManager:
         if not self.can_allocate(request, num_new_tokens, computed_blocks):
             return False
         num_fresh, cow = self._plan(request, num_new_tokens, computed_blocks)
-        if not request.block_ids and self.enable_prefix_caching:
+        if count and not request.block_ids and self.enable_prefix_caching:   # (an offload load: at its admission)
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(computed_blocks) * self.block_size
         for block_id in computed_blocks:
@@ -257,6 +262,10 @@ class BlockManager:
         block_id, _ = self._evictable.popitem(last=False)   # evict the least recently freed cached block
         block_hash = self._hash_of_block[block_id]
         assert block_hash is not None
+        if self.on_evict is not None:
+            key = self._key_of_block[block_id]
+            assert key is not None
+            self.on_evict(block_id, block_hash, key)
         del self._block_of_hash[block_hash]
         self._hash_of_block[block_id] = None
         self._key_of_block[block_id] = None

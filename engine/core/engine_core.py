@@ -15,19 +15,22 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.errors import InvalidRequestError
+from common.errors import FailedPreconditionError, InvalidRequestError
 from engine.config import EngineConfig
 from engine.core.async_steps import AsyncSteps
 from engine.core.finish_reason import FinishReason
 from engine.core.kv_events import EventPublisher, NullEventPublisher, event_batch, make_event_publisher
+from engine.core.kv_offload import num_tier_slots
 from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
+from engine.core.pooling_params import PoolingParams, PoolingTasks
 from engine.core.request import Request, SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.spec_stats import SpecDecodingStats
-from engine.executor.base import make_executor
+from engine.executor.base import Executor, make_executor
+from engine.models.pooling_config import resolve_runner
 from engine.worker.structured_output import GrammarVocabulary
 
 if TYPE_CHECKING:
@@ -61,8 +64,21 @@ class EngineCore:
                  grammar_vocabulary: GrammarVocabulary | None = None) -> None:
         """``grammar_vocabulary``: the tokenizer's vocabulary for structured outputs, which only an entry point
         can load (the core never reads text); None refuses requests with a constraint."""
+        # --runner: a pooling model runs the pooling executor (engine.worker.pooling_runner), no KV cache
+        self.runner = resolve_runner(config.model_path, config.runner, config.convert)
+        self.pooling: PoolingTasks | None = None
+        self._type_vocab_size: int | None = None   # segment ids the pooling model reads (None: none)
+        if self.runner == "pooling":
+            from engine.worker.pooling_runner import PoolingExecutor, pooling_engine_config
+
+            config = pooling_engine_config(config)
+            pooling_executor = PoolingExecutor(config)
+            self.pooling = PoolingTasks.of(pooling_executor.info, pooling_executor.model_config.hidden_size)
+            self._type_vocab_size = pooling_executor.type_vocab_size
+            self.executor: Executor = pooling_executor
+        else:
+            self.executor = make_executor(config)
         self.config = config
-        self.executor = make_executor(config)
         mc = self.executor.model_config
         self.model_config = mc
         self.vocab_size = mc.vocab_size
@@ -75,8 +91,12 @@ class EngineCore:
             raise
         self.num_blocks = num_blocks
         self.max_model_len = self._fit_max_model_len(num_blocks)
+        if self.pooling is not None and config.max_num_batched_tokens < self.max_model_len:
+            # each prompt runs whole in one step (no chunks), so the step's budget holds the longest one
+            self.config = config = config.with_changes(max_num_batched_tokens=self.max_model_len)
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
-                                   max_model_len=self.max_model_len, reclaim_window=self._reclaim_window(mc))
+                                   max_model_len=self.max_model_len, reclaim_window=self._reclaim_window(mc),
+                                   kv_offload_slots=num_tier_slots(config, mc, self.executor.kv_cache_dtype_name) or 0)
         self._pending: list[EngineCoreOutput] = []
         # Where a multi-step step streams the outputs of each pass but its last as the pass ends (the AsyncEngine
         # sets it); None: ``step`` returns them all.
@@ -94,7 +114,7 @@ class EngineCore:
         spec = config.speculative_config
         self.spec_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else config.device != "cpu")
+                                 else config.device != "cpu" and config.kv_offloading_config is None)
         self._async = (AsyncSteps(self.scheduler, self.executor, config, self._apply) if self.async_scheduling
                        else None)
         # KV cache events (--kv-events-config): the prefix cache's changes of each step, published as one batch.
@@ -163,14 +183,20 @@ class EngineCore:
     # -- requests -----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
                     *, priority: int = 0, arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> Request:
+                    lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> Request:
         """Validate and queue a request. Raises InvalidRequestError (naming the field) or QueueFullError.
 
         ``prompt_token_ids``: a list of ints or a 1-D integer array (what the gRPC servicer passes on,
         straight from shared memory or protobuf). Token ids and parameters are checked against the model
         here; the prompt's length (max_model_len, the KV cache) and the request id by the scheduler.
         ``lora_request``: the adapter to run it through (None: the base model), loaded and validated the first
-        time its id is seen (its errors refuse the request)."""
+        time its id is seen (its errors refuse the request). ``cache_salt``: vLLM's prefix-cache salt, a
+        non-empty string (None: no salt); only requests with the same salt share cached blocks."""
+        if self.pooling is not None:
+            raise FailedPreconditionError(f"{self.config.model_name} is a pooling model ({self.pooling.kind}): it "
+                                          f"serves the pooling tasks {', '.join(self.pooling.tasks)}, not generation")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt", "must be a non-empty string if provided")
         if isinstance(prompt_token_ids, np.ndarray):
             if prompt_token_ids.ndim != 1 or not np.issubdtype(prompt_token_ids.dtype, np.integer):
                 raise InvalidRequestError("prompt_token_ids", "must be a one-dimensional array of integers")
@@ -199,12 +225,39 @@ class EngineCore:
         if lora_request is not None:
             self.add_lora(lora_request)
         request = Request(request_id, prompt_token_ids, params, arrival_time=arrival_time, priority=priority,
-                          lora_request=lora_request)
+                          lora_request=lora_request, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         if lora_request is not None:
             lora_id = lora_request.lora_int_id
             self._lora_of_request[request_id] = lora_id
             self._lora_users[lora_id] = self._lora_users.get(lora_id, 0) + 1
+        return request
+
+    def add_pooling_request(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
+                            params: PoolingParams, *, token_type_ids: Sequence[int] | None = None, priority: int = 0,
+                            arrival_time: float | None = None) -> Request:
+        """Validate and queue a pooling request: one step over its whole prompt, then one output carrying
+        ``EngineCoreOutput.pooled``. FailedPreconditionError on a generation model; InvalidRequestError naming the
+        field (an unsupported task, ``dimensions``, segment ids, token ids); QueueFullError."""
+        if self.pooling is None:
+            raise FailedPreconditionError(f"{self.config.model_name} is a generation model: it does not serve "
+                                          "pooling (embeddings, scores, classification); start a pooling model "
+                                          "(--runner pooling)")
+        ids = np.asarray(prompt_token_ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise InvalidRequestError("prompt_token_ids", "must be a one-dimensional array of integers")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise InvalidRequestError("prompt_token_ids", f"token id {bad} is out of range [0, {self.vocab_size})")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError("priority", f"must be 0 under the {self.config.scheduling_policy} scheduling "
+                                                  "policy")
+        spec = self.pooling.spec(params, len(ids), list(token_type_ids or []),
+                                 self._type_vocab_size)
+        request = Request(request_id, ids, SamplingParams(max_tokens=1), arrival_time=arrival_time,
+                          priority=priority)
+        request.pooling = spec
+        self.scheduler.add_request(request)
         return request
 
     # -- LoRA adapters ------------------------------------------------------------------------------------
@@ -327,7 +380,7 @@ class EngineCore:
         t1 = time.perf_counter()
         prepare_s = 0.0
         run = None
-        if sched.scheduled or sched.block_copies:
+        if sched.scheduled or sched.block_copies or sched.kv_transfer is not None:
             run = self.executor.execute_model(sched)
             prepare_s = self.executor.last_prepare_s
         t2 = time.perf_counter()
@@ -343,12 +396,15 @@ class EngineCore:
             ended = {seq_id: FinishReason.EOS for seq_id in run.grammar_complete}
             ended.update({seq_id: FinishReason.ERROR for seq_id in run.grammar_failed})
             step_outputs = self.scheduler.update_from_output(sched, run.sampled, run.logprobs, run.beam_candidates,
-                                                             run.prompt_logprobs, grammar_ended=ended)
+                                                             run.prompt_logprobs, grammar_ended=ended,
+                                                             pooled=run.pooled)
             if self.spec_stats is not None:
                 for seq_id, num_drafts in run.num_draft_tokens.items():
                     self.spec_stats.observe(num_drafts, len(run.sampled[seq_id]) - 1)
         else:
             step_outputs = self.scheduler.update_from_output(sched, {}, {})
+        if self.scheduler.kv_offload is not None and run is not None:
+            self.scheduler.kv_offload.finish_loads(run.kv_loads)
         if run is not None and any(s.num_lookahead_steps for s in sched.scheduled):
             step_outputs = self._lookahead_passes(sched, step_outputs)
         self._release_ended()
@@ -358,6 +414,8 @@ class EngineCore:
 
     def _publish_kv_events(self) -> None:
         events = self.scheduler.block_manager.take_events()
+        if self.scheduler.kv_offload is not None:
+            events += self.scheduler.kv_offload.take_events()
         if events:
             self.kv_event_publisher.publish(event_batch(events))
 
@@ -365,6 +423,8 @@ class EngineCore:
         """Forget the prefix cache (vLLM's ``reset_prefix_cache``): False, and nothing changes, while a request
         holds blocks. Publishes AllBlocksCleared."""
         done = self.scheduler.block_manager.reset_prefix_cache()
+        if done and self.scheduler.kv_offload is not None:
+            self.scheduler.kv_offload.reset()
         self._publish_kv_events()
         return done
 
@@ -404,6 +464,9 @@ class EngineCore:
         return {
             "prefix_cache_queries": sched.prefix_cache_queries,
             "prefix_cache_hits": sched.prefix_cache_hits,
+            # vLLM's external (KV connector) prefix cache: here the offload tier (0 without one)
+            "external_prefix_cache_queries": 0 if sched.kv_offload is None else sched.kv_offload.queries,
+            "external_prefix_cache_hits": 0 if sched.kv_offload is None else sched.kv_offload.hits,
             "num_preemptions": sched.num_preemptions,
             "prompt_tokens": sched.num_prompt_tokens,
             "generation_tokens": sched.num_generation_tokens,

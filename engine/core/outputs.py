@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.finish_reason import FinishReason
 from engine.core.request import PromptLogprobs, RequestTimes, SequenceId
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -14,8 +18,9 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    # One (logprob of the sampled token, {token id: logprob} top-k) per new token, when asked.
-    new_logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # One (logprob of the sampled token, {token id: logprob} top-k, the sampled token's rank) per new token, when
+    # asked.
+    new_logprobs: list[tuple[float, dict[int, float], int]] | None = None
     finish_reason: FinishReason | None = None   # set on the sequence's last output only
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -28,6 +33,8 @@ class EngineCoreOutput:
     prompt_logprobs: PromptLogprobs | None = None
     # On the output with ``request_finished`` (None only when the engine failed and ended everything at once).
     times: RequestTimes | None = None
+    # A pooling request's result on its one output: float32 rows [rows, row_size] (engine.worker.pooling_runner).
+    pooled: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -40,12 +47,28 @@ class EngineCoreOutput:
 
 
 @dataclass
+class Logprob:
+    """One token's entry in the offline API's logprobs (vLLM's ``Logprob``): its log probability, its rank in the
+    distribution (1 + the tokens more likely than it) and its text as decoded alone."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shapes: one {token id: Logprob} per generated token (the sampled token first, then the top ones); for
+# the prompt, None for its first token, then one such dict per token (the prompt's own token first).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobDicts = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
 
@@ -58,6 +81,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     num_cached_tokens: int = 0
-    # vLLM's shape: None for the first prompt token, then {token id: logprob} holding the prompt token and the
+    # vLLM's shape: None for the first prompt token, then {token id: Logprob} holding the prompt token and the
     # top prompt_logprobs alternatives. None when not asked.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: PromptLogprobDicts | None = None

@@ -12,6 +12,7 @@ import numpy as np
 from engine.core.beam import BeamSearchState
 from engine.core.finish_reason import FinishReason
 from engine.core.lora_request import LoRARequest
+from engine.core.pooling_params import PoolingSpec
 from engine.core.sampling_params import SamplingParams
 
 TOKEN_DTYPE = np.int32
@@ -53,11 +54,14 @@ class PromptLogprobs:
     logprobs: np.ndarray       # [P - 1] float32
     top_ids: np.ndarray        # [P - 1, k] int64
     top_logprobs: np.ndarray   # [P - 1, k] float32
+    # [P - 1] int64: each token's rank, 1 + the tokens more likely than it (vLLM's); None where not computed.
+    ranks: np.ndarray | None = None
 
 
 # What the runner computes for one prefill chunk: (index in the prompt of the first token covered, its logprob
-# and those of the tokens after it [m], top ids [m, k], top logprobs [m, k]). The core joins a prompt's chunks.
-PromptLogprobsChunk = tuple[int, np.ndarray, np.ndarray, np.ndarray]
+# and those of the tokens after it [m], top ids [m, k], top logprobs [m, k], their ranks [m]). The core joins a
+# prompt's chunks.
+PromptLogprobsChunk = tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -88,6 +92,7 @@ class Request:
         priority: int = 0,
         index: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -106,13 +111,18 @@ class Request:
         self.priority = priority
         # The LoRA adapter every sequence of the request runs through (None: the base model).
         self.lora_request = lora_request
+        # vLLM's cache_salt: an extra key of the first block's hash, so only requests with the same salt share
+        # cached blocks (None: no salt).
+        self.cache_salt = cache_salt
+        # A pooling request's task and parameters (None: a generation request): one step over the whole prompt.
+        self.pooling: PoolingSpec | None = None
         # Every sequence of the request, this one included: one list, shared by all of them (a fork appends).
         self.sequences: list[Request] = [self]
         # Indexes aborted before the fork made their sequences (only on index 0 while n > 1): they end at the fork.
         self.aborted_before_fork: set[int] = set()
         self.output_token_ids: list[int] = []
         # Each entry: (sampled token logprob, {token id: logprob} of the top-k) when logprobs asked.
-        self.output_logprobs: list[tuple[float, dict[int, float]]] = []
+        self.output_logprobs: list[tuple[float, dict[int, float], int]] = []
         # Sum of the sampled tokens' logprobs (raw model distribution), kept when the sampler reports them.
         self.cumulative_logprob = 0.0
         # best_of and beam search: nothing is reported until the request ends, then its ``num_returned`` best
@@ -209,7 +219,8 @@ class Request:
             token_ids=self.prompt_token_ids.copy(),
             logprobs=np.concatenate([c[1] for c in chunks]) if chunks else np.empty(0, np.float32),
             top_ids=np.concatenate([c[2] for c in chunks]) if chunks else np.empty((0, k), np.int64),
-            top_logprobs=np.concatenate([c[3] for c in chunks]) if chunks else np.empty((0, k), np.float32))
+            top_logprobs=np.concatenate([c[3] for c in chunks]) if chunks else np.empty((0, k), np.float32),
+            ranks=np.concatenate([c[4] for c in chunks]) if chunks else np.empty(0, np.int64))
 
     def reset_prompt_logprobs(self) -> None:
         """Drop partial prompt logprobs (a preemption: the prompt is computed again from its start)."""

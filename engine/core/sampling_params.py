@@ -131,7 +131,8 @@ class BeamSearch:
 
 # What beam search cannot honour as Hugging Face does (its processors act on log-softmaxed scores): refused.
 _NOT_WITH_BEAMS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                   "logit_bias": None, "logprobs": None, "best_of": None, "allowed_token_ids": None}
+                   "logit_bias": None, "logprobs": None, "best_of": None, "allowed_token_ids": None,
+                   "bad_words_token_ids": None}
 
 
 @dataclass
@@ -154,6 +155,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these token ids may be sampled (vLLM's); None: any.
     allowed_token_ids: list[int] | None = None
+    # Words the output never contains (vLLM's bad_words): text, which the engine does not read; LLM.generate
+    # tokenizes them into bad_words_token_ids as vLLM's update_from_tokenizer does.
+    bad_words: list[str] | None = None
+    # The tokenized bad words: the sampler never takes the last token of one whose other tokens end the output.
+    bad_words_token_ids: list[list[int]] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -196,6 +202,10 @@ class SamplingParams:
                 raise InvalidRequestError("logit_bias", "keys must be token ids and values numbers") from e
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids] or None
         if self.top_k is not None and self.top_k <= 0:
             # vLLM spells "disabled" as 0 or -1; we keep None as the one spelling.
             if self.top_k in (0, -1):
@@ -213,10 +223,11 @@ class SamplingParams:
 
     @property
     def follows_each_token(self) -> bool:
-        """A grammar, or a thinking budget, decides each token from the ones before it, and allowed_token_ids mask
+        """A grammar, bad words or a thinking budget decide each token from the ones before it, allowed_token_ids mask
         every token: the sequence samples one token at a time (no speculation, no multi-step passes, no step
         scheduled ahead of its token), so that every token it keeps went through the sampler's masks."""
         return (self.structured_outputs is not None or self.allowed_token_ids is not None
+                or self.bad_words_token_ids is not None
                 or (self.reasoning is not None and self.reasoning.thinking_token_budget is not None))
 
     @property
@@ -278,6 +289,11 @@ class SamplingParams:
         _check(self.allowed_token_ids is None or (bool(self.allowed_token_ids)
                                                    and all(_int(t) and t >= 0 for t in self.allowed_token_ids)),
                "allowed_token_ids", "must be a non-empty list of token ids")
+        _check(self.bad_words is None or all(isinstance(w, str) for w in self.bad_words), "bad_words",
+               "must be a list of strings")
+        _check(self.bad_words_token_ids is None or all(bool(ids) and all(_int(t) and t >= 0 for t in ids)
+                                                       for ids in self.bad_words_token_ids),
+               "bad_words_token_ids", "must be non-empty lists of token ids")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 _check(_finite(bias) and -100 <= bias <= 100, "logit_bias",
@@ -285,7 +301,8 @@ class SamplingParams:
         if vocab_size is not None:
             for name, ids in (("stop_token_ids", self.stop_token_ids),
                               ("logit_bias", list(self.logit_bias or {})),
-                              ("allowed_token_ids", self.allowed_token_ids or [])):
+                              ("allowed_token_ids", self.allowed_token_ids or []),
+                              ("bad_words_token_ids", [t for seq in self.bad_words_token_ids or [] for t in seq])):
                 bad = [t for t in ids if not (_int(t) and 0 <= t < vocab_size)]
                 _check(not bad, name, f"token id {bad[:1]} out of range [0, {vocab_size})")
 

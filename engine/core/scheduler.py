@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from common.errors import InvalidRequestError, QueueFullError
 from engine.config import EngineConfig
@@ -38,12 +39,16 @@ from engine.core.beam_groups import BeamGroups
 from engine.core.block_hashing import make_block_hasher
 from engine.core.block_manager import BlockManager
 from engine.core.finish_reason import FinishReason
+from engine.core.kv_offload import OffloadConnector
 from engine.core.outputs import EngineCoreOutput
 from engine.core.reports import best_of_outputs, delta_output
 from engine.core.request import PromptLogprobsChunk, Request, RequestStatus, SequenceId
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
-Logprob = tuple[float, dict[int, float]]
+if TYPE_CHECKING:
+    import torch
+
+Logprob = tuple[float, dict[int, float], int]
 
 
 class Scheduler:
@@ -58,9 +63,10 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, num_blocks: int, *, eos_token_ids: set[int] | frozenset[int],
-                 max_model_len: int, reclaim_window: int | None = None) -> None:
+                 max_model_len: int, reclaim_window: int | None = None, kv_offload_slots: int = 0) -> None:
         """``reclaim_window``: every layer of the model attends over this many last positions: a running
-        sequence's blocks before its window are given back as it goes."""
+        sequence's blocks before its window are given back as it goes. ``kv_offload_slots``: the blocks the
+        KV offload tier holds (``config.kv_offloading_config``; ``engine.core.kv_offload.num_tier_slots``)."""
         self.config = config
         self.reclaim_window = reclaim_window
         self.max_model_len = max_model_len
@@ -70,6 +76,11 @@ class Scheduler:
             num_blocks, config.block_size, config.enable_prefix_caching,
             hash_fn=make_block_hasher(config.prefix_caching_hash_algo),
             enable_kv_cache_events=events is not None and events.enable_kv_cache_events)
+        # A KV offload tier: evicted blocks are stored there and loaded back on a prefix miss (None: off).
+        self.kv_offload = None if config.kv_offloading_config is None else OffloadConnector(
+            config.kv_offloading_config, self.block_manager, kv_offload_slots,
+            requeue=lambda r: self._insert(self.waiting, r, front=True),
+            enable_events=events is not None and events.enable_kv_cache_events)
         self.beam_groups = BeamGroups(self.block_manager, eos_token_ids=self.eos_token_ids,
                                       max_model_len=max_model_len, fork=self.fork_request, finish=self._finish)
         self.requests: dict[SequenceId, Request] = {}
@@ -99,7 +110,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Waiting requests, those whose blocks an offload tier is loading included (vLLM counts them too)."""
+        return len(self.waiting) + (0 if self.kv_offload is None else self.kv_offload.num_loading)
 
     @property
     def num_free_seats(self) -> int:
@@ -119,7 +131,7 @@ class Scheduler:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.kv_offload is not None and self.kv_offload.num_loading))
 
     def get_request(self, request_id: str, index: int = 0) -> Request | None:
         """Sequence ``index`` of an unfinished request (it may itself have ended while a sibling runs)."""
@@ -140,6 +152,10 @@ class Scheduler:
         if num_prompt > self.capacity_tokens:
             raise InvalidRequestError("prompt", f"{num_prompt} tokens do not fit in the KV cache "
                                                 f"({self.capacity_tokens} tokens)")
+        if request.pooling is not None and num_prompt > self.config.max_num_batched_tokens:
+            raise InvalidRequestError("prompt", f"a pooling request runs its whole prompt in one step: {num_prompt} "
+                                                "tokens exceed max_num_batched_tokens "
+                                                f"{self.config.max_num_batched_tokens}")
         if request.index != 0 or len(request.sequences) != 1:
             raise ValueError(f"{request.seq_id}: only a new request's first sequence is added; forks make the others")
         if request.seq_id in self.requests:   # sequence 0 stays keyed until every sequence of its request ended
@@ -196,7 +212,8 @@ class Scheduler:
         seed = parent.sampling_params.seed
         params = parent.sampling_params.clone(n=1, best_of=None, seed=None if seed is None else seed + index)
         child = Request(parent.request_id, parent.prompt_token_ids, params, arrival_time=parent.arrival_time,
-                        priority=parent.priority, index=index, lora_request=parent.lora_request)
+                        priority=parent.priority, index=index, lora_request=parent.lora_request,
+                        cache_salt=parent.cache_salt)
         child.sequences = parent.sequences
         child.sequences.append(child)
         child.copy_tokens_from(parent)
@@ -281,6 +298,11 @@ class Scheduler:
                     self.waiting.remove(request)
                 skipped += unit
                 continue
+            if unit[0].pooling is not None and unit[0].num_prompt_tokens > budget:
+                break   # a pooling prompt runs whole, in one step: it waits for a step with room for all of it
+            if self.kv_offload is not None and self.kv_offload.start_load(unit):
+                self.waiting.remove(unit[0])   # back at the head once its blocks are loaded
+                continue
             has_seat = len(self.running) + len(unit) <= self.config.max_num_seqs
             admitted = self.beam_groups.admit(unit, budget) if has_seat else None
             if admitted is None:
@@ -318,13 +340,16 @@ class Scheduler:
         out.scheduled = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
         out.num_batched_tokens = sum(s.num_budget_tokens for s in scheduled)
         out.block_copies += self.block_manager.pop_block_copies()
+        if self.kv_offload is not None:
+            out.kv_transfer = self.kv_offload.take_transfer(idle=not out.scheduled and not out.block_copies)
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[SequenceId, list[int]],
                            logprobs: dict[SequenceId, list[Logprob]] | None = None,
                            beam_candidates: Mapping[SequenceId, Candidates] | None = None,
                            prompt_logprobs: dict[SequenceId, PromptLogprobsChunk] | None = None, *,
-                           grammar_ended: dict[SequenceId, FinishReason] | None = None) -> list[EngineCoreOutput]:
+                           grammar_ended: dict[SequenceId, FinishReason] | None = None,
+                           pooled: Mapping[SequenceId, torch.Tensor] | None = None) -> list[EngineCoreOutput]:
         """Apply one executed step: advance progress, cache full blocks, append samples, finish and free.
 
         Returns one output per sequence with tokens to report (forked ones after the sequence they were forked
@@ -333,8 +358,8 @@ class Scheduler:
         their best sequences once, when they end. ``sampled`` must hold tokens for every sequence of
         ``ScheduledRequest.sample_seq_ids``, ``beam_candidates`` proposals for every beam that sampled.
         ``grammar_ended``: constrained sequences that end with this step's token, and why (their grammar is
-        complete: EOS, even under ignore_eos; their matcher failed: ERROR). ``ended`` lists every sequence
-        that ended.
+        complete: EOS, even under ignore_eos; their matcher failed: ERROR). ``pooled``: the output rows of each
+        pooling request of the step (which ends with it). ``ended`` lists every sequence that ended.
         """
         outputs: list[EngineCoreOutput] = []
         num_finished = len(self._finished_ids)
@@ -349,6 +374,9 @@ class Scheduler:
                     if (report := delta_output(request, self.config.stream_interval)) is not None:
                         outputs.append(report)
                 continue   # aborted after it was scheduled
+            if request.pooling is not None:   # its one step computed the whole prompt: it ends with it
+                outputs.append(self._finish_pooled(request, pooled))
+                continue
             if s.num_spec_tokens:
                 outputs += self._update_speculated(s, sampled, logprobs)
                 continue
@@ -395,6 +423,18 @@ class Scheduler:
             self.num_generation_tokens += len(group)   # its live beams: each got a token
         self.ended = self._finished_ids[num_finished:]
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: Mapping[SequenceId, torch.Tensor] | None) -> EngineCoreOutput:
+        rows = pooled.get(request.seq_id) if pooled else None
+        if rows is None:
+            raise ValueError(f"no pooled output for {request.seq_id}")
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.num_prompt_tokens += request.num_prompt_tokens
+        request.first_token_time = time.monotonic()
+        self._finish(request, FinishReason.STOP)
+        return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.STOP,
+                                num_prompt_tokens=request.num_prompt_tokens, request_finished=True,
+                                times=request.times(), pooled=rows)
 
     # ----- async scheduling ------------------------------------------------------------
 
@@ -561,7 +601,7 @@ class Scheduler:
         reported on its last output), and only then are its sequences dropped from ``requests``."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif self.kv_offload is None or not self.kv_offload.cancel(request):   # (not waiting while it loads)
             self.waiting.remove(request)
         self.block_manager.free(request)
         request.num_pending = 0   # a step in flight may still sample for it: that token is dropped

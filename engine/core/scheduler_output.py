@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.request import Request, SequenceId
+
+if TYPE_CHECKING:
+    from engine.worker.kv_transfer import KVTransfer
 
 
 @dataclass
@@ -75,6 +79,9 @@ class SchedulerOutput:
     # Sequences that finished or were aborted since the previous step.
     finished_request_ids: list[SequenceId] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0   # tokens served from the prefix cache to requests admitted this step
+    # Blocks to copy between the device cache and a KV offload tier before the forward pass (engine.core.kv_offload);
+    # None: no tier, or nothing to move and no load in flight.
+    kv_transfer: KVTransfer | None = None
     # Multi-step decode: 0 for a step's first pass; j for its j-th further pass (decode rows only, whose inputs
     # are the previous pass's rows one position on: ``engine.worker.multi_step``).
     pass_index: int = 0

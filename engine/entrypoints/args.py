@@ -13,10 +13,12 @@ from common.errors import InvalidRequestError
 from common.settings import runtime_lora_updating
 from engine.config import (
     KV_CACHE_DTYPES,
+    KV_OFFLOADING_BACKENDS,
     LORA_DTYPES,
     PREFIX_CACHING_HASH_ALGOS,
     EngineConfig,
     KVEventsConfig,
+    KVOffloadConfig,
     LoRAConfig,
     LoRAModule,
     SpeculativeConfig,
@@ -105,6 +107,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-config", default=None,
                    help='KV cache events as vLLM publishes them, JSON with vLLM\'s keys: \'{"enable_kv_cache_events": '
                         'true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\'')
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
+                   help="a KV offload tier of this many GiB: full blocks evicted from the KV cache are kept there "
+                        "and loaded back on a prefix miss (docs/serving.md, 'KV offload tiers')")
+    g.add_argument("--kv-offloading-backend", default=None, choices=KV_OFFLOADING_BACKENDS,
+                   help="native: host memory (default); disk: files in --kv-offloading-path")
+    g.add_argument("--kv-offloading-path", default=None, metavar="DIR",
+                   help="the directory the disk tier's files go in (required with --kv-offloading-backend disk)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache bytes on CPU, e.g. 4GiB")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--device-memory-utilization", "--gpu-memory-utilization", dest="device_memory_utilization",
@@ -154,6 +163,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-sliding-window", action="store_true", default=False,
                    help="sliding-window models: full attention in every layer, the context capped at the window "
                         "(vLLM's flag)")
+    pool = parser.add_argument_group("pooling models (vLLM's flag names; docs/models.md)")
+    pool.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                      help="pooling: embeddings, scores, classification (auto: pooling for encoders and "
+                           "*ForSequenceClassification)")
+    pool.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify"],
+                      help="embed: a generation model as an embedder (last-token pooling); classify: its "
+                           "*ForSequenceClassification head")
+    pool.add_argument("--pooler-config", default=None, metavar="JSON",
+                      help='e.g. {"pooling_type": "MEAN", "normalize": true}')
     par = parser.add_argument_group("parallelism (vLLM's flag names; docs/distributed.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                      help="ranks each layer is split over (attention heads, MLP columns, vocabulary)")
@@ -228,6 +246,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values["kv_events_config"] = (None if given is None
                                   else kv_events_config(json_object(given, "--kv-events-config")))
     values["num_kv_blocks"] = kv_blocks(ns)
+    values["kv_offloading_config"] = kv_offloading_config(ns)
     if values.get("quantization") == "gguf":   # what a GGUF file always runs (vllm_compat notes it)
         values["quantization"] = None
     if isinstance(values.get("cuda_graph_sizes"), list):
@@ -338,6 +357,10 @@ def check_local_paths(config: EngineConfig) -> None:
     if spec is not None and spec.model is not None and not Path(spec.model).exists():
         raise InvalidRequestError("--speculative-config.model", f"{spec.model!r} does not exist: the draft model "
                                                                 "is a local HF directory or .gguf file")
+    if config.model is not None:   # a quantization the loader would refuse (3-bit GPTQ, an unknown quant_method)
+        from engine.models.int4_checkpoint import check_checkpoint
+
+        check_checkpoint(config.model, config.quantization, config.device)
 
 
 def kv_events_config(values: dict[str, object]) -> KVEventsConfig:
@@ -348,6 +371,21 @@ def kv_events_config(values: dict[str, object]) -> KVEventsConfig:
         raise InvalidRequestError(e.field.replace("kv_events_config", "--kv-events-config", 1), e.message) from e
     except TypeError as e:   # a value of the wrong type
         raise InvalidRequestError("--kv-events-config", str(e)) from e
+
+
+def kv_offloading_config(ns: argparse.Namespace) -> KVOffloadConfig | None:
+    """``--kv-offloading-size`` / ``-backend`` / ``-path``; None without a size. Errors name the flag."""
+    size, backend = getattr(ns, "kv_offloading_size", None), getattr(ns, "kv_offloading_backend", None)
+    path = getattr(ns, "kv_offloading_path", None)
+    if size is None:
+        given = "--kv-offloading-backend" if backend is not None else "--kv-offloading-path" if path else None
+        if given is not None:
+            raise InvalidRequestError(given, "needs --kv-offloading-size (the tier's GiB)")
+        return None
+    try:
+        return KVOffloadConfig(size, backend or "native", path)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"--{e.field.replace('_', '-')}", e.message) from e
 
 
 def json_object(text: str, flag: str) -> dict[str, object]:

@@ -28,6 +28,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.finish_reason import FinishReason
 from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
+from engine.core.pooling_params import PoolingParams
 from engine.core.request import SequenceId
 from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.metrics import EngineMetrics
@@ -79,6 +80,7 @@ class _Add:
     group: OutputGroup
     done: Future[None]
     lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
     # When the request reached the engine (time.monotonic), not when its thread took it after the step running
     # then: the metrics' queue time and TTFT start here, as vLLM's start at its frontend.
     arrival_time: float = field(default_factory=time.monotonic)
@@ -150,8 +152,8 @@ class AsyncEngine:
 
     # -- event-loop side ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
-                       *, priority: int = 0, lora_request: LoRARequest | None = None
-                       ) -> AsyncIterator[EngineCoreOutput]:
+                       *, priority: int = 0, lora_request: LoRARequest | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[EngineCoreOutput]:
         """Add a request and yield its per-step outputs (of each of its sequences) until the core says it ended.
 
         Raises InvalidRequestError / QueueFullError before yielding anything if it is refused.
@@ -159,7 +161,8 @@ class AsyncEngine:
         """
         group = _RequestQueue(asyncio.get_running_loop())
         outputs = group.queue
-        done = self.submit(request_id, prompt_token_ids, params, group, priority=priority, lora_request=lora_request)
+        done = self.submit(request_id, prompt_token_ids, params, group, priority=priority, lora_request=lora_request,
+                           cache_salt=cache_salt)
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -177,16 +180,38 @@ class AsyncEngine:
                 self.abort([request_id])
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
-               group: OutputGroup, *, priority: int = 0, lora_request: LoRARequest | None = None) -> Future[None]:
+               group: OutputGroup, *, priority: int = 0, lora_request: LoRARequest | None = None,
+               cache_salt: str | None = None) -> Future[None]:
         """Queue a request whose outputs go to ``group``; the future fails with InvalidRequestError /
         QueueFullError if the core refuses it (then nothing reaches ``group`` for it). Many requests may
         share a group: each step then reaches it as one ``deliver`` call (what the gRPC ``Stream`` uses).
-        ``lora_request``: its adapter (None: the base model); a first use loads it on the engine thread."""
+        ``lora_request``: its adapter (None: the base model); a first use loads it on the engine thread.
+        ``cache_salt``: vLLM's prefix-cache salt (None: none)."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped")
         done: Future[None] = Future()
-        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, group, done, lora_request))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, group, done, lora_request,
+                                cache_salt))
         return done
+
+    async def pool(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: PoolingParams, *,
+                   token_type_ids: Sequence[int] | None = None, priority: int = 0) -> EngineCoreOutput:
+        """Add a pooling request and return its one output: ``pooled`` set, or an ABORT / ERROR finish without
+        it. Raises what the core's ``add_pooling_request`` raises; cancelling the call aborts the request."""
+        group = _RequestQueue(asyncio.get_running_loop())
+        arrival = time.monotonic()
+
+        def add(core: EngineCore) -> None:   # on the engine thread: the sink is registered with the request
+            core.add_pooling_request(request_id, prompt_token_ids, params, token_type_ids=token_type_ids,
+                                     priority=priority, arrival_time=arrival)
+            self._sinks[request_id] = group
+
+        try:
+            await self.call(add)
+            return await group.queue.get()
+        except asyncio.CancelledError:
+            self.abort([request_id])
+            raise
 
     def abort(self, targets: list[str | SequenceId]) -> None:
         """End whole requests (an id) or single sequences (a SequenceId); see EngineCore.abort_requests."""
@@ -300,7 +325,8 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
-                                      lora_request=cmd.lora_request, arrival_time=cmd.arrival_time)
+                                      lora_request=cmd.lora_request, arrival_time=cmd.arrival_time,
+                                      cache_salt=cmd.cache_salt)
             except BaseException as e:
                 cmd.done.set_exception(e)
             else:

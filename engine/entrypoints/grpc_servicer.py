@@ -26,14 +26,25 @@ from common.tls import GrpcTls
 from common.tracing import Tracing
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.core.finish_reason import FinishReason
+from engine.core.kv_events import ZmqEventPublisher
 from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
+from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.draft_check import check_draft_tokenizer
 from engine.entrypoints.generation_config import generation_defaults, log_defaults
 from engine.entrypoints.grpc_lora import adapters_to_pb, load_adapter, unload_adapter
-from engine.entrypoints.grpc_wire import abort_targets_from_pb, output_to_pb, sampling_params_from_pb, wire_error
+from engine.entrypoints.grpc_wire import (
+    abort_targets_from_pb,
+    output_to_pb,
+    pool_output_to_pb,
+    pooling_info_fields,
+    pooling_params_from_pb,
+    sampling_params_from_pb,
+    wire_error,
+)
 from engine.entrypoints.lora_registry import LoRARegistry
 from engine.entrypoints.metrics import serve_metrics
 from engine.entrypoints.model_limits import engine_max_request_bytes, model_context_length
@@ -53,6 +64,17 @@ class ShmNotRegisteredError(InvalidRequestError):
     wire, INVALID_ARGUMENT with ERROR_REASON_SHM_NOT_REGISTERED, which tells the caller to register again."""
 
     reason = engine_pb2.ERROR_REASON_SHM_NOT_REGISTERED
+
+
+def _connectable(endpoint: str | None, *, always_bound: bool = False) -> str:
+    """A ZMQ endpoint the engine binds, as a client on this host connects to it (a "*" or "::" host as loopback);
+    "" for none, an inproc one (this process's only) or one the engine connects out to (the PUB socket binds only a
+    wildcard, ipc or inproc address: vLLM's rule)."""
+    if not endpoint or endpoint.startswith("inproc://"):
+        return ""
+    if not (always_bound or "*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")):
+        return ""
+    return endpoint.replace("*", "127.0.0.1").replace("[::]", "[::1]")
 
 
 def error_reason(error: BaseException) -> int:
@@ -143,7 +165,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         first = True
         try:
             async for out in engine.generate(request.request_id, prompt, params, priority=request.priority,
-                                             lora_request=lora):
+                                             lora_request=lora, cache_salt=request.cache_salt or None):
                 msg = output_to_pb(out)
                 if first and released_slot is not None:
                     msg.released_shm_slot = released_slot
@@ -183,7 +205,41 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 prefix_cache_query_tokens=stats["prefix_cache_queries"],
                 prefix_cache_hit_tokens=stats["prefix_cache_hits"], preemptions=stats["num_preemptions"]),
             lora_enabled=self.registry.enabled, lora_adapters=adapters_to_pb(self.registry),
-            instance_id=self.instance_id)
+            instance_id=self.instance_id, **self._prefix_cache_info(),
+            **pooling_info_fields(self.engine.core.runner, self.engine.core.pooling))
+
+    async def Pool(self, request: engine_pb2.EnginePoolRequest, context: grpc.aio.ServicerContext
+                   ) -> engine_pb2.EnginePoolResponse:
+        """One pooling request (engine.worker.pooling_runner): batched with the others by the scheduler; a call
+        cancelled aborts it, a request aborted (Abort) or failed by the engine ends the call ABORTED / INTERNAL."""
+        if not request.request_id:
+            raise InvalidRequestError("request_id", "is required")
+        REQUEST_ID.set(request.client_request_id or request.request_id)
+        prompt = np.asarray(request.prompt_token_ids.ids)
+        out = await self.engine.pool(request.request_id, prompt, pooling_params_from_pb(request),
+                                     token_type_ids=list(request.token_type_ids) or None, priority=request.priority)
+        self.counters["finished_requests"] += 1
+        if out.pooled is None:
+            aborted = out.finish_reason is FinishReason.ABORT
+            await context.abort(grpc.StatusCode.ABORTED if aborted else grpc.StatusCode.INTERNAL,
+                                f"pooling request {request.request_id!r} was "
+                                f"{'aborted' if aborted else 'failed by the engine'}")
+        return pool_output_to_pb(out)
+
+    def _prefix_cache_info(self) -> dict[str, Any]:
+        """GetInfo's prefix-cache fields: what a router needs to hash prompts as this engine does and to follow its
+        KV events (engine.core.kv_events), and the KV-cache usage."""
+        core = self.engine.core
+        config = core.config
+        info: dict[str, Any] = {"prefix_caching": config.enable_prefix_caching,
+                                "prefix_caching_hash_algo": config.prefix_caching_hash_algo,
+                                "kv_cache_usage": core.scheduler.block_manager.usage()}
+        publisher = core.kv_event_publisher
+        if isinstance(publisher, ZmqEventPublisher) and config.kv_events_config is not None:
+            info.update(kv_events_endpoint=_connectable(publisher.endpoint),
+                        kv_events_replay_endpoint=_connectable(publisher.replay_endpoint, always_bound=True),
+                        kv_events_topic=config.kv_events_config.topic)
+        return info
 
     async def LoadLoRAAdapter(self, request: common_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
                               ) -> common_pb2.LoadLoRAAdapterResponse:
@@ -192,6 +248,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def UnloadLoRAAdapter(self, request: common_pb2.UnloadLoRAAdapterRequest,
                                 context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoRAAdapterResponse:
         return await unload_adapter(self.engine, self.registry, request)
+
+    async def ResetPrefixCache(self, request: common_pb2.ResetPrefixCacheRequest,
+                               context: grpc.aio.ServicerContext) -> common_pb2.ResetPrefixCacheResponse:
+        """vLLM's ``reset_prefix_cache``, run on the engine thread between two steps: ok is False, and nothing
+        changed, while a request holds blocks (KV events: AllBlocksCleared when it is done)."""
+        ok = await self.engine.call(lambda core: core.reset_prefix_cache())
+        if not ok:
+            logger.warning("prefix cache not reset: requests hold KV blocks")
+        return common_pb2.ResetPrefixCacheResponse(ok=ok)
 
     async def RegisterSharedMemory(self, request: engine_pb2.RegisterSharedMemoryRequest,
                                    context: grpc.aio.ServicerContext) -> engine_pb2.RegisterSharedMemoryResponse:
@@ -245,7 +310,8 @@ class _StreamCall:
             prompt, released_slot = self._servicer.read_prompt(request)
             params = sampling_params_from_pb(request, self._servicer.sampling_defaults)
             lora = self._servicer.lora_request(request.lora_adapter)
-            done = self._engine.submit(rid, prompt, params, self, priority=request.priority, lora_request=lora)
+            done = self._engine.submit(rid, prompt, params, self, priority=request.priority, lora_request=lora,
+                                       cache_salt=request.cache_salt or None)
         except Exception as e:  # noqa: BLE001 — refused: the error entry is its terminal event
             self._refuse(rid, e)
             return
@@ -300,6 +366,12 @@ class _StreamCall:
 
 def warm_up(core: EngineCore) -> None:
     """One short request through the whole step path before the server reports SERVING."""
+    if core.pooling is not None:
+        core.add_pooling_request("__warmup__", [core.model_config.bos_token_id or 1] * 8,
+                                 PoolingParams(task=core.pooling.tasks[0]))
+        while core.has_unfinished_requests():
+            core.step()
+        return
     core.add_request("__warmup__", [core.model_config.bos_token_id or 1] * 8,
                      SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     while core.has_unfinished_requests():

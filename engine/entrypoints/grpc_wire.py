@@ -11,6 +11,7 @@ from typing import Any
 from common.errors import InvalidRequestError
 from engine.core.finish_reason import FinishReason
 from engine.core.outputs import EngineCoreOutput
+from engine.core.pooling_params import PoolingParams, PoolingTasks
 from engine.core.request import PromptLogprobs, SequenceId
 from engine.core.sampling_params import (
     BeamSearch,
@@ -57,6 +58,8 @@ def sampling_params_from_pb(req: engine_pb2.EngineGenerateRequest,
         kw["logit_bias"] = dict(s.logit_bias)
     if s.allowed_token_ids:
         kw["allowed_token_ids"] = list(s.allowed_token_ids)
+    if req.bad_words_token_ids:
+        kw["bad_words_token_ids"] = [list(ids.ids) for ids in req.bad_words_token_ids]
     if st.HasField("max_tokens"):
         kw["max_tokens"] = st.max_tokens
     else:
@@ -149,7 +152,7 @@ def output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineGenerateResponse:
         finish_reason=_FINISH_TO_PB[out.finish_reason] if out.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED)
     if out.cumulative_logprob is not None:
         msg.cumulative_logprob = out.cumulative_logprob
-    for lp, top in out.new_logprobs or ():
+    for lp, top, _rank in out.new_logprobs or ():
         msg.logprobs.add(logprob=lp, top_logprobs=[engine_pb2.TokenIdLogprob(token_id=t, logprob=v)
                                                    for t, v in top.items()])
     if out.prompt_logprobs is not None:
@@ -167,3 +170,29 @@ def prompt_logprobs_to_pb(plp: PromptLogprobs) -> list[common_pb2.PromptTokenLog
             token_id=token_id, logprob=lp,
             top_logprobs=[common_pb2.PromptTopLogprob(token_id=t, logprob=v) for t, v in zip(ids, lps)]))
     return entries
+
+
+# -- pooling --------------------------------------------------------------------------------------------------
+def pooling_params_from_pb(req: engine_pb2.EnginePoolRequest) -> PoolingParams:
+    """EnginePoolRequest's task and options (unset: the model's own)."""
+    return PoolingParams(task=req.task or None,
+                         normalize=req.normalize if req.HasField("normalize") else None,
+                         dimensions=req.dimensions if req.HasField("dimensions") else None,
+                         use_activation=req.activation if req.HasField("activation") else None)
+
+
+def pool_output_to_pb(out: EngineCoreOutput) -> engine_pb2.EnginePoolResponse:
+    """A pooling request's rows, flattened row by row."""
+    assert out.pooled is not None
+    rows = out.pooled
+    return engine_pb2.EnginePoolResponse(data=rows.reshape(-1).tolist(), row_size=int(rows.shape[-1]),
+                                         prompt_tokens=out.num_prompt_tokens)
+
+
+def pooling_info_fields(runner: str, pooling: PoolingTasks | None) -> dict[str, Any]:
+    """GetInfoResponse's fields 17-22: what the engine runs and, for a pooling model, what it serves."""
+    if pooling is None:
+        return {"runner": runner}
+    return {"runner": runner, "pooling_tasks": list(pooling.tasks), "embedding_size": pooling.embedding_size,
+            "is_matryoshka": pooling.is_matryoshka, "matryoshka_dimensions": list(pooling.matryoshka_dimensions),
+            "labels": list(pooling.labels)}

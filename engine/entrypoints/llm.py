@@ -26,8 +26,15 @@ from engine.config import EngineConfig, KVEventsConfig, LoRAConfig, SpeculativeC
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.core.finish_reason import FinishReason  # noqa: E402
 from engine.core.lora_request import LoRARequest  # noqa: E402
-from engine.core.outputs import CompletionOutput, EngineCoreOutput, RequestOutput  # noqa: E402
-from engine.core.request import PromptLogprobs, SequenceId  # noqa: E402
+from engine.core.outputs import (  # noqa: E402
+    CompletionOutput,
+    EngineCoreOutput,
+    PromptLogprobDicts,
+    RequestOutput,
+    SampleLogprobs,
+)
+from engine.core.pooling_params import PoolingParams  # noqa: E402
+from engine.core.request import SequenceId  # noqa: E402
 from engine.core.sampling_params import (  # noqa: E402
     BeamSearch,
     EarlyStopping,
@@ -35,11 +42,22 @@ from engine.core.sampling_params import (  # noqa: E402
     SamplingParams,
     StructuredOutputsParams,
 )
+from engine.entrypoints import pooling_outputs  # noqa: E402
 from engine.entrypoints.draft_check import check_draft_tokenizer  # noqa: E402
+from engine.entrypoints.offline_logprobs import prompt_logprob_dicts, token_logprobs  # noqa: E402
+from engine.entrypoints.pooling_outputs import (  # noqa: E402
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingPrompt,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
 from engine.text import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from engine.text.bad_words import bad_words_token_ids  # noqa: E402
 from engine.worker.structured_output import GrammarVocabulary  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "LoRARequest"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "LoRARequest", "PoolingParams"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +80,7 @@ class _Sequence:
     index: int
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -169,12 +187,45 @@ class LLM:
 
         ``priority``: one per prompt, lower runs earlier; needs ``scheduling_policy="priority"`` (as vLLM).
         ``lora_request``: the adapter for every prompt, or a list with one per prompt (None: the base model);
-        needs ``enable_lora=True``."""
+        needs ``enable_lora=True``. A prompt dict's ``"cache_salt"`` salts its prefix cache, as vLLM's."""
         items = self._normalize_prompts(prompts)
         params = self._broadcast_params(sampling_params, len(items))
         if priority is not None and len(priority) != len(items):
             raise InvalidRequestError("priority", f"got {len(priority)} priorities for {len(items)} prompts")
-        return self._run(items, params, priority, _broadcast_loras(lora_request, len(items)))
+        return self._run(items, params, priority, _broadcast_loras(lora_request, len(items)), _cache_salts(prompts))
+
+    # -- pooling models (engine.entrypoints.pooling_outputs) -------------------------------------------------
+    def embed(self, prompts: PoolingPrompt | Sequence[PoolingPrompt], *,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's ``LLM.embed``)."""
+        return pooling_outputs.embed(self._pooling, prompts, pooling_params, truncate_prompt_tokens)
+
+    def classify(self, prompts: PoolingPrompt | Sequence[PoolingPrompt], *,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 truncate_prompt_tokens: int | None = None, use_tqdm: bool = False
+                 ) -> list[ClassificationRequestOutput]:
+        """One score per label per prompt (vLLM's ``LLM.classify``; softmax unless use_activation is False)."""
+        return pooling_outputs.classify(self._pooling, prompts, pooling_params, truncate_prompt_tokens)
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
+              pooling_params: PoolingParams | None = None, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = False) -> list[ScoringRequestOutput]:
+        """Relevance of each pair (vLLM's ``LLM.score``): a cross-encoder's score, or the embeddings' cosine."""
+        return pooling_outputs.score(self._pooling, text_1, text_2, pooling_params, truncate_prompt_tokens)
+
+    def encode(self, prompts: PoolingPrompt | Sequence[PoolingPrompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               pooling_task: str | None = None, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = False) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """The raw pooled tensor per prompt (vLLM's ``LLM.encode``; ``pooling_task`` "token_embed": one row per
+        token)."""
+        return pooling_outputs.encode(self._pooling, prompts, pooling_params, pooling_task, truncate_prompt_tokens)
+
+    @property
+    def _pooling(self) -> pooling_outputs.PoolingRunner:
+        self._check_thread()
+        return pooling_outputs.PoolingRunner(self)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
                     lora_request: LoRARequestArg = None) -> list[BeamSearchOutput]:
@@ -253,20 +304,30 @@ class LLM:
         if sp is None:
             return [self.get_default_sampling_params() for _ in range(n)]
         if isinstance(sp, SamplingParams):
-            return [sp] * n
+            return [self._with_bad_words(sp)] * n
         if len(sp) != n:
             raise InvalidRequestError("sampling_params", f"got {len(sp)} for {n} prompts")
-        return list(sp)
+        return [self._with_bad_words(p) for p in sp]
+
+    def _with_bad_words(self, sp: SamplingParams) -> SamplingParams:
+        """``bad_words`` tokenized into ``bad_words_token_ids`` (vLLM's ``update_from_tokenizer``): the engine reads
+        token ids only."""
+        if not sp.bad_words or sp.bad_words_token_ids is not None:
+            return sp
+        return sp.clone(bad_words_token_ids=bad_words_token_ids(
+            sp.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
 
     def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-             priority: Sequence[int] | None, loras: Sequence[LoRARequest | None]) -> list[RequestOutput]:
+             priority: Sequence[int] | None, loras: Sequence[LoRARequest | None],
+             salts: Sequence[str | None] = ()) -> list[RequestOutput]:
         engine = self.engine
         self._check_thread()
         rids: list[str] = []
         try:
             for i, ((_, ids), sp) in enumerate(zip(items, params)):
                 rid = str(next(self._ids))
-                engine.add_request(rid, ids, sp, priority=priority[i] if priority else 0, lora_request=loras[i])
+                engine.add_request(rid, ids, sp, priority=priority[i] if priority else 0, lora_request=loras[i],
+                                   cache_salt=salts[i] if salts else None)
                 rids.append(rid)
         except BaseException:
             engine.abort_requests(rids)
@@ -275,13 +336,13 @@ class LLM:
             raise
         slot = {rid: i for i, rid in enumerate(rids)}
         seqs: dict[SequenceId, _Sequence] = {}
-        prompt_logprobs: list[list[dict[int, float] | None] | None] = [None] * len(rids)
+        prompt_logprobs: list[PromptLogprobDicts | None] = [None] * len(rids)
         remaining = len(rids)
         while remaining:
             for out in engine.step():
                 i = slot[out.request_id]
                 if out.prompt_logprobs is not None and prompt_logprobs[i] is None:
-                    prompt_logprobs[i] = _prompt_logprob_dicts(out.prompt_logprobs)
+                    prompt_logprobs[i] = prompt_logprob_dicts(out.prompt_logprobs, self._decode_token)
                 seq = seqs.get(out.seq_id)
                 if seq is None:
                     seq = seqs[out.seq_id] = self._new_sequence(out.index, items[i][1], params[i])
@@ -308,6 +369,10 @@ class LLM:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
         return seq
 
+    def _decode_token(self, token_id: int) -> str:
+        """A token's text alone, special tokens kept: vLLM's ``Logprob.decoded_token``."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _apply(self, seq: _Sequence, out: EngineCoreOutput, sp: SamplingParams) -> None:
         """Fold one engine output into a sequence; a stop string ends it and aborts it in the engine."""
         before = seq.detok.num_output_tokens
@@ -316,8 +381,8 @@ class LLM:
         used = seq.detok.num_output_tokens - before
         seq.token_ids.extend(out.new_token_ids[:used])
         if seq.logprobs is not None and out.new_logprobs:
-            for lp, top in out.new_logprobs[:used]:
-                seq.logprobs.append(top)
+            for token_id, (lp, top, rank) in zip(out.new_token_ids, out.new_logprobs[:used]):
+                seq.logprobs.append(token_logprobs(token_id, lp, rank, top, self._decode_token))
                 seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + lp
         if out.cumulative_logprob is not None:   # the engine's sum (best_of and beams report no logprobs)
             seq.cumulative_logprob = out.cumulative_logprob
@@ -358,6 +423,13 @@ def _speculative_config(given: SpeculativeConfig | Mapping[str, Any] | None) -> 
                                                     f"{type(given).__name__}")
 
 
+def _cache_salts(prompts: PromptType | Sequence[PromptType]) -> list[str | None]:
+    """Each prompt's ``"cache_salt"`` (vLLM's prompt-dict key; None for other prompts); empty when none has one."""
+    seq = [prompts] if isinstance(prompts, dict) else prompts if isinstance(prompts, (list, tuple)) else []
+    salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in seq]
+    return salts if any(s is not None for s in salts) else []
+
+
 def _broadcast_loras(lora_request: LoRARequestArg, n: int) -> list[LoRARequest | None]:
     """One adapter (or None) per prompt, from one for all or a list of one per prompt (vLLM's semantics)."""
     if lora_request is None or isinstance(lora_request, LoRARequest):
@@ -369,15 +441,3 @@ def _broadcast_loras(lora_request: LoRARequestArg, n: int) -> list[LoRARequest |
         if lora is not None and not isinstance(lora, LoRARequest):
             raise InvalidRequestError("lora_request", f"expected a LoRARequest or None, got {type(lora).__name__}")
     return loras
-
-
-def _prompt_logprob_dicts(plp: PromptLogprobs) -> list[dict[int, float] | None]:
-    """vLLM's ``RequestOutput.prompt_logprobs``: None for the first token, then {prompt token: its logprob, then
-    each top token: its logprob} (the prompt token first, as vLLM; once when it is among the top ones)."""
-    result: list[dict[int, float] | None] = [None]
-    for token_id, lp, ids, lps in zip(plp.token_ids[1:].tolist(), plp.logprobs.tolist(), plp.top_ids.tolist(),
-                                      plp.top_logprobs.tolist()):
-        entry = {token_id: lp}
-        entry.update((t, v) for t, v in zip(ids, lps) if t != token_id)
-        result.append(entry)
-    return result

@@ -199,14 +199,23 @@ class EngineMetrics(Collector):
                      sched.num_running)
         yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
                      sched.num_waiting)
-        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
-                     sched.block_manager.usage())
+        usage = sched.block_manager.usage()
+        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, usage)
+        # vLLM's older name of the same gauge: the Gateway API Inference Extension's model-server protocol named it
+        # until 2025-11-26, and endpoint pickers released before then read it by default.
+        yield _gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", labels, usage)
         stats, base = core.scheduler_stats(), self._base
         for key, name, doc in (
                 ("prefix_cache_queries", "vllm:prefix_cache_queries",
                  "Prefix cache queries, in terms of number of queried tokens."),
                 ("prefix_cache_hits", "vllm:prefix_cache_hits",
                  "Prefix cache hits, in terms of number of cached tokens."),
+                ("external_prefix_cache_queries", "vllm:external_prefix_cache_queries",
+                 "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number "
+                 "of queried tokens (here: the KV offload tier)."),
+                ("external_prefix_cache_hits", "vllm:external_prefix_cache_hits",
+                 "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+                 "cached tokens (here: the KV offload tier)."),
                 ("num_preemptions", "vllm:num_preemptions", "Cumulative number of preemption from the engine."),
                 ("generation_tokens", "vllm:generation_tokens", "Number of generation tokens processed.")):
             yield _counter(name, doc, labels, stats[key] - base[key])

@@ -156,8 +156,10 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--hf-overrides",), None, refuse_always(_OVERRIDE)),
     CompatFlag(("--rope-scaling",), None, refuse_always(_OVERRIDE)),
     CompatFlag(("--rope-theta",), None, refuse_always(_OVERRIDE)),
-    CompatFlag(("--task", "--runner"), "text generation is what Sluice serves",
-               refuse_unless(lambda v: v in ("auto", "generate"), "Sluice serves text generation only")),
+    CompatFlag(("--task",), "text generation is what Sluice serves",
+               refuse_unless(lambda v: v in ("auto", "generate"),
+                             "vLLM's older flag; a pooling model runs with --runner pooling (and --convert embed "
+                             "or classify)")),
     CompatFlag(("--limit-mm-per-prompt",), None, refuse_always("Sluice serves text-only models")),
     CompatFlag(("--kv-transfer-config",), None, refuse_always("disaggregated prefill is not implemented")),
     CompatFlag(("--enable-sleep-mode",), None, refuse_always("sleep mode is not implemented"), kind="switch"),

@@ -16,6 +16,8 @@ from engine.models.moe_config import MOE_ARCHITECTURES, MlaConfig, MoeConfig, ml
 # and Qwen-MoE on Llama/Qwen attention; DeepSeek-V2/V3 on multi-head latent attention).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "glm",
                            "glm4", "internlm3", "helium", "seed_oss", "smollm3", "granite") + MOE_ARCHITECTURES
+# Encoders the pooling runner runs (engine.models.bert); their ModelConfig says only what the engine core reads.
+ENCODER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta")
 # The MLP activations: SiLU (every family) or GELU's tanh approximation (Gemma).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -112,7 +114,7 @@ class ModelConfig:
     logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.architecture!r}; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if self.num_heads % self.num_kv_heads != 0:

@@ -14,8 +14,9 @@ from tqdm import tqdm
 
 from common.errors import InvalidRequestError
 from engine.distributed import ParallelContext
-from engine.models import compressed_tensors, modelslim
+from engine.models import compressed_tensors, int4_checkpoint, modelslim
 from engine.models.config import ModelConfig, config_from_hf
+from engine.models.int4 import Int4Weight
 from engine.models.llama import CausalLM, build_model
 from engine.models.sharding import Shard
 from engine.models.w8a8 import Int8Weight
@@ -28,7 +29,7 @@ from engine.models.weight_names import split_fused
 W8A8 = "w8a8"
 COMPRESSED_TENSORS = compressed_tensors.QUANT_METHOD
 MODELSLIM = ("ascend", "modelslim")
-QUANTIZATIONS = (W8A8, COMPRESSED_TENSORS, *MODELSLIM)
+QUANTIZATIONS = (W8A8, COMPRESSED_TENSORS, *MODELSLIM, *int4_checkpoint.FLAGS)   # gptq / awq: require such a checkpoint
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -53,6 +54,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu"
             raise InvalidRequestError("quantization", _not_compressed(path, "a GGUF file"))
         if quantization in MODELSLIM:
             raise InvalidRequestError("quantization", _not_modelslim(quantization, path, "a GGUF file"))
+        int4_checkpoint.check_flag(quantization, None, path)
         model = load_gguf_model(p, dtype, device, parallel)
     elif p.is_dir():
         model = load_hf_model(p, dtype, device, parallel, quantization)
@@ -103,12 +105,14 @@ def load_hf_model(directory: Path, dtype: torch.dtype, device: torch.device | st
     sliced = modelslim.has_description(directory)
     qc = cfg.get("quantization_config")
     # msModelSlim drops quantization_config from config.json (older exports left one without a quant_method)
-    scheme = None if sliced and not (isinstance(qc, dict) and qc.get("quant_method")) else \
-        compressed_tensors.read_scheme(cfg)
+    int4_format = None if sliced else int4_checkpoint.read_format(cfg)   # GPTQ, AWQ, compressed-tensors W4A16
+    int4_checkpoint.check_flag(quantization, int4_format, str(directory))
+    scheme = None if int4_format is not None or (sliced and not (isinstance(qc, dict) and qc.get("quant_method"))) \
+        else compressed_tensors.read_scheme(cfg)
     if scheme is not None and sliced:
         raise ValueError(f"{directory}: both a compressed-tensors quantization_config and {modelslim.DESCRIPTION}; "
                          "expected one quantization")
-    if scheme is None and quantization == COMPRESSED_TENSORS:
+    if scheme is None and int4_format is None and quantization == COMPRESSED_TENSORS:
         raise InvalidRequestError("quantization", _not_compressed(str(directory), "a directory") if not sliced else
                                   f"{COMPRESSED_TENSORS!r} needs a compressed-tensors checkpoint; {directory} is an "
                                   "msModelSlim one: use --quantization ascend (or none)")
@@ -132,6 +136,13 @@ def load_hf_model(directory: Path, dtype: torch.dtype, device: torch.device | st
         model.load_weights(modelslim.split_int8(slim_tensors, slim, dtype, model.weight_shard, int8))
         model.load_int8(int8)
         modelslim.drop_folded_biases(model)
+        return model
+    if int4_format is not None:
+        int4: list[tuple[str, Int4Weight]] = []
+        packed = iter_safetensors(names, int4_checkpoint.shard_of(model.weight_shard, int4_format))
+        tensors = int4_checkpoint.split_int4(packed, int4_format, dtype, model.weight_shard, int4)
+        model.load_weights(split_fused(tensors, config, model.weight_shard))
+        int4_checkpoint.attach(model, int4)
         return model
     if scheme is None:
         model.load_weights(split_fused(iter_safetensors(names, model.weight_shard), config, model.weight_shard))

@@ -21,9 +21,12 @@ class Tokenizer:
     def __init__(self, backend: HFTokenizer, *, bos_token_id: int | None = None, eos_token_id: int | None = None,
                  extra_eos_token_ids: Iterable[int] = (), unk_token_id: int | None = None,
                  pad_token_id: int | None = None, chat_template: str | None = None,
-                 add_bos_token: bool | None = None, add_eos_token: bool | None = None) -> None:
-        """``add_bos_token``/``add_eos_token`` = None keeps the backend's own post-processor."""
+                 add_bos_token: bool | None = None, add_eos_token: bool | None = None,
+                 reads_segment_ids: bool = False) -> None:
+        """``add_bos_token``/``add_eos_token`` = None keeps the backend's own post-processor;
+        ``reads_segment_ids``: the model takes token_type_ids (``encode_pairs``), as its transformers tokenizer says."""
         self._backend = backend
+        self.reads_segment_ids = reads_segment_ids
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.unk_token_id = unk_token_id
@@ -82,7 +85,8 @@ class Tokenizer:
                    extra_eos_token_ids=extra, unk_token_id=token_id("unk_token"), pad_token_id=token_id("pad_token"),
                    chat_template=template,
                    add_bos_token=bool(config.get("add_bos_token")) if explicit else None,
-                   add_eos_token=bool(config.get("add_eos_token")) if explicit else None)
+                   add_eos_token=bool(config.get("add_eos_token")) if explicit else None,
+                   reads_segment_ids=_reads_segment_ids(config))
 
     def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
         """BOS/EOS insertion as transformers' fast tokenizers do it: a template post-processor."""
@@ -112,6 +116,14 @@ class Tokenizer:
         # encode_batch releases the GIL while it works (encode holds it: 2.5 s for 1.3 MB of text, every other
         # thread stopped), so a long prompt tokenized in a worker thread never stalls the event loop.
         return list(self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def encode_pairs(self, pairs: Sequence[tuple[str, str]], add_special_tokens: bool = True
+                     ) -> list[tuple[list[int], list[int]]]:
+        """Each (text, text_pair) encoded as one input, as a cross-encoder reads it (BERT: [CLS] a [SEP] b [SEP]):
+        its token ids and segment ids (1 for the pair's second text where the post-processor says so), the latter
+        empty unless the model reads them (``reads_segment_ids``, as transformers' tokenizer returns them)."""
+        encodings = self._backend.encode_batch(list(pairs), add_special_tokens=add_special_tokens)
+        return [(list(e.ids), list(e.type_ids) if self.reads_segment_ids else []) for e in encodings]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -178,6 +190,22 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
     return data if isinstance(data, dict) else {}
+
+
+# transformers' tokenizer classes whose model_input_names include token_type_ids (the others return none).
+_SEGMENT_ID_TOKENIZERS = frozenset({"BertTokenizer", "ElectraTokenizer", "DebertaTokenizer", "DebertaV2Tokenizer",
+                                    "MobileBertTokenizer", "ConvBertTokenizer", "SqueezeBertTokenizer",
+                                    "LayoutLMTokenizer"})
+
+
+def _reads_segment_ids(config: Mapping[str, Any]) -> bool:
+    """Whether transformers' tokenizer for this config returns token_type_ids: its ``model_input_names`` when the
+    config lists them, else its class's."""
+    names = config.get("model_input_names")
+    if isinstance(names, list):
+        return "token_type_ids" in names
+    name = config.get("tokenizer_class")
+    return isinstance(name, str) and name.removesuffix("Fast") in _SEGMENT_ID_TOKENIZERS
 
 
 def _config_template(config: Mapping[str, Any]) -> str | None:

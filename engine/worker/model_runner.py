@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from engine.worker.input_layout import lay_out, split_rows
+from engine.worker.kv_transfer import KVTransferWorker
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.multi_step import LookaheadLayout
 from engine.worker.sampler import Sampler, SamplingRow, make_generator
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # the core's step types, handed down by the executor: annotat
     from engine.core.sampling_params import SamplingParams, StructuredOutputsParams
     from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
-Logprob = tuple[float, dict[int, float]]
+Logprob = tuple[float, dict[int, float], int]  # (logprob, top tokens' logprobs, rank): the sampler's
 
 # Prompt positions whose full-vocabulary logits exist at once when computing prompt logprobs: bounds that
 # memory (512 x a 150k vocabulary x 4 bytes = 300 MB) whatever the chunk's length.
@@ -55,6 +56,10 @@ class RunnerOutput:
     # Speculative decoding: the proposed tokens verified for each row that had lookahead slots (0: nothing was
     # proposed); ``sampled`` holds the accepted ones followed by the token the target sampled after them.
     num_draft_tokens: dict[SequenceId, int] = field(default_factory=dict)
+    # KV offload: {load job id: blocks copied in intact} of the loads that ended this step (KVTransferWorker).
+    kv_loads: dict[int, int] = field(default_factory=dict)
+    # Pooling runner: each pooling request's output rows, float32 [rows, row_size] on the host.
+    pooled: dict[SequenceId, torch.Tensor] = field(default_factory=dict)
 
 
 # Flat input positions whose ids the previous step samples (async scheduling), and the sequence of each.
@@ -103,6 +108,7 @@ class ModelRunner:
         self.lora = lora  # None: LoRA off
         self.structured = structured  # None: the engine was given no vocabulary, requests with a grammar refused
         self.publish = publish   # sends each step's inputs to the other ranks; None: this is the only rank
+        self.kv_transfer: KVTransferWorker | None = None   # a KV offload tier's copies (the worker sets it)
         self.device = device = stage.device
         self.sampler = sampler
         self.block_size = block_size
@@ -201,7 +207,14 @@ class ModelRunner:
         """The device side of a prepared step (async scheduling: on the core's worker thread, in step order):
         adapters, inputs to the device, the forward pass, logits, sampling, the ids back to the host."""
         try:
-            return self._run_step(step)
+            transfer = step.out.kv_transfer
+            if transfer is None or self.kv_transfer is None:
+                return self._run_step(step)
+            with self.device.use_stream(self.compute_stream):   # before the step's writes, in its stream order
+                kv_loads = self.kv_transfer.execute(transfer)
+            out = self._run_step(step)
+            out.kv_loads = kv_loads
+            return out
         finally:   # the next step's copies (its fed ids, copy-on-write) wait for all of this step's work
             self.device.record_event(self.step_done, self.compute_stream)
 
@@ -443,8 +456,8 @@ class ModelRunner:
 
         Only these chunks pay for full-vocabulary logits, PROMPT_LOGITS_ROWS positions at a time (``chunks``:
         the first calls of ``inputs.logits_rows``), float32 (the raw model distribution, as vLLM); only the
-        k + 1 numbers per position are kept."""
-        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        k + 1 numbers (and the token's rank) per position are kept."""
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for (i, lo, hi), rows in zip(chunks, inputs.logits_rows):
             s = scheduled[i]
             targets = torch.from_numpy(s.request.all_token_ids[s.start + lo + 1:s.start + hi + 1].astype(np.int64))
@@ -455,7 +468,8 @@ class ModelRunner:
         return {scheduled[i].request.seq_id: (scheduled[i].start + 1,
                                               torch.cat([p[0] for p in ps]).cpu().numpy(),
                                               torch.cat([p[2] for p in ps]).cpu().numpy(),
-                                              torch.cat([p[1] for p in ps]).cpu().numpy())
+                                              torch.cat([p[1] for p in ps]).cpu().numpy(),
+                                              torch.cat([p[3] for p in ps]).cpu().numpy())
                 for i, ps in parts.items()}
 
     def _sampling_rows(self, sampling: list[ScheduledRequest], draft_of: dict[int, np.ndarray]

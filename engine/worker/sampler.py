@@ -1,6 +1,6 @@
 """The batched sampler: one step's logits ``[B, V]`` in, one token id (and logprobs) per row out.
 
-Order of operations, as vLLM: logits → float32 → allowed_token_ids mask → logit bias → min_tokens mask →
+Order of operations, as vLLM: logits → float32 → allowed_token_ids mask → bad words → logit bias → min_tokens mask →
 repetition penalty → frequency / presence penalties → structured-output token
 masks → a forced token (a spent thinking budget) → greedy rows take the argmax;
 sampled rows: temperature → top-k → top-p → min-p → sample. Logprobs
@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 # vLLM's _SAMPLING_EPS: a smaller temperature is greedy (dividing by it would overflow).
 _GREEDY_TEMPERATURE = 1e-5
 
-# (logprob of the sampled token, {token id: logprob} of the top tokens, most likely first)
-Logprobs = tuple[float, dict[int, float]]
+# (logprob of the sampled token, {token id: logprob} of the top tokens, most likely first, the sampled token's rank:
+# 1 + the tokens more likely than it)
+Logprobs = tuple[float, dict[int, float], int]
 
 
 @dataclass
@@ -83,7 +84,8 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     """True when the row's token is the argmax of the raw logits and nothing else is asked."""
     p = row.params
     return (is_greedy(p) and p.logprobs is None and not row.cumulative and not p.logit_bias
-            and p.allowed_token_ids is None and not _needs_penalties(p) and len(row.output_token_ids) >= p.min_tokens
+            and p.allowed_token_ids is None and p.bad_words_token_ids is None and not _needs_penalties(p)
+            and len(row.output_token_ids) >= p.min_tokens
             and row.forced_token is None)
 
 
@@ -140,6 +142,7 @@ class Sampler:
         """
         x = self._trim(logits).to(torch.float32, copy=True)
         self._apply_allowed_token_ids(x, rows)
+        self._apply_bad_words(x, rows)
         self._apply_logit_bias(x, rows)
         self._apply_min_tokens(x, rows, masks)
         x = self._apply_penalties(x, rows)
@@ -181,6 +184,23 @@ class Sampler:
             masked = torch.full_like(x[i], float("-inf"))
             masked[keep] = x[i, keep]
             x[i] = masked
+
+    @staticmethod
+    def _apply_bad_words(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Ban the last token of each bad-word sequence whose other tokens are the row's latest output tokens
+        (vLLM's ``apply_bad_words``): one scatter for the whole batch."""
+        vocab = x.shape[1]
+        row_ids: list[int] = []
+        token_ids: list[int] = []
+        for i, row in enumerate(rows):
+            outputs = row.output_token_ids
+            for ids in row.params.bad_words_token_ids or ():
+                prefix = len(ids) - 1
+                if prefix <= len(outputs) and (prefix == 0 or outputs[-prefix:] == ids[:-1]) and 0 <= ids[-1] < vocab:
+                    row_ids.append(i)
+                    token_ids.append(ids[-1])
+        if row_ids:
+            x[torch.tensor(row_ids, device=x.device), torch.tensor(token_ids, device=x.device)] = float("-inf")
 
     def _apply_logit_bias(self, x: torch.Tensor, rows: list[SamplingRow]) -> None:
         vocab = x.shape[1]
@@ -305,10 +325,11 @@ class Sampler:
             return result
         index = torch.tensor(wanted, device=logits.device)
         num_top = max(rows[i].params.logprobs or 0 for i in wanted)
-        sampled, top_logprobs, top_ids = compute_logprobs(
+        sampled, top_logprobs, top_ids, ranks = compute_logprobs(
             logits.index_select(0, index), token_ids.index_select(0, index), num_top)
         sampled_list, top_lp_list, top_id_list = sampled.tolist(), top_logprobs.tolist(), top_ids.tolist()
+        rank_list = ranks.tolist()
         for j, i in enumerate(wanted):
             n = rows[i].params.logprobs or 0
-            result[i] = (sampled_list[j], dict(zip(top_id_list[j][:n], top_lp_list[j][:n])))
+            result[i] = (sampled_list[j], dict(zip(top_id_list[j][:n], top_lp_list[j][:n])), rank_list[j])
         return result

@@ -115,13 +115,15 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 def compute_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probabilities of ``token_ids`` ``[B]`` and the ``num_top`` most likely tokens of each row.
 
-    Returns ``(sampled [B], top_logprobs [B, num_top], top_ids [B, num_top])``, top
-    entries in descending order.
+    Returns ``(sampled [B], top_logprobs [B, num_top], top_ids [B, num_top], ranks [B])``, top entries in
+    descending order; a token's rank is the number of tokens at least as likely, itself included (vLLM's
+    ``batched_count_greater_than``: 1 for the most likely).
     """
     logprobs = logits.float().log_softmax(dim=-1)
     sampled = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
-    return sampled, top_logprobs, top_ids
+    ranks = (logprobs >= sampled.unsqueeze(-1)).sum(dim=-1)
+    return sampled, top_logprobs, top_ids, ranks

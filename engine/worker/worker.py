@@ -19,6 +19,7 @@ from engine.models.loader import read_model_config
 from engine.models.mtp import MtpModel, load_mtp
 from engine.worker.graphs import capture_decode_graphs, graphs_off_reason
 from engine.worker.kv_profile import kv_cache_budget, profile_step
+from engine.worker.kv_transfer import KVTransferWorker
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.model_checks import check_model_options
 from engine.worker.model_runner import ModelRunner, RunnerOutput
@@ -216,6 +217,12 @@ class Worker:
                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
                                   structured=structured, lora=self.lora, proposer=self._proposer(num_blocks),
                                   publish=publish)
+        offload = self.config.kv_offloading_config
+        if offload is not None:   # a KV offload tier's worker half (engine.worker.kv_transfer)
+            self.runner.kv_transfer = KVTransferWorker(
+                self.runner.stage.kv_caches, size_bytes=offload.size_bytes, backend=offload.backend,
+                path=offload.path, pin=self.device.pin_memory, rank=self.parallel.rank,
+                data_parallel_rank=self.config.data_parallel_rank, synchronize=self.device.synchronize)
         return self.runner
 
     def _proposer(self, num_blocks: int) -> Proposer | None:

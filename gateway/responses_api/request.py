@@ -57,6 +57,7 @@ class ResponsesRequest(_Model):
     user: str | None = None
     text: JsonObject | None = None
     truncation: str | None = None
+    cache_salt: str | None = None   # vLLM's, passed to chat (which checks it)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def parse_responses(body: Mapping[str, object], history: ChatMessages) -> Respon
     messages = (*history, *items)
     chat: dict[str, object] = {"messages": ([{"role": "system", "content": req.instructions}]
                                             if req.instructions else []) + list(messages)}
-    for name in ("model", "parallel_tool_calls", "temperature", "top_p", "stream", "user"):
+    for name in ("model", "parallel_tool_calls", "temperature", "top_p", "stream", "user", "cache_salt"):
         value = getattr(req, name)
         if value is not None:
             chat[name] = value

@@ -1,8 +1,11 @@
-"""``POST /v1/responses``: OpenAI's Responses API, run as the chat completion it converts to.
+"""``POST /v1/responses``: OpenAI's Responses API, run as the chat completion it converts to; ``GET`` and
+``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` over the stored ones.
 
 The backend call, its metrics and its errors are the chat route's (``Run``); this route converts the request
 (gateway/responses_api/request.py), builds the response or its events (gateway/responses_api/output.py) and
-keeps finished responses for ``previous_response_id`` (gateway/responses_api/store.py; per gateway process).
+keeps finished responses for ``previous_response_id`` and retrieval (gateway/responses_api/store.py; per gateway
+process). ``POST /v1/responses/{id}/cancel`` is refused: only background responses can be cancelled, and
+``background`` is refused.
 A stream, as chat's, waits up to ``first_event_wait`` before it commits to a 200; a failure after that is an
 ``error`` event, and the stream ends (Responses streams have no ``[DONE]``).
 """
@@ -19,9 +22,10 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.backend import Delta, FinishReason
 from gateway.errors import ApiError, BackendError, internal_error
+from gateway.responses_api.items import input_items, item_page
 from gateway.responses_api.output import Event, ResponseBuilder
 from gateway.responses_api.request import parse_responses, responses_param
-from gateway.responses_api.store import ChatMessages, ResponseStore
+from gateway.responses_api.store import ChatMessages, ResponseStore, StoredResponse
 from gateway.routes.common import gateway_state, read_json, request_id, resolve_model
 from gateway.routes.generate import Run, unless_disconnected
 from gateway.schemas import parse_chat
@@ -69,16 +73,50 @@ def _history(store: ResponseStore, previous: object) -> ChatMessages:
         return ()
     if not isinstance(previous, str):
         raise ApiError(400, "`previous_response_id` must be a string.", param="previous_response_id")
-    history = store.get(previous)
-    if history is None:
+    stored = store.get(previous)
+    if stored is None:
         raise ApiError(404, f"Previous response with id '{previous[:100]}' not found.", param="previous_response_id",
                        code="previous_response_not_found")
-    return history
+    return stored.conversation
 
 
-def _keep(store: ResponseStore, builder: ResponseBuilder) -> None:
+def _keep(store: ResponseStore, builder: ResponseBuilder, response: dict[str, object]) -> None:
     if builder.call.store:
-        store.put(builder.id, builder.conversation())
+        store.put(builder.id, StoredResponse(builder.conversation(), response,
+                                             input_items(builder.call.request.input, builder.id)))
+
+
+def _stored(request: Request) -> StoredResponse:
+    response_id = request.path_params["response_id"]
+    stored = response_store(request).get(response_id)
+    if stored is None:
+        raise ApiError(404, f"Response with id '{response_id[:100]}' not found.", param="response_id")
+    return stored
+
+
+async def get_response(request: Request) -> Response:
+    """A stored response as it was returned (``stream=true`` replays only background responses: refused)."""
+    if request.query_params.get("stream", "false") != "false":
+        raise ApiError(400, "`stream` is not supported: only background responses can be streamed again, and "
+                            "`background` is not supported.", param="stream")
+    return JSONResponse(_stored(request).response)
+
+
+async def delete_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    if not response_store(request).delete(response_id):
+        raise ApiError(404, f"Response with id '{response_id[:100]}' not found.", param="response_id")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def list_input_items(request: Request) -> Response:
+    return JSONResponse(item_page(_stored(request).input_items, request.query_params))
+
+
+async def cancel_response(request: Request) -> Response:
+    _stored(request)  # an unknown id is a 404, as OpenAI's
+    raise ApiError(400, "Only background responses can be cancelled, and `background` is not supported: this "
+                        "response has already completed.", param="response_id")
 
 
 async def _whole(request: Request, run: Run, builder: ResponseBuilder, store: ResponseStore) -> Response:
@@ -95,7 +133,7 @@ async def _whole(request: Request, run: Run, builder: ResponseBuilder, store: Re
             raise internal_error(run.rid)
         run.finish()
         response = builder.finish(run.usage.total())
-        _keep(store, builder)
+        _keep(store, builder, response)
         return JSONResponse(response)
     except BackendError as err:
         raise run.api_error(err) from None
@@ -139,6 +177,9 @@ async def _events(run: Run, builder: ResponseBuilder, store: ResponseStore,
         yield _error(builder, internal_error(run.rid))
         return
     run.finish()
-    for closing in builder.closing(run.usage.total()):
-        yield _sse(closing)
-    _keep(store, builder)
+    closing = builder.closing(run.usage.total())
+    for event in closing:
+        yield _sse(event)
+    response = closing[-1]["response"]  # the completed (or incomplete) event's
+    assert isinstance(response, dict)
+    _keep(store, builder, response)

@@ -13,13 +13,26 @@ from engine.text.chat import load_chat_template
 from engine.text.reasoning import REASONING_PARSERS
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.tokenizer.limits import InputLimits
+from services.tokenizer.routing import ROUTING_POLICIES, RoutingSettings
 from services.tokenizer.tools import ToolSettings
 
 
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()  # under `sluice serve`: end with it
     parser = argparse.ArgumentParser(prog="sluice tokenizer", description=__doc__)
-    parser.add_argument("--engine", default="127.0.0.1:50051", help="engine gRPC address")
+    parser.add_argument("--engine", action="append", default=None, metavar="ADDRESS",
+                        help="engine gRPC address (default 127.0.0.1:50051); repeated or comma-separated for several "
+                             "engines (data-parallel replicas of one model), each request going to one of them")
+    parser.add_argument("--routing", default=None, choices=ROUTING_POLICIES,
+                        help="how a request's engine is chosen among several: kv_aware (the default: the longest "
+                             "cached prefix, from the engines' KV events, unless their loads drift apart), "
+                             "least_loaded, round_robin")
+    parser.add_argument("--routing-balance-abs-threshold", type=int, default=RoutingSettings.balance_abs_threshold,
+                        metavar="N", help="kv_aware: go to the least loaded engine instead when the most loaded has "
+                                          "more than N requests over it ...")
+    parser.add_argument("--routing-balance-rel-threshold", type=float,
+                        default=RoutingSettings.balance_rel_threshold, metavar="X",
+                        help="... and more than X times its requests")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50061)
     parser.add_argument("--model", default=None, help="the engine's model (for its tokenizer); default model if unset")
@@ -57,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
         observability = observability_settings(ns)
         tls = grpc_tls_from_args(ns)
         keys = api_keys(ns)
+        routing = RoutingSettings(ns.routing, ns.routing_balance_abs_threshold, ns.routing_balance_rel_threshold)
+        engines = [a.strip() for arg in ns.engine or ["127.0.0.1:50051"] for a in arg.split(",") if a.strip()]
     except (ValueError, OSError) as e:
         parser.error(str(e))
     tracing = set_up(observability, log_level=ns.log_level, process="tokenizer")
@@ -69,11 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     try:
-        asyncio.run(serve(engine_addr=ns.engine, host=ns.host, port=ns.port, model=ns.model, tokenizer=ns.tokenizer,
+        asyncio.run(serve(engine_addrs=engines, host=ns.host, port=ns.port, model=ns.model, tokenizer=ns.tokenizer,
                           served_model_name=ns.served_model_name, shm_tokens=ns.shm_tokens,
                           shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools,
                           limits=limits, tracing=tracing, log_requests=observability.log_requests,
-                          tls=tls, api_keys=keys, reasoning_parser=ns.reasoning_parser))
+                          tls=tls, api_keys=keys, reasoning_parser=ns.reasoning_parser, routing=routing))
     finally:
         if tracing is not None:
             tracing.shutdown()

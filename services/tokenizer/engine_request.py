@@ -3,9 +3,12 @@ engine request's, prompt aside."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 from common.errors import InvalidRequestError
+from engine.text import Tokenizer
+from engine.text.bad_words import bad_words_token_ids, check_bad_words
 from proto.sluice.v1 import common_pb2, engine_pb2, generation_pb2
 
 _MAX_STOP_STRINGS = 16
@@ -41,6 +44,7 @@ def check_options(request: generation_pb2.GenerateRequest) -> None:
     if width and width < n:
         raise InvalidRequestError("beam_width", f"must be at least n ({n}), got {width}")
     check_guided(request.guided)
+    check_bad_words(request.bad_words)
 
 
 def check_guided(guided: common_pb2.GuidedDecoding) -> None:
@@ -80,7 +84,7 @@ def engine_options(request: generation_pb2.GenerateRequest, request_id: str, n: 
         stopping.max_tokens = st.max_tokens
     req = engine_pb2.EngineGenerateRequest(request_id=request_id, sampling=request.sampling, stopping=stopping,
                                            priority=request.priority, n=n, best_of=request.best_of,
-                                           lora_adapter=lora_adapter)
+                                           lora_adapter=lora_adapter, cache_salt=request.cache_salt)
     response = request.response
     if response.logprobs:
         req.logprobs = response.top_logprobs
@@ -96,6 +100,12 @@ def engine_options(request: generation_pb2.GenerateRequest, request_id: str, n: 
     if request.HasField("beam_search"):
         req.beam_search.CopyFrom(request.beam_search)
     return req
+
+
+def bad_words_to_pb(words: list[str], tokenizer: Tokenizer) -> list[common_pb2.TokenIds]:
+    """The request's bad words as the engine bans them: each tokenized bare and after a space (vLLM's rule)."""
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    return [common_pb2.TokenIds(ids=ids) for ids in bad_words_token_ids(words, encode)]
 
 
 def prompt_logprobs_asked(response: generation_pb2.ResponseOptions) -> int | None:

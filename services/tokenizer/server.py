@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -16,8 +17,10 @@ from engine.config import DEFAULT_SERVED_NAME, default_model_path
 from engine.entrypoints.model_limits import model_context_length
 from engine.text import Tokenizer
 from proto.sluice.v1 import generation_pb2_grpc
+from services.tokenizer.engines import Engine
 from services.tokenizer.limits import InputLimits, max_message_bytes
 from services.tokenizer.reasoning import Reasoning
+from services.tokenizer.routing import RoutingSettings
 from services.tokenizer.service import GenerationServicer
 from services.tokenizer.tools import ToolSettings
 
@@ -26,12 +29,15 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "sluice.v1.Generation"
 
 
-async def serve(*, engine_addr: str, host: str, port: int, model: str | None, tokenizer: str | None,
+async def serve(*, engine_addrs: Sequence[str], host: str, port: int, model: str | None, tokenizer: str | None,
                 served_model_name: str | None, shm_tokens: int, shutdown_grace: float = 10.0,
                 chat_template: str | None = None, tools: ToolSettings | None = None,
                 limits: InputLimits | None = None, tracing: Tracing | None = None, log_requests: bool = False,
-                tls: GrpcTls | None = None, api_keys: Sequence[str] = (), reasoning_parser: str | None = None) -> None:
-    """``tls``: TLS on this service's port and on its channel to the engine (None: plaintext);
+                tls: GrpcTls | None = None, api_keys: Sequence[str] = (), reasoning_parser: str | None = None,
+                routing: RoutingSettings | None = None) -> None:
+    """``engine_addrs``: the engines this service sends requests to (several: the replicas of ``sluice serve -dp``,
+    chosen per request by ``routing``); ``tls``: TLS on this service's port and on its channels to the engines
+    (None: plaintext);
     ``chat_template``: the template text (``--chat-template``, already read), used instead of the model's;
     ``tracing``: a span per generation (None: off); ``log_requests``: a line per request received and finished;
     ``api_keys``: the keys every call but health and reflection must carry (none: no key asked for);
@@ -46,30 +52,39 @@ async def serve(*, engine_addr: str, host: str, port: int, model: str | None, to
     except ValueError as e:
         logger.error("%s", e)
         raise SystemExit(2) from e
-    channel = aio_channel(engine_addr, tls, options=CHANNEL_OPTIONS)
+    engines = [Engine(aio_channel(addr, tls, options=CHANNEL_OPTIONS), addr) for addr in engine_addrs]
     server, health_service = public_server(tok, model_context_length(model_path), api_keys)
     name = served_model_name or (DEFAULT_SERVED_NAME if model is None else None)
     if name is None:
         from engine.config import EngineConfig
 
         name = EngineConfig(model=model).model_name
-    servicer = GenerationServicer(tok, channel, served_model_name=name,
+    servicer = GenerationServicer(tok, engines, served_model_name=name,
                                   shm_tokens=shm_tokens, tools=tools, limits=limits, tracing=tracing,
-                                  log_requests=log_requests, engine_address=engine_addr, reasoning=reasoning)
+                                  log_requests=log_requests, reasoning=reasoning, routing=routing)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await health_service.set_serving(False)
     bind_port = bind(server, host, port, tls)
     await server.start()
     stop = stop_event()
-    watcher = asyncio.create_task(track_engine(servicer, channel, health_service, stop))
-    logger.info("tokenizer service on %s:%d, engine at %s", host, bind_port, engine_addr)
+    watcher = asyncio.create_task(track_engines(servicer, health_service, stop))
+    if len(engines) == 1:
+        logger.info("tokenizer service on %s:%d, engine at %s", host, bind_port, engine_addrs[0])
+    else:
+        policy = servicer.router.settings.policy_for(len(engines))
+        logger.info("tokenizer service on %s:%d, engines at %s, routing %s", host, bind_port, ", ".join(engine_addrs),
+                    policy)
+        if policy == "kv_aware" and "PYTHONHASHSEED" not in os.environ:
+            logger.warning("kv_aware routing without PYTHONHASHSEED: prompt block hashes here can never match the "
+                           "engines' (run this service with the engines' PYTHONHASHSEED); routing by load alone")
     await stop.wait()
     watcher.cancel()
     servicer.drain()  # before NOT_SERVING: whoever sees that finds new stream requests refused
     await health_service.set_serving(False)
     await server.stop(shutdown_grace)
     servicer.close()
-    await channel.close()
+    for engine in engines:
+        await engine.channel.close()
 
 
 def public_server(tokenizer: Tokenizer, context_length: int, api_keys: Sequence[str]
@@ -83,43 +98,61 @@ def public_server(tokenizer: Tokenizer, context_length: int, api_keys: Sequence[
                       interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else [])
 
 
-async def track_engine(servicer: GenerationServicer, channel: grpc.aio.Channel,
-                        health_service: Health, stop: asyncio.Event) -> None:
-    """SERVING while connected to an engine that answered GetInfo on this connection; NOT_SERVING from the
-    moment the connection is lost. Which engine answered is told by its instance id, not by the connection:
-    the servicer hands our shared memory over again when the id changes (``engine_info``), and a reconnect to
-    the same engine (a dropped connection, a proxy restarted) keeps everything.
+async def track_engines(servicer: GenerationServicer, health_service: Health, stop: asyncio.Event) -> None:
+    """SERVING while any of the servicer's engines is up (:func:`track_engine`, one per engine): requests go only
+    to engines that are up, so a replica that is down or restarting is routed around."""
+    serving: bool | None = None
+    lock = asyncio.Lock()
+
+    async def changed() -> None:
+        nonlocal serving
+        async with lock:
+            ok = any(e.up for e in servicer.engines)
+            if ok != serving:
+                await health_service.set_serving(ok)
+                serving = ok
+
+    await asyncio.gather(*(track_engine(servicer, engine, changed, stop) for engine in servicer.engines))
+
+
+async def track_engine(servicer: GenerationServicer, engine: Engine, changed: Callable[[], Awaitable[None]],
+                       stop: asyncio.Event) -> None:
+    """``engine.up`` while connected to an engine that answered GetInfo on this connection; not from the moment
+    the connection is lost (``changed`` is awaited after each change). Which engine answered is told by its
+    instance id, not by the connection: the servicer hands our shared memory over again when the id changes
+    (``engine_info``), and a reconnect to the same engine (a dropped connection, a proxy restarted) keeps
+    everything.
 
     Liveness follows the connection, never a call's latency: a stalled or overloaded engine (SIGSTOP, a step
     of minutes) keeps its connection, so GetInfo is sent with no deadline and waited for as long as it takes,
     and nothing here ever ends a request. Requests on a connection that is really gone fail by themselves:
     gRPC ends every call on it with UNAVAILABLE (within milliseconds of a SIGKILL).
     """
-    serving: bool | None = None
+    channel = engine.channel
 
-    async def set_serving(ok: bool) -> None:
-        nonlocal serving
-        if ok != serving:
-            await health_service.set_serving(ok)
-            serving = ok
+    async def set_up(ok: bool) -> None:
+        if ok != engine.up:
+            engine.up = ok
+            await changed()
 
+    await changed()
     while not stop.is_set():
         state = channel.get_state(try_to_connect=True)
         if state is not grpc.ChannelConnectivity.READY:
-            await set_serving(False)
+            await set_up(False)
             await _state_change(channel, state, 0.25)
             continue
         try:
-            await servicer.engine_info(refresh=True, timeout=None)
+            await servicer.engine_info(refresh=True, timeout=None, engine=engine)
         except grpc.aio.AioRpcError as error:
             # The connection went (it ended the call), or the engine answered with an error: not ready
             # until it answers.
             if error.code() is not grpc.StatusCode.UNAVAILABLE:
-                logger.warning("engine GetInfo failed: %s %s", error.code().name, error.details())
-            await set_serving(False)
+                logger.warning("%s: GetInfo failed: %s %s", engine.name, error.code().name, error.details())
+            await set_up(False)
             await _state_change(channel, grpc.ChannelConnectivity.READY, 0.25)
             continue
-        await set_serving(True)
+        await set_up(True)
         # At once when the connection changes (a dying engine drops it): readiness follows within
         # milliseconds; else the info is refreshed every second (the LoRA adapters loaded, the load, the id).
         await _state_change(channel, grpc.ChannelConnectivity.READY, 1.0)

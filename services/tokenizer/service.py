@@ -1,4 +1,5 @@
-"""The tokenizer service: the public text-level ``sluice.v1.Generation`` API in front of one engine.
+"""The tokenizer service: the public text-level ``sluice.v1.Generation`` API in front of one engine, or of several
+(data-parallel replicas: each request goes to one, chosen by ``services.tokenizer.routing``).
 
 Text in (tokenize, chat template), token ids to the engine (shared memory when
 co-located, inline otherwise), text deltas back (incremental detokenizer with
@@ -17,7 +18,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,14 +31,17 @@ from common.tracing import Tracing, trace_headers_of
 from engine.text import IncrementalDetokenizer, Tokenizer
 from proto.shm import ShmRing
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
-from services.tokenizer.engine_request import check_options, engine_options
+from services.tokenizer.engine_request import bad_words_to_pb, check_options, engine_options
 from services.tokenizer.engine_stream import EngineStream, error_reason
+from services.tokenizer.engines import Engine
 from services.tokenizer.limits import InputLimits
 from services.tokenizer.lora import LoRAAdapter, adapters_from_pb, adapters_to_pb, model_not_found
 from services.tokenizer.multiplexer import Multiplexer
 from services.tokenizer.outputs import SequenceOutput, Usage
+from services.tokenizer.pooling import check_generate, classify, embed, score
 from services.tokenizer.prompt import PromptBuilder
 from services.tokenizer.reasoning import Reasoning, plan_reasoning
+from services.tokenizer.routing import Decision, Router, RoutingSettings
 from services.tokenizer.tools import ToolSettings, plan_tools
 
 if TYPE_CHECKING:
@@ -46,6 +50,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SPAN_NAME = "sluice.v1.Generation/Generate"
+# Prompts longer than this are routed off the event loop (hashing their blocks takes ~20 us a block).
+_ROUTE_OFF_LOOP_TOKENS = 16384
 
 
 @dataclass
@@ -57,6 +63,12 @@ class EngineInfo:
     bos_token_id: int | None
     lora_enabled: bool = False
     lora_adapters: tuple[LoRAAdapter, ...] = ()
+    runner: str = "generate"  # "generate" or "pooling" (GetInfoResponse.runner)
+    pooling_tasks: tuple[str, ...] = ()
+    embedding_size: int = 0
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+    labels: tuple[str, ...] = ()
 
     def has_adapter(self, name: str) -> bool:
         return any(a.name == name for a in self.lora_adapters)
@@ -77,16 +89,22 @@ class _Handoff:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer: Tokenizer, engine_channel: grpc.aio.Channel, *, served_model_name: str,
+    def __init__(self, tokenizer: Tokenizer, engines: grpc.aio.Channel | Sequence[Engine], *, served_model_name: str,
                  shm_tokens: int = 0, tools: ToolSettings | None = None,
                  limits: InputLimits | None = None, tracing: Tracing | None = None,
                  log_requests: bool = False, engine_address: str | None = None,
-                 reasoning: Reasoning | None = None) -> None:
-        """``engine_address``: where ``engine_channel`` goes, for the log; ``reasoning``: the reasoning parser that
-        splits chat outputs (``--reasoning-parser``), None: none."""
+                 reasoning: Reasoning | None = None, routing: RoutingSettings | None = None) -> None:
+        """``engines``: the engines behind this service (a channel: the one engine there, at ``engine_address``,
+        for the log); ``reasoning``: the reasoning parser that splits chat outputs (``--reasoning-parser``), None:
+        none; ``routing``: how a request's engine is chosen among several (``--routing``)."""
         self.tokenizer = tokenizer
         self.reasoning = reasoning
-        self._engine_name = f"the engine at {engine_address}" if engine_address else "the engine"
+        self.engines = ([Engine(engines, engine_address)] if isinstance(engines, grpc.aio.Channel)
+                        else list(engines))
+        self.router = Router(routing or RoutingSettings())
+        # KV events are followed where routing reads them: kv_aware over several engines.
+        self._follow_kv_events = (len(self.engines) > 1
+                                  and self.router.settings.policy_for(len(self.engines)) == "kv_aware")
         self.tracing = tracing
         # Engine keys: this service's random prefix (several services share one engine) and a counter.
         self._key_prefix = f"tok-{uuid.uuid4().hex[:12]}"
@@ -94,64 +112,64 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.log_requests = log_requests
         self.prompts = PromptBuilder(tokenizer, limits or InputLimits())
         self.tools = tools or ToolSettings()
-        self.engine = engine_pb2_grpc.EngineStub(engine_channel)
-        self.engine_stream = EngineStream(self.engine)
         self.served_model_name = served_model_name
-        self._info: EngineInfo | None = None
-        self._engine_instance: str | None = None  # the instance id of the engine that answered last
         self._ring = ShmRing(shm_tokens) if shm_tokens > 0 else None
-        self._shm_registered = False
         self.draining = False
         self._streams: set[Multiplexer] = set()
 
     # -- engine handshake ---------------------------------------------------------------------------------
-    async def engine_info(self, refresh: bool = False, *, timeout: float | None = 10) -> EngineInfo:
-        """The engine's model and LoRA adapters, asked again when ``refresh`` or unknown. ``timeout`` bounds
-        a caller's wait, not the engine's life: a slow answer says nothing about whether it is gone.
+    async def engine_info(self, refresh: bool = False, *, timeout: float | None = 10,
+                          engine: Engine | None = None) -> EngineInfo:
+        """The model and LoRA adapters of ``engine`` (None: one that is up; the replicas serve the same model),
+        asked again when ``refresh`` or unknown. ``timeout`` bounds a caller's wait, not the engine's life: a slow
+        answer says nothing about whether it is gone.
 
         Every answer names the engine process (``instance_id``): one that differs from the last is a restarted
         engine, whoever asked, and whether or not the connection dropped in between (a proxy may keep it)."""
-        if self._info is None or refresh:
-            r = await self.engine.GetInfo(engine_pb2.GetInfoRequest(), timeout=timeout)
-            if self._engine_instance is not None and r.instance_id != self._engine_instance:
-                self.engine_restarted()
-            self._engine_instance = r.instance_id
-            self._info = EngineInfo(r.model_name, r.max_model_len, r.vocab_size, list(r.eos_token_ids),
-                                    r.bos_token_id if r.HasField("bos_token_id") else None,
-                                    r.lora_enabled, adapters_from_pb(list(r.lora_adapters)))
-        return self._info
+        engine = engine or next((e for e in self.engines if e.up), self.engines[0])
+        if engine.info is None or refresh:
+            r = await engine.get_info(timeout)
+            if self._follow_kv_events:
+                engine.follow_kv_events(r)
+            engine.info = EngineInfo(r.model_name, r.max_model_len, r.vocab_size, list(r.eos_token_ids),
+                                     r.bos_token_id if r.HasField("bos_token_id") else None,
+                                     r.lora_enabled, adapters_from_pb(list(r.lora_adapters)),
+                                     runner=r.runner or "generate", pooling_tasks=tuple(r.pooling_tasks),
+                                     embedding_size=r.embedding_size, is_matryoshka=r.is_matryoshka,
+                                     matryoshka_dimensions=tuple(r.matryoshka_dimensions), labels=tuple(r.labels))
+        return engine.info
 
-    async def ensure_shm(self) -> bool:
-        """Register this replica's ring with the engine once (again after an engine restart). An engine that
-        cannot map it (on another host, or with a /dev/shm of its own) gets inline ids from then on, said once
-        in the log."""
-        if self._ring is None:
-            return False
-        if not self._shm_registered:
-            try:
-                r = await self.engine.RegisterSharedMemory(engine_pb2.RegisterSharedMemoryRequest(
-                    segment=self._ring.name, size_bytes=self._ring.size_bytes, owner=f"tokenizer-{id(self)}"),
-                    timeout=5)
-            except grpc.aio.AioRpcError:
-                return False
-            self._shm_registered = r.ok
-            if not r.ok:
-                logger.warning("%s cannot map our shared memory segment %s (%s): it is on another host or sees "
-                               "another /dev/shm; sending prompt ids inline from now on", self._engine_name,
-                               self._ring.name, r.error)
-                self._ring.close()
-                self._ring = None
-        return self._shm_registered
+    async def ensure_shm(self, engine: Engine | None = None) -> bool:
+        """Register this service's ring with ``engine`` (None: the first) once, again after it restarts
+        (:meth:`Engine.ensure_shm`)."""
+        return await (engine or self.engines[0]).ensure_shm(self._ring, f"tokenizer-{id(self)}")
 
-    def engine_restarted(self) -> None:
-        """A new engine process knows neither our ring nor its info: hand both over again.
-        Its requests went with it; those still open here end by the call they were on.
+    def engine_restarted(self, engine: Engine | None = None) -> None:
+        """``engine`` (None: every one) is a new process: it gets our ring and is asked its info again, and its
+        cache is known empty (:meth:`Engine.restarted`)."""
+        for e in [engine] if engine is not None else self.engines:
+            e.restarted()
 
-        The engine stream is left alone: the call of an engine that is gone ended with its connection (its
-        requests got UNAVAILABLE then), and the next request opens a new one. Resetting it here would kill a
-        call already opened on the new engine, or one on an engine that was only slow."""
-        self._shm_registered = False
-        self._info = None
+    # The single-engine view (the first engine): for callers and tests written before several engines.
+    @property
+    def engine(self) -> engine_pb2_grpc.EngineStub:
+        return self.engines[0].stub
+
+    @property
+    def engine_stream(self) -> EngineStream:
+        return self.engines[0].stream
+
+    @engine_stream.setter
+    def engine_stream(self, stream: EngineStream) -> None:
+        self.engines[0].stream = stream
+
+    @property
+    def _info(self) -> EngineInfo | None:
+        return self.engines[0].info
+
+    @_info.setter
+    def _info(self, info: EngineInfo | None) -> None:
+        self.engines[0].info = info
 
     def drain(self) -> None:
         """Shutting down: open GenerateStreams take no new requests and end once theirs have finished
@@ -161,7 +179,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             stream.wake()
 
     def close(self) -> None:
-        self.engine_stream.close()
+        for engine in self.engines:
+            engine.close()
         self.prompts.close()
         if self._ring is not None:
             self._ring.close()
@@ -169,13 +188,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @contextlib.asynccontextmanager
     async def engine_for(self, token_ids: list[int] | np.ndarray, *, lora_name: str = "", cache_salt: str = ""
                          ) -> AsyncIterator[engine_pb2_grpc.EngineStub]:
-        """The engine to send one request to, held for as long as the request runs there (a router counts it
-        as that engine's load meanwhile). One engine here."""
-        yield self.engine
+        """The engine to send one request to, held for as long as the request runs there (counted as that
+        engine's load meanwhile): chosen by ``--routing`` among the engines that are up."""
+        engine, _ = await self._route(token_ids, lora_name, cache_salt)
+        engine.open_requests += 1
+        try:
+            yield engine.stub
+        finally:
+            engine.open_requests -= 1
 
     def all_engines(self) -> list[engine_pb2_grpc.EngineStub]:
-        """Every engine behind this service (for calls that go to each: ResetPrefixCache). One here."""
-        return [self.engine]
+        """Every engine behind this service (for calls that go to each: ResetPrefixCache)."""
+        return [e.stub for e in self.engines]
+
+    async def _route(self, token_ids: list[int] | np.ndarray, lora_name: str, cache_salt: str
+                     ) -> tuple[Engine, Decision]:
+        """The engine for a prompt, among those up (all of them when none is: the call fails as it would)."""
+        candidates = [e for e in self.engines if e.up] or self.engines
+        if len(candidates) == 1:
+            return candidates[0], Decision(0, "single")
+        ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
+        if len(ids) > _ROUTE_OFF_LOOP_TOKENS:
+            decision = await self.prompts.off_loop(self.router.choose, candidates, ids, lora_name=lora_name or None,
+                                                   cache_salt=cache_salt or None)
+        else:
+            decision = self.router.choose(candidates, ids, lora_name=lora_name or None, cache_salt=cache_salt or None)
+        return candidates[decision.choice], decision
 
     # -- public RPCs --------------------------------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -233,6 +271,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # Each request's deltas are read by a task of its own (its Generate call's, or one per request of a
         # GenerateStream): lines it logs carry its id from here on.
         REQUEST_ID.set(request_id)
+        check_generate(await self.engine_info(), self.served_model_name)
         check_options(request)
         adapter = await self.lora_adapter(request.model, engine_resolves=True)
         plan = plan_tools(request, self.tools)
@@ -248,6 +287,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # which two requests may share and a caller may reuse while an earlier abort is still on its way.
         key = self._engine_key()
         options = engine_options(request, key, n, plan.guided, adapter)
+        if request.bad_words:
+            options.bad_words_token_ids.extend(
+                await self.prompts.off_loop(bad_words_to_pb, list(request.bad_words), self.tokenizer))
         thinking = plan_reasoning(request, self.reasoning, prompt_ids, constrained=options.HasField("guided"))
         if thinking.engine is not None:
             options.reasoning.CopyFrom(thinking.engine)
@@ -258,21 +300,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             for i in range(n)}
         usage = Usage(prompt=len(prompt_ids))
         source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
-        engine_req, handoff = await self.engine_request(options, prompt_ids, source=source)
+        engine, route = await self._route(prompt_ids, adapter, request.cache_salt)
+        engine_req, handoff = await self.engine_request(options, prompt_ids, source=source, engine=engine)
         engine_req.client_request_id = request_id
         if span is not None and self.tracing is not None:
             span.add_event("prompt_ready", {"gen_ai.usage.prompt_tokens": len(prompt_ids)})
+            if len(self.engines) > 1:
+                span.set_attributes({"sluice.routing.engine": engine.address or "", "sluice.routing.policy":
+                                     route.policy, "sluice.routing.matched_tokens": route.matched_tokens})
             self.tracing.inject(span, engine_req.trace_headers)
         time_limit = request.stopping.time_limit_ms / 1000 if request.stopping.HasField("time_limit_ms") else None
         deadline = time.monotonic() + time_limit if time_limit else None
         if self.log_requests:  # as vLLM's, once the prompt is ready: a refused request was answered with its error
-            logger.info("Received request %s (engine key %s): %d prompt tokens, n=%d", request_id, key,
-                        len(prompt_ids), n)
-        call = self.engine_stream.generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
+            logger.info("Received request %s (engine key %s): %d prompt tokens, n=%d%s", request_id, key,
+                        len(prompt_ids), n, f"; to {engine.name} ({route.describe()})" if len(self.engines) > 1 else "")
+        call = engine.stream.generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
+        engine.open_requests += 1
         try:
             async for msg in _with_deadline(call, deadline):
                 if msg is None:  # the time limit elapsed
-                    await self._abort_engine(key)
+                    await engine.abort(key)
                     for seq in seqs.values():
                         if not seq.finished:
                             seq.finished = True
@@ -293,15 +340,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     # A stop string ended it here while the engine still runs it.
                     if all(s.finished for s in seqs.values()):
                         return  # nothing left to read: leaving the call aborts the engine request
-                    asyncio.ensure_future(self._abort_engine(key, seq.index))  # its siblings go on
+                    asyncio.ensure_future(engine.abort(key, seq.index))  # its siblings go on
             # The engine ended the call after the request's last message (request_done): it decides that.
         except grpc.aio.AioRpcError as e:
             if error_reason(e) == engine_pb2.ERROR_REASON_SHM_NOT_REGISTERED:
-                self._shm_registered = False  # the engine restarted and forgot our ring; next call re-registers
+                engine.shm_registered = False  # the engine restarted and forgot our ring; next call re-registers
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, e.initial_metadata(),
                                            e.trailing_metadata(), "engine restarted; retry") from e
             raise
         finally:
+            engine.open_requests -= 1
             handoff.release()
             await call.aclose()  # unfinished: aborts the engine request
             if self.log_requests:
@@ -317,24 +365,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._keys_issued += 1
         return f"{self._key_prefix}-{self._keys_issued}"
 
-    async def _abort_engine(self, key: str, index: int | None = None) -> None:
-        """Abort the engine request ``key``, or only its sequence ``index`` (its siblings go on). A late abort
-        finds nothing: no later request ever has the same key."""
-        abort = (engine_pb2.AbortRequest(request_ids=[key]) if index is None else
-                 engine_pb2.AbortRequest(sequences=[engine_pb2.SequenceRef(request_id=key, index=index)]))
-        try:
-            await self.engine.Abort(abort, timeout=5)
-        except grpc.aio.AioRpcError:
-            logger.warning("abort of engine request %s (sequence %s) did not reach the engine", key,
-                           "all" if index is None else index)
-
     async def engine_request(self, req: engine_pb2.EngineGenerateRequest, prompt_ids: list[int] | np.ndarray, *,
-                             source: common_pb2.TokenIds | None = None
+                             source: common_pb2.TokenIds | None = None, engine: Engine | None = None
                              ) -> tuple[engine_pb2.EngineGenerateRequest, _Handoff]:
-        """``req`` with ``prompt_ids``: a shm reference when the ring has room, else inline ids (copied message
-        to message from ``source``, the public request's token ids, when given)."""
+        """``req`` for ``engine`` (None: the first) with ``prompt_ids``: a shm reference when the ring has room
+        and the engine maps it, else inline ids (copied message to message from ``source``, the public request's
+        token ids, when given)."""
         handoff = _Handoff(None)
-        if await self.ensure_shm() and self._ring is not None:
+        if await self.ensure_shm(engine) and self._ring is not None:
             ref = self._ring.put(prompt_ids)
             if ref is not None:
                 handoff = _Handoff(self._ring, ref.slot)
@@ -409,34 +447,75 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             model_name=self.served_model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids, has_chat_template=self.tokenizer.chat_template is not None,
             lora_enabled=info.lora_enabled,
-            lora_adapters=adapters_to_pb(info.lora_adapters))
+            lora_adapters=adapters_to_pb(info.lora_adapters), runner=info.runner,
+            pooling_tasks=info.pooling_tasks, embedding_size=info.embedding_size, is_matryoshka=info.is_matryoshka,
+            matryoshka_dimensions=info.matryoshka_dimensions, labels=info.labels)
         if info.bos_token_id is not None:
             resp.bos_token_id = info.bos_token_id
         return resp
 
     async def LoadLoRAAdapter(self, request: common_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
                               ) -> common_pb2.LoadLoRAAdapterResponse:
-        """Forwarded to the engine, whose status comes back as it is (ALREADY_EXISTS, INVALID_ARGUMENT naming
-        the adapter's file, FAILED_PRECONDITION when runtime updating is off)."""
+        """Forwarded to every engine, whose status comes back as it is (ALREADY_EXISTS, INVALID_ARGUMENT naming
+        the adapter's file, FAILED_PRECONDITION when runtime updating is off): the first engine's answer, or the
+        first error once each was asked."""
         if request.lora_name == self.served_model_name:
             # The engine may know the model by another name; requests with this one would never reach it.
             raise InvalidRequestError("lora_name", f"{request.lora_name!r} is the served model's name")
-        try:
-            resp: common_pb2.LoadLoRAAdapterResponse = await self.engine.LoadLoRAAdapter(
-                request, timeout=context.time_remaining())
-        finally:
-            self._info = None  # the adapter list changed (or may have): asked again on the next lookup
+        responses = await self._to_every_engine(lambda stub: stub.LoadLoRAAdapter(
+            request, timeout=context.time_remaining()))
+        resp: common_pb2.LoadLoRAAdapterResponse = responses[0]
         return resp
 
     async def UnloadLoRAAdapter(self, request: common_pb2.UnloadLoRAAdapterRequest,
                                 context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoRAAdapterResponse:
-        """Forwarded to the engine, whose status comes back as it is (NOT_FOUND for an unknown name)."""
-        try:
-            resp: common_pb2.UnloadLoRAAdapterResponse = await self.engine.UnloadLoRAAdapter(
-                request, timeout=context.time_remaining())
-        finally:
-            self._info = None
+        """Forwarded to every engine, whose status comes back as it is (NOT_FOUND for an unknown name)."""
+        responses = await self._to_every_engine(lambda stub: stub.UnloadLoRAAdapter(
+            request, timeout=context.time_remaining()))
+        resp: common_pb2.UnloadLoRAAdapterResponse = responses[0]
         return resp
+
+    async def _to_every_engine(self, call: Any) -> list[Any]:
+        """``call(stub)`` on each engine in turn (a LoRA adapter change, which each replica must see); their
+        answers, or the first error once every engine was asked. Their info is asked again on the next lookup
+        (the adapter list changed, or may have)."""
+        answers: list[Any] = []
+        error: grpc.aio.AioRpcError | None = None
+        for engine in self.engines:
+            try:
+                answers.append(await call(engine.stub))
+            except grpc.aio.AioRpcError as e:
+                error = error or e
+            finally:
+                engine.info = None
+        if error is not None:
+            raise error
+        return answers
+
+    # -- pooling (services/tokenizer/pooling.py) ----------------------------------------------------------
+    async def Embed(self, request: generation_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+                    ) -> generation_pb2.EmbedResponse:
+        return await embed(self, request, context)
+
+    async def Score(self, request: generation_pb2.ScoreRequest, context: grpc.aio.ServicerContext
+                    ) -> generation_pb2.ScoreResponse:
+        return await score(self, request, context)
+
+    async def Classify(self, request: generation_pb2.ClassifyRequest, context: grpc.aio.ServicerContext
+                       ) -> generation_pb2.ClassifyResponse:
+        return await classify(self, request, context)
+
+    async def ResetPrefixCache(self, request: common_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+                               ) -> common_pb2.ResetPrefixCacheResponse:
+        """Every engine's prefix cache forgotten, all asked at once: ok only when each one reset (an engine whose
+        requests hold blocks refuses; one that cannot be reached counts as not reset)."""
+        timeout = context.time_remaining()
+        calls = [stub.ResetPrefixCache(request, timeout=timeout) for stub in self.all_engines()]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                logger.warning("prefix cache reset did not reach an engine: %s", answer)
+        return common_pb2.ResetPrefixCacheResponse(ok=all(not isinstance(a, BaseException) and a.ok for a in answers))
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:

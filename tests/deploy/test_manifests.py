@@ -32,6 +32,7 @@ from gateway.auth import PUBLIC_PATHS
 from gateway.routes import build_routes
 from proto.sluice.v1 import engine_pb2, generation_pb2
 from services import supervisor
+from tests.deploy.test_autoscaling import AUTOSCALING_FILES
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -616,5 +617,6 @@ def test_dockerfile_installs_the_packages_and_runs_as_the_k8s_user(path: Path) -
 def test_every_yaml_file_under_deploy_is_covered() -> None:
     read = {DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.cuda.yml", DEPLOY / "docker-compose.npu.yml",
             K8S / "kustomization.yaml", DEPLOY / "k8s-cuda" / "kustomization.yaml",
-            DEPLOY / "k8s-npu" / "kustomization.yaml", *(K8S / n for n in KUSTOMIZATION["resources"])}
+            DEPLOY / "k8s-npu" / "kustomization.yaml", *(K8S / n for n in KUSTOMIZATION["resources"]),
+            *AUTOSCALING_FILES}
     assert set(DEPLOY.rglob("*.y*ml")) == read

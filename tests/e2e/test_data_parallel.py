@@ -1,26 +1,36 @@
 """`sluice serve --data-parallel-size 2` end to end: two replicas (engine + tokenizer service each) of a tiny random
-Llama behind one gateway. Requests spread over both replicas, counted by each engine (the gateway's federated
-``vllm:request_success_total``, one ``engine`` label per replica); killing one replica's engine fails none of the
-requests sent after it died, ``/ready`` stays 200, the supervisor restarts that engine alone, and it serves again."""
+Llama behind one gateway, every tokenizer service routing each request to one of both engines (``kv_aware``, the
+default). Distinct long prefixes each requested several times come back cached almost every time after their first
+(``usage.prompt_tokens_details.cached_tokens``), where ``round_robin`` (a tokenizer service of the test's own in
+front of the same engines) caches fewer; one hot prefix under concurrency still goes to both replicas. Requests
+spread over both replicas, counted by each engine (the gateway's federated ``vllm:request_success_total``, one
+``engine`` label per replica); killing one replica's engine fails none of the requests sent after it died,
+``/ready`` stays 200, the supervisor restarts that engine alone, and it serves again."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import socket
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.procs import grpc_serving
 from engine.config import default_model_path
+from proto.sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.engine.core.tiny_llama import save_tiny_llama
-from tests.procs import ServeStack, http_status, wait_until
+from tests.procs import ServeStack, http_status, tokenizer_process, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +57,8 @@ def consecutive_free_ports(n: int) -> int:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
     tmp = tmp_path_factory.mktemp("dp")
     save_tiny_llama(tmp / "tiny", vocab_size=49152)   # the default model's vocabulary, for its tokenizer
+    config = json.loads((tmp / "tiny" / "config.json").read_text())
+    (tmp / "tiny" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))   # RoPE
     s = ServeStack(tmp, "--model", str(tmp / "tiny"), "--tokenizer", default_model_path(), "--data-parallel-size",
                    "2", "--kv-cache-memory", "64MiB", "--max-num-seqs", "4", "--num-threads", "1",
                    "--shutdown-timeout", "2")
@@ -83,6 +95,78 @@ def engine_pids(stack: ServeStack) -> dict[int, int]:
         if argv[1:3] == ["-m", "engine"]:
             pids[int(argv[argv.index("--port") + 1])] = pid
     return pids
+
+
+PREFIX_TOKENS = 320
+BLOCK_SIZE = 16   # the engines' default
+
+
+def prefixes(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(PREFIX_TOKENS)] for _ in range(n)]
+
+
+def shuffled_requests(seed: int, repeats: int = 3, n: int = 10) -> list[list[int]]:
+    """Each of ``n`` distinct prefixes ``repeats`` times, in a shuffled order, each with a suffix of its own."""
+    rng = random.Random(seed)
+    prompts = [p + [rng.randrange(1000, 40000) for _ in range(4)] for p in prefixes(seed, n) for _ in range(repeats)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def ideal_cached_tokens(repeats: int = 3, n: int = 10) -> int:
+    """Every request after its prefix's first finds the whole prefix cached (the suffix completes no block)."""
+    return n * (repeats - 1) * PREFIX_TOKENS // BLOCK_SIZE * BLOCK_SIZE
+
+
+def cached_tokens(stack: ServeStack, prompt: list[int], max_tokens: int = 1) -> int:
+    r = httpx.post(f"{stack.base_url}/v1/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def both_engines_followed(stack: ServeStack) -> None:
+    """Both engines serve, and the tokenizer services had time to see them (GetInfo, then their KV events)."""
+    wait_until(lambda: all(grpc_serving(f"127.0.0.1:{stack.engine_port + r}", "sluice.v1.Engine") for r in (0, 1)),
+               120, what="both engines serving")
+    time.sleep(2.0)
+
+
+def test_kv_aware_routing_finds_each_prefix_cached_and_round_robin_does_not(stack: ServeStack,
+                                                                             tmp_path: Path) -> None:
+    both_engines_followed(stack)
+    kv_aware = sum(cached_tokens(stack, prompt) for prompt in shuffled_requests(seed=1))
+    ideal = ideal_cached_tokens()
+    assert kv_aware >= 0.9 * ideal, (kv_aware, ideal)
+
+    engines = f"127.0.0.1:{stack.engine_port},127.0.0.1:{stack.engine_port + 1}"
+    with tokenizer_process(tmp_path, engines, "--routing", "round_robin", "--tokenizer", default_model_path(),
+                           "--served-model-name", "tiny") as addr:
+        wait_until(lambda: grpc_serving(addr, "sluice.v1.Generation"), 30, what="round robin service")
+        time.sleep(1.5)   # both engines up there
+        with grpc.insecure_channel(addr) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            round_robin = 0
+            for prompt in shuffled_requests(seed=2):   # prefixes neither engine has seen
+                *_, last = stub.Generate(generation_pb2.GenerateRequest(
+                    token_ids=common_pb2.TokenIds(ids=prompt), stopping=generation_pb2.StoppingCriteria(
+                        max_tokens=1)), timeout=60)
+                round_robin += last.usage.cached_tokens
+    assert round_robin < kv_aware and round_robin < 0.9 * ideal, (round_robin, kv_aware, ideal)
+
+
+def test_one_hot_prefix_under_concurrent_load_goes_to_both_replicas(stack: ServeStack) -> None:
+    both_engines_followed(stack)
+    hot = prefixes(seed=3, n=1)[0]
+    cached_tokens(stack, hot + [5000])   # one replica has it now
+    before = requests_per_replica(stack)
+    with ThreadPoolExecutor(16) as pool:   # long enough to be running together
+        cached = list(pool.map(lambda i: cached_tokens(stack, hot + [6000 + i], max_tokens=48), range(16)))
+    after = requests_per_replica(stack)
+    served = {engine: after.get(engine, 0.0) - before.get(engine, 0.0) for engine in ("0", "1")}
+    assert sum(served.values()) == 16 and min(served.values()) >= 3, served
+    assert sum(c > 0 for c in cached) >= 8, cached   # most still found the prefix
 
 
 def test_requests_spread_over_replicas_and_survive_one_dying(stack: ServeStack) -> None:

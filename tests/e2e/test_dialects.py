@@ -98,3 +98,24 @@ def test_triton_bad_bodies(shared_stack: ServeStack) -> None:
                                                          "is not implemented."})
     status, body = post(f"{shared_stack.base_url}/v2/models/other/generate", {"text_input": "Hi"})
     assert (status, json.loads(body)) == (404, {"error": "The model `other` does not exist."})
+
+
+def test_tgi_truncate_keeps_the_prompts_last_tokens(shared_stack: ServeStack, greedy: dict[str, str]) -> None:
+    prompt = PROMPTS[1]
+    client = text_generation.Client(shared_stack.base_url, timeout=120)
+    cut = client.generate(prompt, max_new_tokens=MAX_TOKENS, truncate=4, decoder_input_details=True)
+    assert len(cut.details.prefill) == 4
+    openai_client = openai.OpenAI(base_url=f"{shared_stack.base_url}/v1", api_key="unused", max_retries=0,
+                                  timeout=120)
+    same = openai_client.completions.create(model=SHARED_SERVED, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            extra_body={"truncate_prompt_tokens": 4}).choices[0].text
+    assert cut.generated_text == same != greedy[prompt]
+
+
+def test_triton_bad_words_never_appear(shared_stack: ServeStack, greedy: dict[str, str]) -> None:
+    prompt = PROMPTS[0]
+    word = greedy[prompt].split()[0].strip(".,")
+    status, whole = post(f"{shared_stack.base_url}/v2/models/{SHARED_SERVED}/generate", {
+        "text_input": prompt, "parameters": {"max_tokens": MAX_TOKENS, "temperature": 0, "bad_words": [word]}})
+    assert status == 200
+    assert word in greedy[prompt] and word not in json.loads(whole)["text_output"]

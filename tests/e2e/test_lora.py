@@ -197,3 +197,25 @@ def test_unloading_an_adapter_lets_its_running_request_finish(stack: ServeStack,
     assert text == models.text(greedy(late, PROMPTS[3], n))
     info = stack.engine_idle()
     assert info.free_kv_blocks == info.total_kv_blocks and [a.name for a in info.lora_adapters] == ["sql", "chat"]
+
+
+def test_the_lora_gauge_inference_gateways_read_names_the_running_adapter(stack: ServeStack) -> None:
+    """vllm:lora_requests_info on the gateway's page (the engine's, federated), with the labels of the Gateway API
+    Inference Extension's protocol (tests/engine/entrypoints/test_inference_gateway_protocol.py)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def lora_info() -> list[Any]:
+        page = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+        return [s for f in text_string_to_metric_families(page) for s in f.samples
+                if s.name == "vllm:lora_requests_info"]
+
+    stream = _client(stack).completions.create(model="sql", prompt=PROMPTS[0], max_tokens=300, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)   # running now
+    (running,) = lora_info()
+    assert running.labels == {"max_lora": "2", "running_lora_adapters": "sql", "waiting_lora_adapters": ""}
+    stream.close()
+    stack.engine_idle()
+    (idle,) = lora_info()
+    assert idle.labels["running_lora_adapters"] == "" and idle.value >= running.value

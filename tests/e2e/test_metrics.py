@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from tests.e2e.conftest import SHARED_SERVED
+from tests.engine.entrypoints.test_inference_gateway_protocol import PROTOCOL, PROTOCOL_BEFORE_2025_11_26
 from tests.procs import ROOT, ServeStack
 
 pytestmark = pytest.mark.slow
@@ -134,6 +135,17 @@ def test_waiting_requests_show_while_a_burst_waits(stack: ServeStack, client: op
     samples = scrape(stack)
     assert total(samples, "vllm:num_requests_waiting") == 0 and total(samples, "vllm:num_requests_running") == 0
     assert total(samples, "vllm:request_queue_time_seconds_count") >= 8
+
+
+def test_the_inference_gateway_protocols_metrics_are_on_the_page(
+        after_three_requests: tuple[list[Sample], list[Sample], int]) -> None:
+    """What the Gateway API Inference Extension reads (its list and commit: test_inference_gateway_protocol.py),
+    with its labels, on the federated page; the LoRA gauge needs --enable-lora (tests/e2e/test_lora.py)."""
+    _, samples, _ = after_three_requests
+    for name, required in {**PROTOCOL, **PROTOCOL_BEFORE_2025_11_26}.items():
+        if name != "vllm:lora_requests_info":
+            found = [s for s in samples if s.name == name]
+            assert found and all(required.labels <= s.labels.keys() for s in found), name
 
 
 # ---------------------------------------------------------------- the Grafana dashboard

@@ -60,7 +60,7 @@ def _generate(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, list[fl
         for out in outputs:
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             assert out.new_logprobs is not None
-            logprobs.setdefault(out.request_id, []).extend(sampled for sampled, _ in out.new_logprobs)
+            logprobs.setdefault(out.request_id, []).extend(sampled for sampled, *_ in out.new_logprobs)
             cached.setdefault(out.request_id, out.num_cached_tokens)   # said on a request's first output
 
     core.add_request("first", FIRST, greedy)

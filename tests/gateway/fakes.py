@@ -87,6 +87,8 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     lora_adapters: dict[str, str] = field(default_factory=dict)
     runtime_lora: bool = True
     lora_requests: list[object] = field(default_factory=list)  # Load/UnloadLoRAAdapter requests
+    reset_ok: bool = True  # ResetPrefixCache's answer (False: an engine's requests hold blocks)
+    resets: int = 0  # ResetPrefixCache calls
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         self.generate_requests.append(request)
@@ -265,6 +267,10 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         if self.lora_adapters.pop(request.lora_name, None) is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"lora_name: no adapter named {request.lora_name!r}")
         return common_pb2.UnloadLoRAAdapterResponse()
+
+    async def ResetPrefixCache(self, request, context):  # type: ignore[no-untyped-def]
+        self.resets += 1
+        return common_pb2.ResetPrefixCacheResponse(ok=self.reset_ok)
 
 
 class _Aborted(Exception):

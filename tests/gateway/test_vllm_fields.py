@@ -111,11 +111,10 @@ def test_a_refused_field_is_a_400_naming_it(route: str, name: str) -> None:
 
 
 def test_the_refusals_of_the_issue_and_their_no_op_values() -> None:
-    for name in ("bad_words", "prompt_embeds"):
-        assert name in CHAT_REFUSED and name in COMPLETION_REFUSED
+    assert "prompt_embeds" in CHAT_REFUSED and "prompt_embeds" in COMPLETION_REFUSED
     with pytest.raises(ApiError) as e:
-        _parse("completions", {"bad_words": ["no"]})
-    assert e.value.param == "bad_words"
+        _parse("completions", {"prompt_embeds": "abc"})
+    assert e.value.param == "prompt_embeds"
     with pytest.raises(ApiError) as e:
         _parse("chat", {"spaces_between_special_tokens": False})
     assert e.value.param == "spaces_between_special_tokens"
@@ -247,3 +246,34 @@ def test_allowed_token_ids_reach_the_engine(route: str) -> None:
         with pytest.raises(ApiError) as e:
             _parse(route, {"allowed_token_ids": bad})
         assert (e.value.param or "").startswith("allowed_token_ids")
+
+
+# -- bad_words: tokenized by the tokenizer service, banned by the engine's sampler (tests/engine/worker) ---------
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_bad_words_reach_the_engine_as_token_sequences(route: str) -> None:
+    from engine.config import default_model_path
+    from engine.text import Tokenizer
+    from services.tokenizer.engine_request import bad_words_to_pb, check_options, engine_options
+
+    assert "bad_words" not in CHAT_REFUSED and "bad_words" not in COMPLETION_REFUSED
+    req = _parse(route, {"bad_words": ["Paris", " France"]})
+    pb = generate_request_to_pb(req.prompts[0], req.params, "r")
+    assert list(pb.bad_words) == ["Paris", " France"]
+    check_options(pb)
+    tokenizer = Tokenizer.from_pretrained(default_model_path())
+    engine_req = engine_options(pb, "k", 1, None)
+    engine_req.bad_words_token_ids.extend(bad_words_to_pb(list(pb.bad_words), tokenizer))
+    sequences = sampling_params_from_pb(engine_req).bad_words_token_ids
+    assert sequences is not None
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert sequences[0] == encode("Paris") and encode(" Paris") in sequences and encode("France") in sequences
+    unset = _parse(route, {})
+    assert not generate_request_to_pb(unset.prompts[0], unset.params, "r").bad_words
+    assert sampling_params_from_pb(engine_options(
+        generate_request_to_pb(unset.prompts[0], unset.params, "r"), "k", 1, None)).bad_words_token_ids is None
+    for bad in ("Paris", [1], ["x"] * 129):
+        with pytest.raises(ApiError) as e:
+            _parse(route, {"bad_words": bad})
+        assert (e.value.param or "").startswith("bad_words")

@@ -89,7 +89,7 @@ SAME_NAME: list[tuple[str, str, object]] = [
 # Every flag of the compatibility tables, with a command line fragment and what must happen.
 REFUSED = [
     "--revision main", "--code-revision v1", "--tokenizer-revision v1", "--load-format pt",
-    "--quantization awq", "--tokenizer-mode slow", "--no-enable-chunked-prefill", "--preemption-mode swap",
+    "--quantization fp8", "--tokenizer-mode slow", "--no-enable-chunked-prefill", "--preemption-mode swap",
     "--cpu-offload-gb 4", "--distributed-executor-backend external_launcher",
     "--speculative-model m",
     "--num-speculative-tokens 3", "--ngram-prompt-lookup-max 4", "--ngram-prompt-lookup-min 1",

@@ -23,7 +23,7 @@ from common.grpc_server import bind
 from engine.config import default_model_path
 from engine.text import Tokenizer
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
-from services.tokenizer.server import SERVICE_NAME, public_server, track_engine
+from services.tokenizer.server import SERVICE_NAME, public_server, track_engines
 from services.tokenizer.service import GenerationServicer
 from tests.procs import free_port, grpc_serving, spawn, stop, tokenizer_process, wait_until
 
@@ -115,7 +115,7 @@ async def tokenizer_service(engine_port: int) -> AsyncIterator[tuple[generation_
     await health_service.set_serving(False)
     port = bind(server, "127.0.0.1", 0)
     await server.start()
-    tracker = asyncio.ensure_future(track_engine(servicer, engine_channel, health_service, asyncio.Event()))
+    tracker = asyncio.ensure_future(track_engines(servicer, health_service, asyncio.Event()))
     client = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield generation_pb2_grpc.GenerationStub(client), health_pb2_grpc.HealthStub(client), servicer

@@ -116,7 +116,7 @@ def test_the_engine_and_tokenizer_services_listen_on_loopback_only() -> None:
 
 def test_data_parallel_replicas_each_have_their_engine_tokenizers_and_ports() -> None:
     """``--data-parallel-size 2 --tokenizers 2``: two engines on consecutive ports, each replica's tokenizer
-    services on their own block of ports talking to their own engine, every gateway given all four services
+    services on their own block of ports sending requests to both engines, every gateway given all four services
     replica by replica (consecutive requests go to different replicas) and both engines' metrics in replica
     order (their ``engine`` label on the gateway's page)."""
     ns = supervisor.resolve_settings(["-dp", "2", "--tokenizers", "2", "--gateways", "2", "--engine-port", "7000",
@@ -131,9 +131,8 @@ def test_data_parallel_replicas_each_have_their_engine_tokenizers_and_ports() ->
     assert [(flag(e.argv, "--port"), flag(e.argv, "--metrics-port")) for e in stack.engines] == [
         ("7000", "7200"), ("7001", "7201")]
     assert all("--data-parallel-size" not in e.argv and "-dp" not in e.argv for e in stack.engines)
-    assert [(flag(t.argv, "--port"), flag(t.argv, "--engine")) for t in stack.tokenizers] == [
-        ("7100", "127.0.0.1:7000"), ("7101", "127.0.0.1:7000"), ("7102", "127.0.0.1:7001"),
-        ("7103", "127.0.0.1:7001")]
+    assert [(flag(t.argv, "--port"), flag(t.argv, "--engine")) for t in stack.tokenizers] == [   # each routes
+        (str(port), "127.0.0.1:7000,127.0.0.1:7001") for port in range(7100, 7104)]
     for gateway in stack.gateways:
         assert flag(gateway.argv, "--tokenizer") == "127.0.0.1:7100,127.0.0.1:7102,127.0.0.1:7101,127.0.0.1:7103"
         federated = [gateway.argv[i + 1] for i, a in enumerate(gateway.argv) if a == "--metrics-federate"]

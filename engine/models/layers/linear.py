@@ -18,6 +18,8 @@ from torch import nn
 
 from engine.device.kernel_choice import KernelChoice
 from engine.distributed import ParallelContext
+from engine.models.int4 import Int4Weight
+from engine.models.layers.int4_linear import int4_method
 from engine.models.layers.linear_method import LinearMethod, int8_matmul
 from engine.models.layers.static_w8a8_linear import static_w8a8_method
 from engine.models.quant import QuantWeight
@@ -184,6 +186,7 @@ class Linear(nn.Linear):
 
     quant: QuantWeight | None = None
     int8: AnyInt8Weight | None = None  # W8A8's int8 weight (w8a8 or w8a8_static), set before ``use_kernels``
+    int4: Int4Weight | None = None     # a GPTQ / AWQ / W4A16 checkpoint's 4-bit weight (engine.models.int4)
     method: LinearMethod = _DENSE
     shares_weight: bool = False
     is_lm_head: bool = False
@@ -204,12 +207,15 @@ class Linear(nn.Linear):
         self.method = choose_linear_method(self, choice)
         self.quant = None  # held by the method now, or not usable here
         self.int8 = None
+        self.int4 = None
         if not self.method.reads_weight and not self.shares_weight:
             self.weight = None  # type: ignore[assignment]
 
     def amx_pack_bytes(self) -> int:
         """What a tile-packed copy of this layer's weight would take (0 when it cannot have one)."""
-        if self.weight is None or self.int8 is not None or self.out_features % 32 or self.in_features % 32:
+        if self.weight is None or self.int8 is not None or self.int4 is not None:
+            return 0
+        if self.out_features % 32 or self.in_features % 32:
             return 0
         return 2 * self.out_features * self.in_features
 
@@ -282,6 +288,8 @@ def choose_linear_method(layer: Linear, choice: KernelChoice) -> LinearMethod:
 
     if layer.int8 is not None:  # int8 wins over GGUF blocks and AMX: the layer was quantized for it
         return w8a8_method(layer.int8, choice)
+    if layer.int4 is not None:  # the checkpoint's own 4-bit weights
+        return int4_method(layer.int4, choice)
     if choice.amx_linear and choice.ops is not None and amx_packable(weight):
         return AmxLinearMethod(choice.ops, weight, base())
     if layer.quant is not None and choice.ops is not None:

@@ -4,7 +4,8 @@
 A body is ``{"inputs", "parameters": {...}, "stream"}``; ``parameters`` are re-spelt under the OpenAI names
 (``max_new_tokens`` → ``max_tokens``, ``top_n_tokens`` → ``logprobs``, ``decoder_input_details`` →
 ``prompt_logprobs``, ``grammar`` → ``guided_json`` / ``guided_regex``, ``adapter_id`` → the LoRA adapter's
-``model``) and validated as a completion; ``truncate``, ``typical_p`` and ``watermark`` are refused. MindIE's
+``model``, ``truncate`` → ``truncate_prompt_tokens``: the prompt's last this many tokens, as TGI keeps them) and
+validated as a completion; ``typical_p`` and ``watermark`` are refused. MindIE's
 extras ``priority`` and ``timeout`` are honoured too (its ``/infer`` shares this parser). Answers:
 ``{"generated_text", "details"}`` (a list of one on ``POST /``), or server-sent events of TGI's
 ``StreamResponse``, one per generated token, the last with ``generated_text`` and ``details``.
@@ -38,10 +39,10 @@ DEFAULT_MAX_NEW_TOKENS = 20  # TGI's documented default (and its Python client's
 NAMES = {"prompt": "inputs", "max_tokens": "parameters.max_new_tokens", "logprobs": "parameters.top_n_tokens",
          "prompt_logprobs": "parameters.decoder_input_details", "guided_json": "parameters.grammar",
          "guided_regex": "parameters.grammar", "model": "parameters.adapter_id",
+         "truncate_prompt_tokens": "parameters.truncate",
          **{name: f"parameters.{name}" for name in ("temperature", "top_k", "top_p", "repetition_penalty",
                                                     "frequency_penalty", "seed", "stop", "best_of", "priority")}}
-REFUSED = {"truncate": "Sluice does not cut prompts; send one that fits the model's context",
-           "typical_p": "typical decoding is not implemented",
+REFUSED = {"typical_p": "typical decoding is not implemented",
            "watermark": "watermarking is not implemented"}
 
 
@@ -123,7 +124,7 @@ def parse_tgi(body: dict[str, object], max_n: int, *, stream: bool | None = None
         # Token details need each token's log probability; top_n_tokens its alternatives.
         "logprobs": p.top_n_tokens if p.top_n_tokens is not None else 0 if p.details else None,
         "prompt_logprobs": 0 if p.decoder_input_details else None,
-        "priority": p.priority, "stream": streams, **guided,
+        "priority": p.priority, "stream": streams, "truncate_prompt_tokens": p.truncate, **guided,
     }, max_n, NAMES)
     return TgiCall(gen, req.inputs, bool(p.details), p.top_n_tokens or 0, bool(p.return_full_text), p.seed,
                    p.timeout)

@@ -36,7 +36,7 @@ MODEL_VERSION = "1"
 # Aliases: the name another backend gives the same field → the name it is read under here.
 _ALIASES = {"max_new_tokens": "max_tokens", "stop_words": "stop", "random_seed": "seed"}
 REFUSED = {"typical_p": "typical decoding is not implemented", "watermark": "watermarking is not implemented",
-           "bad_words": "banned words are not implemented", "perf_stat": "per-request statistics are not kept",
+           "perf_stat": "per-request statistics are not kept",
            "batch_size": "the engine batches requests itself", "return_log_probs": "the answer carries text only"}
 _ROUTE_FIELDS = ("id", "text_input", "parameters")
 TextList = str | list[str]
@@ -108,6 +108,7 @@ def parse_triton(body: dict[str, object], max_n: int, *, stream: bool) -> Triton
         raise bad_request(sent["stream"], f"`{sent['stream']}` is {str(not stream).lower()}: use "
                                           f"/generate{'_stream' if not stream else ''}.")
     stop = fields.stop if fields.stop is not None else fields.stop_words
+    bad_words = fields.bad_words
     gen = as_completion({
         "prompt": req.text_input,
         "max_tokens": fields.max_tokens if fields.max_tokens is not None else fields.max_new_tokens,
@@ -118,6 +119,7 @@ def parse_triton(body: dict[str, object], max_n: int, *, stream: bool) -> Triton
         "ignore_eos": fields.ignore_eos, "seed": fields.seed if fields.seed is not None else fields.random_seed,
         "stop": ([stop] if stop else None) if isinstance(stop, str) else stop,  # TensorRT-LLM's "": none
         "priority": fields.priority, "stream": stream,
+        "bad_words": ([bad_words] if bad_words else None) if isinstance(bad_words, str) else bad_words,
     }, max_n, {"prompt": "text_input", **sent})
     return TritonCall(gen, req.text_input, req.id, fields.details is True, fields.exclude_input_in_output is False,
                       fields.timeout)

@@ -30,9 +30,6 @@ REFUSED = {
     "prompt_logprobs": "the legacy /generate answer carries text only (use /v1/completions)",
     "echo": "the legacy /generate answer always starts with the prompt",
     "stream_options": "the legacy /generate stream carries text only",
-    "truncate_prompt_tokens": "Sluice does not cut prompts",
-    "bad_words": "banned words are not implemented",
-    "allowed_token_ids": "allowed token ids are not implemented",
     "logits_processors": "logits processors are not run from requests",
 }
 

@@ -147,16 +147,16 @@ def test_stops_max_tokens_logprobs_and_multi_token_deltas(checkpoints: dict[str,
     # Several accepted tokens arrive in one output (a streamed delta of several tokens) ...
     assert max(len(o.new_token_ids) for o in outs) > 1
     # ... with the logprobs of each, the target's own.
-    def logprobs(outputs: list[EngineCoreOutput]) -> dict[str, list[tuple[float, dict[int, float]]]]:
-        result: dict[str, list[tuple[float, dict[int, float]]]] = {}
+    def logprobs(outputs: list[EngineCoreOutput]) -> dict[str, list[tuple[float, dict[int, float], int]]]:
+        result: dict[str, list[tuple[float, dict[int, float], int]]] = {}
         for o in outputs:
             assert o.new_logprobs is not None and len(o.new_logprobs) == len(o.new_token_ids)
             result.setdefault(o.request_id, []).extend(o.new_logprobs)
         return result
     for rid, lps in logprobs(outs).items():
-        for (lp, top), (want_lp, want_top) in zip(lps, logprobs(want_outs)[rid], strict=True):
+        for (lp, top, rank), (want_lp, want_top, want_rank) in zip(lps, logprobs(want_outs)[rid], strict=True):
             assert lp == pytest.approx(want_lp, abs=1e-4)
-            assert list(top) == list(want_top)
+            assert list(top) == list(want_top) and rank == want_rank
     assert core.spec_stats is not None and core.spec_stats.num_accepted_tokens > 0
 
 

@@ -38,6 +38,7 @@ class FakeCore:
         self.num_blocks = 40
         self.executor = SimpleNamespace(kv_cache_dtype_name="float32")
         self.stats = {"prefix_cache_queries": 100, "prefix_cache_hits": 50, "num_preemptions": 1,
+                      "external_prefix_cache_queries": 40, "external_prefix_cache_hits": 8,
                       "prompt_tokens": 30, "generation_tokens": 2, "steps": 3}   # the warm-up's, left out
         self.usage = 0.25
         self.scheduler = SimpleNamespace(num_running=3, num_waiting=2, running=[], waiting=[],

@@ -27,10 +27,10 @@ def test_offline_prompt_logprobs_have_vllms_shape(llm: LLM) -> None:
     assert plp is not None and len(plp) == len(ids) >= 3 and plp[0] is None
     for token_id, entry in zip(ids[1:], plp[1:]):
         assert entry is not None and next(iter(entry)) == token_id   # the prompt token first, as vLLM
-        top = list(entry.items())[1:]
-        assert len(entry) in (K, K + 1) and all(v <= 0 for v in entry.values())
+        top = [(t, v.logprob) for t, v in list(entry.items())[1:]]
+        assert len(entry) in (K, K + 1) and all(v.logprob <= 0 for v in entry.values())
         if len(entry) == K + 1:   # the prompt token is not among the top K: all of them are likelier
-            assert min(v for _, v in top) >= entry[token_id] and [v for _, v in top] == sorted(
+            assert min(v for _, v in top) >= entry[token_id].logprob and [v for _, v in top] == sorted(
                 (v for _, v in top), reverse=True)
     assert llm.generate(PROMPT, SamplingParams(max_tokens=1))[0].prompt_logprobs is None
 
@@ -43,7 +43,7 @@ def test_a_prompt_logprob_is_the_logprob_the_decode_sampled_it_with(llm: LLM) ->
     ids = first.prompt_token_ids + [token]
     (second,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0))
     assert second.prompt_logprobs is not None and second.prompt_logprobs[-1] is not None
-    assert second.prompt_logprobs[-1][token] == pytest.approx(first.outputs[0].cumulative_logprob, abs=1e-4)
+    assert second.prompt_logprobs[-1][token].logprob == pytest.approx(first.outputs[0].cumulative_logprob, abs=1e-4)
 
 
 def test_the_grpc_servicer_carries_them_both_ways(llm: LLM) -> None:
@@ -67,10 +67,10 @@ def test_the_grpc_servicer_carries_them_both_ways(llm: LLM) -> None:
     assert offline.prompt_logprobs is not None
     for entry, expected in zip(rest, offline.prompt_logprobs[1:]):
         assert expected is not None and not entry.text and not entry.text_bytes
-        assert entry.HasField("logprob") and entry.logprob == pytest.approx(expected[entry.token_id], abs=1e-6)
+        assert entry.HasField("logprob") and entry.logprob == pytest.approx(expected[entry.token_id].logprob, abs=1e-6)
         assert len(entry.top_logprobs) == K
         for top in entry.top_logprobs:
-            assert top.logprob == pytest.approx(expected[top.token_id], abs=1e-6)
+            assert top.logprob == pytest.approx(expected[top.token_id].logprob, abs=1e-6)
     assert [e.token_id for e in first.prompt_logprobs] == ids
 
 

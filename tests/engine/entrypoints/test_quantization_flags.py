@@ -37,7 +37,7 @@ def test_accepted_values(argv: tuple[str, ...], expected: str | None) -> None:
 
 
 @pytest.mark.parametrize("value, reason", [
-    ("awq", "'awq' is not supported: Sluice runs w8a8, compressed-tensors"),
+    ("gptq_marlin", "'gptq_marlin' is not supported: Sluice runs w8a8, compressed-tensors"),
     ("fp8", "'fp8' is not supported"),
     ("bitsandbytes", "'bitsandbytes' is not supported"),
     ("w4a8", "'w4a8' is not supported"),

@@ -150,9 +150,9 @@ def _variant(**changes: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("config, message", [
-    (_variant(top__quant_method="awq"), "quant_method 'awq' is not supported"),
+    (_variant(top__quant_method="fp8"), "quant_method 'fp8' is not supported"),
     (_variant(top__format="float-quantized"), "format 'float-quantized' is not supported"),
-    (_variant(top__format="pack-quantized"), "format 'pack-quantized' is not supported"),
+    (_variant(top__format="pack-quantized"), r"weights\.num_bits 8 is not supported: Sluice runs pack-quantized"),
     (_variant(input_activations__dynamic=False), r"input_activations\.dynamic False is not supported"),
     (_variant(input_activations__strategy="tensor"), r"input_activations\.strategy 'tensor' is not supported"),
     (_variant(weights__symmetric=False), r"weights\.symmetric False is not supported"),

@@ -1,5 +1,6 @@
 """TEST-ONLY TWIN of torch-npu's W8A8 operators, on the CPU: ``torch_npu.npu_dynamic_quant``,
-``torch_npu.npu_quantize`` and ``torch_npu.npu_quant_matmul``, written from torch-npu's API reference (Ascend
+``torch_npu.npu_quantize`` and ``torch_npu.npu_quant_matmul``; and of its weight-only ones,
+``npu_convert_weight_to_int4pack`` and ``npu_weight_quant_batchmatmul`` (7.0.0 pages), written from torch-npu's API reference (Ascend
 Extension for PyTorch, 6.0.0 / 7.0.0 / 7.2.0 pages) and, for the int64 form of a scale, CANN's aclnnTransQuantParam
 page. Rounding is half to even here; the hardware's is not modelled."""
 from __future__ import annotations
@@ -150,3 +151,78 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
     if output_dtype in (None, torch.int8):
         return torch.round(out).clamp_(-128, 127).to(torch.int8)
     return out.to(output_dtype)
+
+
+@operator
+def npu_convert_weight_to_int4pack(weight: torch.Tensor, inner_k_tiles: int = 0) -> torch.Tensor:
+    """int32 weight [k, n] holding int4 values in [-8, 7] (2-D, contiguous, last dimension a multiple of 8) packed
+    8 to an int32: [k, n / 8]. The device's interleaved placement is not modelled: the twin puts element ``8j + i`` of
+    a row in bits ``4i`` of word ``j``, and its ``npu_weight_quant_batchmatmul`` reads that layout back."""
+    op = "npu_convert_weight_to_int4pack"
+    _require(weight.dtype == torch.int32, f"{op}: weight must be int32, got {weight.dtype}", TypeError)
+    _require(weight.dim() == 2 and weight.shape[-1] % 8 == 0,
+             f"{op}: weight must be 2-D with a last dimension a multiple of 8, got {tuple(weight.shape)}")
+    _require(weight.is_contiguous(), f"{op}: weight must be contiguous")
+    _require(bool(((weight >= -8) & (weight <= 7)).all()), f"{op}: values must be in int4's range [-8, 7]")
+    nibbles = (weight & 0xF).to(torch.int64).reshape(weight.shape[0], -1, 8)
+    words = (nibbles << (torch.arange(8) * 4)).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    nibbles = (packed.unsqueeze(-1) >> (torch.arange(8, dtype=torch.int32) * 4)) & 0xF
+    values = nibbles.reshape(packed.shape[0], -1)
+    return torch.where(values >= 8, values - 16, values)
+
+
+@operator
+def npu_weight_quant_batchmatmul(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.Tensor,
+                                 antiquant_offset: torch.Tensor | None = None, quant_scale: torch.Tensor | None = None,
+                                 quant_offset: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                                 antiquant_group_size: int = 0, inner_precise: int = 0) -> torch.Tensor:
+    """Weight-only quantized matmul ``x [m, k] @ W``, ``W = (weight + antiquant_offset) * antiquant_scale`` [k, n],
+    plus ``bias``, in ``x``'s dtype (float16 or bfloat16). ``weight``: int8 [k, n] or int32 [k, n / 8] (int4 packed by
+    ``npu_convert_weight_to_int4pack``). ``antiquant_scale``, in ``x``'s dtype: per tensor (1,), per channel (n,) or
+    (1, n), or per group (ceil(k / antiquant_group_size), n) with ``antiquant_group_size`` a multiple of 32 in
+    [32, k - 1]; ``antiquant_offset`` the scale's shape and dtype. Modelled: no output quantization (``quant_scale``,
+    ``quant_offset`` None), float scales (not the int64 form), 2-D ``x``; the product is formed in float32."""
+    op = "npu_weight_quant_batchmatmul"
+    _require(x.dtype in _FLOAT_INPUTS, f"{op}: x must be float16 or bfloat16, got {x.dtype}", TypeError)
+    _require(x.dim() == 2, f"{op} twin: x must be 2-D (m, k), got {x.dim()} dimensions")
+    _require(weight.dim() == 2 and weight.dtype in (torch.int8, torch.int32),
+             f"{op}: weight must be 2-D int8 or int32 (int4 packed), got {weight.dtype} {tuple(weight.shape)}")
+    _require(quant_scale is None and quant_offset is None,
+             f"{op} twin: output quantization (quant_scale, quant_offset) is not modelled")
+    w = weight.float() if weight.dtype == torch.int8 else _unpack_int4(weight).float()
+    k, n = w.shape
+    _require(x.shape[1] == k, f"{op}: x's k {x.shape[1]} != weight's k {k} (weight is [k, n])")
+    _require(antiquant_scale.dtype == x.dtype,
+             f"{op}: antiquant_scale must have x's dtype {x.dtype}, got {antiquant_scale.dtype}", TypeError)
+    group = antiquant_group_size
+    if group:
+        _require(group % 32 == 0 and 32 <= group < k,
+                 f"{op}: antiquant_group_size must be a multiple of 32 in [32, k - 1], got {group} (k={k})")
+        shapes: tuple[tuple[int, ...], ...] = ((-(-k // group), n),)
+    else:
+        shapes = ((1,), (n,), (1, n))
+    _require(tuple(antiquant_scale.shape) in shapes,
+             f"{op}: antiquant_scale must have shape {' or '.join(map(str, shapes))}, got "
+             f"{tuple(antiquant_scale.shape)}")
+    if antiquant_offset is not None:
+        _require(antiquant_offset.shape == antiquant_scale.shape and antiquant_offset.dtype == antiquant_scale.dtype,
+                 f"{op}: antiquant_offset must have antiquant_scale's shape and dtype", TypeError)
+    if bias is not None:
+        _require(bias.dtype in (x.dtype, torch.float32) and tuple(bias.shape) in ((n,), (1, n)),
+                 f"{op}: bias must be ({n},) in x's dtype or float32, got {bias.dtype} {tuple(bias.shape)}")
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:   # [groups, n] or a per-channel form -> [k, n]
+        t = t.float().reshape(-1, n) if t.numel() > 1 else t.float().reshape(1, 1)
+        return t.repeat_interleave(group, dim=0)[:k] if group else t
+
+    if antiquant_offset is not None:
+        w = w + per_row(antiquant_offset)
+    w = w * per_row(antiquant_scale)
+    out = x.float() @ w
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -29,12 +29,19 @@ from tests.engine.npu_twin.moe import (
     npu_moe_gating_top_k_softmax,
     npu_moe_init_routing,
 )
-from tests.engine.npu_twin.quant import npu_dynamic_quant, npu_quant_matmul, npu_quantize
+from tests.engine.npu_twin.quant import (
+    npu_convert_weight_to_int4pack,
+    npu_dynamic_quant,
+    npu_quant_matmul,
+    npu_quantize,
+    npu_weight_quant_batchmatmul,
+)
 
 __all__ = ["CALLED", "OPERATORS", "npu", "_npu_paged_attention", "_npu_paged_attention_get_workspace",
            "_npu_reshape_and_cache",
            "npu_fused_infer_attention_score", "npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu",
            "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul", "npu_grouped_matmul",
+           "npu_convert_weight_to_int4pack", "npu_weight_quant_batchmatmul",
            "npu_moe_compute_expert_tokens",
            "npu_moe_finalize_routing", "npu_moe_gating_top_k_softmax", "npu_moe_init_routing",
            "_npu_paged_attention_mla", "_npu_reshape_and_cache_siso"]

@@ -299,8 +299,9 @@ def test_logprobs_are_raw_log_softmax_with_ordered_top_k() -> None:
     for i, k in ((0, 3), (1, 0)):
         entry = out.logprobs[i]
         assert entry is not None
-        sampled, top = entry
+        sampled, top, rank = entry
         assert math.isclose(sampled, raw[i, out.token_ids[i]].item(), abs_tol=1e-6)
+        assert rank == int((raw[i] >= raw[i, out.token_ids[i]]).sum())  # 1 + the tokens more likely
         values, ids = raw[i].topk(k)
         assert list(top) == ids.tolist()  # most likely first
         assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-6)

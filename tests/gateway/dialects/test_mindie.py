@@ -28,6 +28,15 @@ async def test_a_prompt_body_is_vllms(gateway: Gateway) -> None:
     assert (req.sampling.temperature, req.sampling.top_k, req.response.skip_special_tokens) == (0.5, 4, True)
 
 
+async def test_vllms_token_fields_reach_the_request(gateway: Gateway) -> None:
+    r = await gateway.client.post("/generate", json={"prompt": "hello", "truncate_prompt_tokens": 5,
+                                                     "bad_words": ["world"], "allowed_token_ids": [10, 11]})
+    assert r.status_code == 200, r.text
+    (req,) = gateway.backend_calls.generate_requests
+    assert (req.truncate_prompt_tokens, list(req.bad_words), list(req.sampling.allowed_token_ids)) == (
+        5, ["world"], [10, 11])
+
+
 async def test_vllms_stream_is_nul_separated_text_so_far(gateway: Gateway) -> None:
     r = await gateway.client.post("/generate", json={"prompt": "hi", "stream": True})
     assert r.status_code == 200
@@ -39,8 +48,6 @@ async def test_vllms_stream_is_nul_separated_text_so_far(gateway: Gateway) -> No
 @pytest.mark.parametrize(("body", "message"), [
     ({"prompt": "hi", "logprobs": 1}, "`logprobs` is not supported: the legacy /generate answer carries text only "
                                       "(use /v1/completions)."),
-    ({"prompt": "hi", "truncate_prompt_tokens": 5}, "`truncate_prompt_tokens` is not supported: Sluice does not cut "
-                                                     "prompts."),
     ({"prompt": "hi", "detokenize": False}, "`detokenize`: only true is supported."),
     ({"prompt": [1, 2]}, "`prompt` must be a string: the answer starts with its text."),
     ({"prompt": "hi", "max_tokens": 0}, "`max_tokens`: input should be greater than or equal to 1."),

@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from text_generation.types import Parameters as TgiParameters
+from text_generation.types import Request as TgiRequest
 from text_generation.types import Response as TgiResponse
 from text_generation.types import StreamResponse
 
@@ -48,6 +50,16 @@ async def test_defaults_are_greedy_with_twenty_new_tokens(gateway: Gateway) -> N
     assert r.status_code == 200
     assert r.json() == {"generated_text": "Hello world"}
     same(sent(gateway), expected())
+
+
+async def test_truncate_keeps_the_prompts_last_tokens(gateway: Gateway) -> None:
+    # The body TGI's own client sends for client.generate("hello", truncate=3).
+    body = TgiRequest(inputs="hello", parameters=TgiParameters(truncate=3), stream=False).dict()
+    r = await gateway.client.post("/", json=body)
+    assert r.status_code == 200, r.text
+    want = expected()
+    want.truncate_prompt_tokens = 3
+    same(sent(gateway), want)
 
 
 async def test_parameters_map_onto_the_completion_request(gateway: Gateway) -> None:
@@ -134,8 +146,8 @@ async def test_info(gateway: Gateway) -> None:
      "`parameters.watermark` is not supported: watermarking is not implemented."),
     ({"inputs": "hello", "parameters": {"typical_p": 0.5}}, 422,
      "`parameters.typical_p` is not supported: typical decoding is not implemented."),
-    ({"inputs": "hello", "parameters": {"truncate": 10}}, 422,
-     "`parameters.truncate` is not supported: Sluice does not cut prompts; send one that fits the model's context."),
+    ({"inputs": "hello", "parameters": {"truncate": 0}}, 422,
+     "`parameters.truncate`: input should be greater than or equal to 1."),
     ({"inputs": "hello", "stream": True, "parameters": {"decoder_input_details": True}}, 422,
      "`parameters.decoder_input_details` is not available when streaming."),
     ({"inputs": "hello", "stream": True, "parameters": {"best_of": 2}}, 422,

@@ -33,7 +33,18 @@ async def test_tensorrt_llm_inputs_at_the_top_level(gateway: Gateway) -> None:
                                                   "parameters": {"exclude_input_in_output": False}})
     assert r.json()["text_output"] == "helloHello world"
     (req,) = gateway.backend_calls.generate_requests
-    assert (req.stopping.max_tokens, list(req.stopping.stop)) == (3, [])
+    assert (req.stopping.max_tokens, list(req.stopping.stop), list(req.bad_words)) == (3, [], [])
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"bad_words": "world"}, ["world"]),
+    ({"parameters": {"bad_words": ["world", "Hello"]}}, ["world", "Hello"]),
+])
+async def test_bad_words_reach_the_request(gateway: Gateway, body: dict[str, Any], words: list[str]) -> None:
+    r = await gateway.client.post(GENERATE, json={"text_input": "hello", **body})
+    assert r.status_code == 200
+    (req,) = gateway.backend_calls.generate_requests
+    assert list(req.bad_words) == words
 
 
 async def test_mindies_do_sample_false_is_greedy(gateway: Gateway) -> None:
@@ -64,8 +75,6 @@ async def test_generate_stream(gateway: Gateway) -> None:
     (f"{GENERATE}_stream", {"text_input": "hi", "stream": False}, 400, "`stream` is false: use /generate."),
     (GENERATE, {"text_input": "hi", "parameters": {"typical_p": 0.5}}, 400,
      "`parameters.typical_p` is not supported: typical decoding is not implemented."),
-    (GENERATE, {"text_input": "hi", "bad_words": ["x"]}, 400,
-     "`bad_words` is not supported: banned words are not implemented."),
     (GENERATE, {"text_input": "hi", "parameters": {"max_new_tokens": 0}}, 400,
      "`parameters.max_new_tokens`: input should be greater than or equal to 1."),
     (GENERATE, {"text_input": "hi", "parameters": {"temperature": "hot"}}, 400,

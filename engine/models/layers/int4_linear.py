@@ -1,0 +1,137 @@
+"""The linear methods of weight-only 4-bit layers (``Linear.int4``: GPTQ, AWQ, compressed-tensors W4A16).
+
+CPU: ``Int4PackLinearMethod`` runs PyTorch's own int4 CPU kernel, ``aten._weight_int4pack_mm_for_cpu`` on the
+weight packed once by ``aten._convert_weight_to_int4pack_for_cpu``. What that kernel computes (checked against
+float32 in tests/engine/models/test_int4_linear.py, torch 2.13): ``x @ W.T`` with
+``W[n, k] = (q[n, k] - 8) * scale[k // g, n] + zero[k // g, n]`` for codes ``q`` in 0..15, scales and "zeros"
+(an additive offset, tinygemm's convention) in ``x``'s dtype, ``g`` in {32, 64, 128, 256}, ``N`` a multiple of 16;
+bfloat16, float16 and float32 activations. A checkpoint's ``(q - z) * s`` is that with ``zero = (8 - z) * s``;
+groups of other sizes that are multiples of an allowed one (per-channel weights) repeat their scale over the
+kernel's smaller groups. ``Int4DequantLinearMethod`` serves the rest (other shapes, other devices than CPU): it
+dequantizes the weight at each call and runs ``F.linear``; correct, not fast.
+
+NPU: ``NpuInt4LinearMethod`` maps a layer to torch-npu's weight-only matmul as vLLM-Ascend's W4A16 does, checked only
+against the test-only operator twin (tests/engine/npu_twin/quant.py). CUDA: refused by name (no W4A16 kernel).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.device.kernel_choice import KernelChoice
+from engine.models.int4 import Int4Weight
+from engine.models.layers.linear_method import LinearMethod
+
+if TYPE_CHECKING:
+    from engine.models.layers.linear import Linear
+
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)   # what _weight_int4pack_mm_for_cpu takes, largest first
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MIDPOINT = 8   # the kernel's codes are centred on 8
+
+
+def kernel_group_size(weight: Int4Weight) -> int | None:
+    """The group size the CPU int4 kernel runs ``weight`` with (a divisor of its own in KERNEL_GROUP_SIZES), or
+    None when the kernel cannot take it (output rows not a multiple of 16, groups not a multiple of 32)."""
+    out, cols = weight.shape
+    if out % 16 or cols % 2:
+        return None
+    return next((g for g in KERNEL_GROUP_SIZES if weight.group_size % g == 0 and cols % g == 0), None)
+
+
+class Int4PackLinearMethod(LinearMethod):
+    """PyTorch's int4 CPU kernel on a packed copy of the codes (half a byte per weight) with per-group scales and
+    offsets in the activations' dtype (made once per dtype); an act-order weight reads ``x[:, perm]``."""
+
+    def __init__(self, weight: Int4Weight, group_size: int) -> None:
+        self.group_size = group_size
+        self.perm = weight.perm
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+        repeat = weight.group_size // group_size
+        scales = weight.scales.repeat_interleave(repeat, dim=1)               # [out, groups]
+        offsets = ((_MIDPOINT - weight.zeros) * weight.scales).repeat_interleave(repeat, dim=1)
+        self.scale_and_zero = torch.stack([scales.t(), offsets.t()], dim=-1).contiguous()   # float32 [groups, out, 2]
+        self._by_dtype: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale_and_zero}
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"the int4 CPU kernel runs bfloat16, float16 or float32 activations, not {x.dtype}")
+        sz = self._by_dtype.get(x.dtype)
+        if sz is None:
+            sz = self._by_dtype[x.dtype] = self.scale_and_zero.to(x.dtype)
+        rows = x.index_select(1, self.perm) if self.perm is not None else x.contiguous()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, sz)
+        bias = layer.method_bias
+        return out if bias is None else out.add_(bias)
+
+
+class Int4DequantLinearMethod(LinearMethod):
+    """The weight dequantized at every call (``Int4Weight.dequantize`` in the activations' dtype), then
+    ``F.linear``: for shapes and devices the kernel does not take."""
+
+    def __init__(self, weight: Int4Weight) -> None:
+        self.weight = weight
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.dequantize().to(x.dtype), layer.method_bias)
+
+
+# The activations' dtypes npu_weight_quant_batchmatmul takes (its scales and offsets must match them).
+NPU_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class NpuInt4LinearMethod(LinearMethod):
+    """Weight-only 4-bit on an Ascend NPU: ``npu_weight_quant_batchmatmul(x, weight, antiquant_scale,
+    antiquant_offset, bias=..., antiquant_group_size=g)``, which computes ``x @ ((weight + offset) * scale)``. The
+    weight goes in as signed int4 ``codes - 8`` [in, out] packed 8 to an int32 by ``npu_convert_weight_to_int4pack``;
+    the offset per group is then ``8 - zero`` (so that ``(codes - 8 + 8 - zero) * scale`` is the checkpoint's
+    weight), scales and offsets [groups, out] in the activations' dtype (made once per dtype), ``g`` 0 for one group
+    per output channel. An act-order weight reads ``x[:, perm]``. ``npu_ops`` is the ``torch_npu`` module
+    (``KernelChoice.npu_ops``); no hardware has run this, only the operator twin."""
+
+    def __init__(self, npu_ops: Any, weight: Int4Weight) -> None:
+        out, cols = weight.shape
+        if out % 8:
+            raise ValueError(f"a 4-bit weight of {out} output features does not pack 8 to an int32 on the NPU")
+        per_channel = weight.group_size == cols
+        if not per_channel and (weight.group_size % 32 or weight.group_size >= cols):
+            raise ValueError(f"npu_weight_quant_batchmatmul takes groups of a multiple of 32 below {cols} features, "
+                             f"not {weight.group_size}")
+        self.ops = npu_ops
+        self.perm = weight.perm
+        self.group_size = 0 if per_channel else weight.group_size
+        signed = weight.codes.to(torch.int32).t().contiguous() - _MIDPOINT     # [in, out], -8..7
+        self.weight = npu_ops.npu_convert_weight_to_int4pack(signed)
+        scale, offset = weight.scales.t(), (_MIDPOINT - weight.zeros).t()       # [groups, out]
+        self.scale = (scale[0] if per_channel else scale).contiguous()
+        self.offset = (offset[0] if per_channel else offset).contiguous()
+        self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in NPU_DTYPES:
+            raise TypeError(f"4-bit weights on the NPU run bfloat16 or float16 models, not {x.dtype}")
+        pair = self._by_dtype.get(x.dtype)
+        if pair is None:
+            pair = self._by_dtype[x.dtype] = (self.scale.to(x.dtype), self.offset.to(x.dtype))
+        rows = x.index_select(1, self.perm) if self.perm is not None else x
+        bias = layer.method_bias
+        return self.ops.npu_weight_quant_batchmatmul(rows, self.weight, pair[0], pair[1],
+                                                     bias=None if bias is None else bias.to(x.dtype),
+                                                     antiquant_group_size=self.group_size)
+
+
+def int4_method(weight: Int4Weight, choice: KernelChoice) -> LinearMethod:
+    """A 4-bit layer's method: the NPU's on an NPU; on the CPU its kernel where it takes the weight, else
+    dequantize-per-call; ValueError on CUDA, which has no 4-bit method yet."""
+    device = weight.codes.device.type
+    if choice.npu_ops is not None:
+        return NpuInt4LinearMethod(choice.npu_ops, weight)
+    if device == "cuda":
+        raise ValueError("4-bit weight-only checkpoints (GPTQ, AWQ, compressed-tensors W4A16) run on the CPU and "
+                         "the NPU: no CUDA W4A16 kernel is wired")
+    group = kernel_group_size(weight)
+    if group is not None and device == "cpu":
+        return Int4PackLinearMethod(weight, group)
+    return Int4DequantLinearMethod(weight)

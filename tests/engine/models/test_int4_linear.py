@@ -1,0 +1,140 @@
+"""The 4-bit linear methods against the dequantize-then-matmul reference (``Int4Weight.dequantize``, float32):
+PyTorch's int4 CPU kernel (``Int4PackLinearMethod``) and the dequantize-per-call fallback, at 1 to 2048 rows, odd
+shapes, act-order permutations and per-channel groups; the NPU method on the test-only torch-npu operator twin; and
+``Int4Weight``'s tensor-parallel cuts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.device.kernel_choice import KernelChoice
+from engine.models.int4 import Int4Weight, from_groups, pack_int32, unpack_int32
+from engine.models.layers.int4_linear import (
+    Int4DequantLinearMethod,
+    Int4PackLinearMethod,
+    NpuInt4LinearMethod,
+    int4_method,
+)
+from engine.models.layers.linear import Linear
+from engine.models.sharding import Shard
+from tests.engine.npu_twin import torch_npu as twin
+from tests.engine.npu_twin import torch_npu_twin  # noqa: F401  (fixture)
+
+# Bounds of max|out - reference| / max|reference| over the shapes and row counts below. Float32: the kernel's
+# float32 sums in another order and its (q - 8) * s + offset form (measured <= 1.2e-6). bfloat16: the scales and
+# offsets rounded to bfloat16 and a bfloat16 output (measured <= 6.7e-3).
+FLOAT32_BOUND = 5e-6
+BFLOAT16_BOUND = 1.5e-2
+
+
+def _weight(out: int, cols: int, group: int, act_order: bool, seed: int) -> Int4Weight:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out, cols), generator=gen, dtype=torch.uint8)
+    groups = cols // group
+    scales = torch.rand(out, groups, generator=gen) * 0.02 + 0.001
+    zeros = torch.randint(0, 16, (out, groups), generator=gen).float()
+    g_idx = None
+    if act_order:
+        g_idx = torch.empty(cols, dtype=torch.int64)
+        g_idx[torch.randperm(cols, generator=gen)] = torch.arange(cols) // group
+    return from_groups(codes, scales, zeros, group, g_idx, "w")
+
+
+def _reference(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    return x.float() @ weight.dequantize().t()
+
+
+def _err(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected).abs().max() / expected.abs().max())
+
+
+@pytest.mark.parametrize("out, cols, group, act_order", [
+    (64, 256, 32, False), (64, 256, 128, True), (48, 192, 64, True), (32, 384, 384, False), (16, 96, 32, True),
+    (80, 512, 256, False),
+])
+@pytest.mark.parametrize("rows", [1, 7, 64, 2048])
+def test_the_cpu_kernel_equals_the_reference(out: int, cols: int, group: int, act_order: bool, rows: int) -> None:
+    weight = _weight(out, cols, group, act_order, seed=rows + out)
+    method = int4_method(weight, KernelChoice())
+    assert isinstance(method, Int4PackLinearMethod)
+    layer = Linear(cols, out, bias=True).requires_grad_(False)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    expected = _reference(x, weight) + layer.bias.detach()
+    assert _err(method.apply(layer, x), expected) < FLOAT32_BOUND
+    got = method.apply(layer, x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    assert _err(got, _reference(x.bfloat16(), weight) + layer.bias.detach()) < BFLOAT16_BOUND
+
+
+@pytest.mark.parametrize("out, cols, group", [(40, 96, 32), (24, 48, 16), (8, 64, 64)])
+def test_shapes_the_kernel_does_not_take_fall_back_to_dequantizing(out: int, cols: int, group: int) -> None:
+    weight = _weight(out, cols, group, act_order=True, seed=out)
+    method = int4_method(weight, KernelChoice())
+    assert isinstance(method, Int4DequantLinearMethod)
+    layer = Linear(cols, out, bias=False)
+    for rows in (1, 7, 65):
+        x = torch.randn(rows, cols)
+        assert _err(method.apply(layer, x), _reference(x, weight)) < FLOAT32_BOUND
+
+
+def test_the_kernel_computes_what_the_module_docstring_says() -> None:
+    # W[n, k] = (q - 8) * scale + zero, scales and "zeros" (offsets) [K / g, N, 2] in x's dtype
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (32, 64), generator=gen, dtype=torch.int32)
+    sz = torch.randn(2, 32, 2, generator=gen)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    x = torch.randn(3, 64, generator=gen)
+    w = (q.float() - 8) * sz[..., 0].t().repeat_interleave(32, 1) + sz[..., 1].t().repeat_interleave(32, 1)
+    assert _err(torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz), x @ w.t()) < FLOAT32_BOUND
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("out, cols, group, act_order", [(64, 256, 32, True), (48, 128, 128, False)])
+@pytest.mark.usefixtures("torch_npu_twin")
+def test_the_npu_method_calls_the_weight_only_matmul_as_documented(dtype: torch.dtype, out: int, cols: int,
+                                                                     group: int, act_order: bool) -> None:
+    weight = _weight(out, cols, group, act_order, seed=out)
+    layer = Linear(cols, out, bias=True).requires_grad_(False)
+    layer.int4 = weight
+    layer.use_kernels(KernelChoice(npu_ops=twin))
+    assert isinstance(layer.method, NpuInt4LinearMethod) and layer.weight is None
+    assert layer.method.group_size == (0 if group == cols else group)   # 0: one group per output channel
+    twin.CALLED.clear()
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, cols).to(dtype)
+        got = layer(x)
+        assert got.dtype == dtype
+        assert _err(got, _reference(x, weight) + layer.bias) < BFLOAT16_BOUND
+    assert twin.CALLED == {"npu_weight_quant_batchmatmul"}
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        layer(torch.randn(2, cols))
+
+
+def test_pack_and_unpack_are_inverse_along_both_dims() -> None:
+    codes = torch.randint(0, 16, (16, 24), dtype=torch.uint8)
+    for dim in (0, 1):
+        for order in (None, (0, 2, 4, 6, 1, 3, 5, 7)):
+            assert torch.equal(unpack_int32(pack_int32(codes, dim, order), dim, order), codes)
+    assert int(pack_int32(torch.arange(8).reshape(1, 8), 1)[0, 0]) == 0x76543210
+
+
+def test_tensor_parallel_cuts() -> None:
+    weight = _weight(32, 128, 32, False, 1)
+    full = weight.dequantize()
+    rows = weight.take(Shard(0, 16, 16), "w")
+    assert torch.equal(rows.dequantize(), full[16:])
+    cols = weight.take(Shard(1, 64, 64), "w")
+    assert torch.equal(cols.dequantize(), full[:, 64:])
+    with pytest.raises(ValueError, match="would split its groups of 32"):
+        weight.take(Shard(1, 48, 48), "w")
+    channel = _weight(32, 128, 128, False, 2)
+    assert torch.equal(channel.take(Shard(1, 48, 48), "w").dequantize(), channel.dequantize()[:, 48:96])
+    act = _weight(32, 128, 32, True, 3)
+    assert torch.equal(act.take(Shard(0, 0, 8), "w").dequantize(), act.dequantize()[:8])
+    with pytest.raises(ValueError, match="act-order"):
+        act.take(Shard(1, 0, 64), "w")
+    with pytest.raises(ValueError, match="differ in group size or act-order"):
+        Int4Weight.cat([act, weight], "qkv")
+    padded = weight.pad_rows(40).dequantize()
+    assert torch.equal(padded[:32], full) and not padded[32:].any()
