@@ -17,7 +17,7 @@ from engine.models.moe_config import MOE_ARCHITECTURES, MlaConfig, MoeConfig, ml
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "glm",
                            "glm4", "internlm3", "helium", "seed_oss", "smollm3", "granite") + MOE_ARCHITECTURES
 # Encoders the pooling runner runs (engine.models.bert); their ModelConfig says only what the engine core reads.
-ENCODER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta")
+ENCODER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "modernbert")
 # The MLP activations: SiLU (every family) or GELU's tanh approximation (Gemma).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 

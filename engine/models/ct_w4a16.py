@@ -35,7 +35,7 @@ class CtW4A16Format:
 
     name = QUANT_METHOD
     suffixes = (".weight_packed", ".weight_scale", ".weight_shape")
-    optional = (".weight_zero_point",)
+    optional = (".weight_zero_point", ".weight_g_idx")
 
     def describe(self) -> str:
         group = "per channel" if self.group_size == -1 else f"groups of {self.group_size}"
@@ -48,6 +48,8 @@ class CtW4A16Format:
         if codes.shape[0] != out or codes.shape[1] < cols:
             raise ValueError(f"{base}.weight_packed {tuple(packed.shape)} does not hold the {out} x {cols} weight")
         codes = codes[:, :cols]
+        if ".weight_g_idx" in tensors:
+            raise ValueError(f"{base}.weight_g_idx: activation ordering (actorder group / weight) is not supported")
         zero_point = tensors.get(".weight_zero_point")
         if zero_point is not None and torch.count_nonzero(zero_point):
             raise ValueError(f"{base}.weight_zero_point: non-zero zero points (asymmetric weights) are not supported")

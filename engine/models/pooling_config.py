@@ -21,11 +21,10 @@ CONVERTS = ("auto", "none", "embed", "classify")
 POOLING_TYPES = ("CLS", "MEAN", "LAST", "ALL")
 
 # model_type -> the encoder family engine.models.bert runs.
-ENCODER_TYPES = ("bert", "xlm-roberta", "roberta")
+ENCODER_TYPES = ("bert", "xlm-roberta", "roberta", "modernbert")
 # Named so the refusal can say what it is rather than "unknown architecture".
-REFUSED_ENCODERS = {"modernbert": "ModernBERT (alternating local/global attention, rotary positions, no biases) is "
-                                  "not supported yet: serve a BERT or XLM-RoBERTa encoder",
-                    "nomic_bert": "nomic-bert is not supported yet", "new": "gte-new is not supported yet"}
+REFUSED_ENCODERS = {"nomic_bert": "nomic-bert is not supported yet: serve a BERT, XLM-RoBERTa or ModernBERT encoder",
+                    "new": "gte-new (NewModel) is not supported yet: serve a BERT, XLM-RoBERTa or ModernBERT encoder"}
 
 # sentence-transformers 2.x/3.x keys of 1_Pooling/config.json, and the newer one-field form.
 _ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
@@ -138,7 +137,9 @@ def read_pooling_info(model: str, convert: str = "auto", pooler_config: str | No
         num_labels = _num_labels(cfg)
         id2label = cfg.get("id2label") or {}
         labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
-        default_pool = "CLS" if family == "encoder" else "LAST"
+        # ModernBERT's head reads the CLS state or the mean (classifier_pooling); BERT's the CLS state
+        default_pool = ("LAST" if family == "decoder" else
+                        "MEAN" if cfg.get("classifier_pooling") == "mean" else "CLS")
         activation = _cross_encoder_activation(cfg, num_labels)
         return PoolingModelInfo(
             kind="classify", family=family, model_type=model_type,

@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.device import Device, get_device
 from engine.models import ModelConfig, resolve_dtype
 from engine.models.bert import BertEncoder, EncoderConfig
+from engine.models.modernbert import ModernBertConfig, ModernBertEncoder
 from engine.models.config import config_from_hf
 from engine.models.llama import CausalLM, build_model
 from engine.models.loader import iter_safetensors, safetensors_files
@@ -90,13 +91,19 @@ class PoolingModel:
                 for name in f.keys():
                     names[name] = file
         num_labels = info.num_labels if info.kind == "classify" else 0
-        self.encoder: BertEncoder | None = None
+        self.encoder: BertEncoder | ModernBertEncoder | None = None
         self.decoder: CausalLM | None = None
         self.score: torch.Tensor | None = None
         if info.family == "encoder":
-            ecfg = EncoderConfig.from_hf(cfg, num_labels)
+            ecfg: EncoderConfig | ModernBertConfig
+            encoder: BertEncoder | ModernBertEncoder
             with torch.device("meta"):
-                encoder = BertEncoder(ecfg)
+                if info.model_type == "modernbert":
+                    ecfg = ModernBertConfig.from_hf(cfg, num_labels)
+                    encoder = ModernBertEncoder(ecfg)
+                else:
+                    ecfg = EncoderConfig.from_hf(cfg, num_labels)
+                    encoder = BertEncoder(ecfg)
             encoder = encoder.to_empty(device=self.device)
             encoder.load_weights(iter_safetensors(names, lambda _: WHOLE))   # never sharded
             self.encoder = encoder.to(dtype).eval().requires_grad_(False)
@@ -146,7 +153,7 @@ class PoolingModel:
         return rows @ self.score.T
 
 
-def _encoder_model_config(ecfg: EncoderConfig, cfg: dict[str, object]) -> ModelConfig:
+def _encoder_model_config(ecfg: EncoderConfig | ModernBertConfig, cfg: dict[str, object]) -> ModelConfig:
     """What the engine core reads of a model (vocabulary, context), for an encoder."""
     return ModelConfig(architecture=ecfg.model_type, vocab_size=ecfg.vocab_size, hidden_size=ecfg.hidden_size,
                        intermediate_size=ecfg.intermediate_size, num_layers=ecfg.num_layers,

@@ -117,7 +117,8 @@ def write_int4(float_dir: Path, out: Path, qc: dict[str, Any], seed: int = 0) ->
     reference: dict[str, torch.Tensor] = {}
     for name in sorted(tensors):
         parts = name.split(".")
-        if not (name.endswith(".weight") and parts[-2] in PROJ):
+        lm_head = name == "lm_head.weight" and qc.get("lm_head", False)   # GPTQModel's quantized lm_head
+        if not (name.endswith(".weight") and parts[-2] in PROJ) and not lm_head:
             continue
         base = name.removesuffix(".weight")
         w = tensors.pop(name).float()

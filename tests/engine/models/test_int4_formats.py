@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from common.errors import InvalidRequestError
 from engine.core.sampling_params import SamplingParams
@@ -83,6 +84,18 @@ def test_logits_equal_the_dequantize_then_matmul_reference(float_dir: Path, tmp_
         expected = f.reference_model(float_dir, reference)(input_ids=torch.tensor([tokens])).logits[0]
     assert _rel(got, expected) < LOGITS_REL_TOL
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_a_quantized_lm_head_runs_in_4_bits(float_dir: Path, tmp_path: Path) -> None:
+    reference = f.write_int4(float_dir, tmp_path / "g", {**f.gptq_config(32, sym=False, v2=True), "lm_head": True})
+    assert "lm_head.weight" in reference
+    model = prepare(load_model(str(tmp_path / "g"), torch.float32), torch.float32)
+    assert model.lm_head is not None and isinstance(model.lm_head.method, Int4PackLinearMethod)
+    tokens = prompt(12, 7)
+    got = run(model, paged(model), [("a", tokens)])
+    with torch.no_grad():
+        expected = f.reference_model(float_dir, reference)(input_ids=torch.tensor([tokens])).logits[0]
+    assert _rel(got, expected) < LOGITS_REL_TOL
 
 
 def test_bfloat16_logits_stay_near_the_reference(float_dir: Path, tmp_path: Path) -> None:
@@ -171,6 +184,12 @@ def test_refused_compressed_tensors_w4a16_variants(float_dir: Path, tmp_path: Pa
         load_model(str(_with(tmp_path / "ct", **qc)), torch.float32)
     qc["config_groups"]["group_0"]["weights"].update(symmetric=True, actorder="group")
     with pytest.raises(ValueError, match=r"weights\.actorder 'group' is not supported"):
+        load_model(str(_with(tmp_path / "ct", **qc)), torch.float32)
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = None
+    tensors = load_file(str(tmp_path / "ct" / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight_g_idx"] = torch.arange(128, dtype=torch.int32) // 32
+    save_file(tensors, str(tmp_path / "ct" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"up_proj\.weight_g_idx: activation ordering"):
         load_model(str(_with(tmp_path / "ct", **qc)), torch.float32)
 
 

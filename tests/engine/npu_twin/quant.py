@@ -1,8 +1,8 @@
 """TEST-ONLY TWIN of torch-npu's W8A8 operators, on the CPU: ``torch_npu.npu_dynamic_quant``,
 ``torch_npu.npu_quantize`` and ``torch_npu.npu_quant_matmul``; and of its weight-only ones,
-``npu_convert_weight_to_int4pack`` and ``npu_weight_quant_batchmatmul`` (7.0.0 pages), written from torch-npu's API reference (Ascend
-Extension for PyTorch, 6.0.0 / 7.0.0 / 7.2.0 pages) and, for the int64 form of a scale, CANN's aclnnTransQuantParam
-page. Rounding is half to even here; the hardware's is not modelled."""
+``npu_convert_weight_to_int4pack`` and ``npu_weight_quant_batchmatmul``; written from torch-npu's API reference
+(Ascend Extension for PyTorch, 6.0.0 / 7.0.0 / 7.2.0 pages) and, for the int64 form of a scale, CANN's
+aclnnTransQuantParam page. Rounding is half to even here; the hardware's is not modelled."""
 from __future__ import annotations
 
 import numpy as np
