@@ -99,19 +99,22 @@ class GatewayMetrics:
 
 class _Merged:
     """The federated targets' families, each once with the samples of every target; the i-th target's ``engine``
-    label set to i (two replicas' engines would otherwise give the same series)."""
+    label set to i (two replicas' engines would otherwise give the same series). With several targets, a series
+    that has no ``engine`` label of its own (``vllm:lora_requests_info``, ``vllm:cache_config_info``) gets one too:
+    else the replicas' series would be one, and a reader would see only the last."""
 
     def __init__(self, pages: Iterable[list[Metric] | None]) -> None:
-        self._pages = pages
+        self._pages = list(pages)
 
     def collect(self) -> Iterable[Metric]:
         merged: dict[str, Metric] = {}
+        several = len(self._pages) > 1
         for index, page in enumerate(self._pages):
             for family in page or ():
                 into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
                                                              family.unit))
                 for sample in family.samples:
-                    if "engine" in sample.labels:
+                    if several or "engine" in sample.labels:
                         sample = sample._replace(labels={**sample.labels, "engine": str(index)})
                     into.samples.append(sample)
         return merged.values()

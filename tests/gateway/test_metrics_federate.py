@@ -22,7 +22,10 @@ pytestmark = pytest.mark.anyio
 
 ENGINE_PAGE = (b'# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n'
                b'# TYPE vllm:num_requests_waiting gauge\n'
-               b'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n')
+               b'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+               b'# HELP vllm:lora_requests_info Running stats on lora requests.\n'
+               b'# TYPE vllm:lora_requests_info gauge\n'
+               b'vllm:lora_requests_info{max_lora="1",running_lora_adapters="a",waiting_lora_adapters=""} 1.5e9\n')
 
 
 class _Target(BaseHTTPRequestHandler):
@@ -115,6 +118,10 @@ async def test_replicas_engines_are_merged_and_labelled_by_their_position(engine
     assert families(text)["vllm:num_requests_waiting"] == [({"engine": "0", "model_name": "m"}, 3.0),
                                                           ({"engine": "1", "model_name": "m"}, 3.0)]
     assert text.count("# TYPE vllm:num_requests_waiting gauge") == 1
+    # A series the engine does not label by engine (the inference extension's LoRA gauge) is told apart too.
+    lora = {"max_lora": "1", "running_lora_adapters": "a", "waiting_lora_adapters": ""}
+    assert families(text)["vllm:lora_requests_info"] == [({**lora, "engine": "0"}, 1.5e9),
+                                                        ({**lora, "engine": "1"}, 1.5e9)]
 
 
 def test_a_federate_target_must_be_an_http_url() -> None:

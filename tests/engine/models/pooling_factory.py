@@ -20,6 +20,9 @@ from transformers import (
     BertConfig,
     BertForSequenceClassification,
     BertModel,
+    ModernBertConfig,
+    ModernBertForSequenceClassification,
+    ModernBertModel,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen3Config,
@@ -71,6 +74,34 @@ def save_tiny_xlm_roberta_embedder(path: Path, seed: int = 4) -> Path:
                               eos_token_id=2, **{**_BERT_SIZES, "max_position_embeddings": 130})
     _save(XLMRobertaModel(config), path, seed)
     _write_sentence_transformers(path, dim=config.hidden_size, pooling="cls", normalize=True)
+    return path
+
+
+def save_tiny_modernbert_embedder(path: Path, seed: int = 8) -> Path:
+    """A ModernBERT encoder (``ModernBertModel``) with mean pooling and a Normalize module; a local window of 4
+    positions either side (``local_attention`` 8) and a global layer every third, so a short text already meets
+    the window."""
+    vocab = _write_bert_tokenizer(path)
+    config = ModernBertConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                              num_attention_heads=4, max_position_embeddings=128, local_attention=8,
+                              global_attn_every_n_layers=3, pad_token_id=0, cls_token_id=vocab["[CLS]"],
+                              sep_token_id=vocab["[SEP]"], bos_token_id=None, eos_token_id=None)
+    _save(ModernBertModel(config), path, seed)
+    _write_sentence_transformers(path, dim=config.hidden_size, pooling="mean", normalize=True)
+    return path
+
+
+def save_tiny_modernbert_classifier(path: Path, seed: int = 9) -> Path:
+    """A ModernBERT sequence classifier (three labels, ``classifier_pooling`` mean)."""
+    vocab = _write_bert_tokenizer(path)
+    config = ModernBertConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                              num_attention_heads=4, max_position_embeddings=128, local_attention=8,
+                              global_attn_every_n_layers=3, pad_token_id=0, cls_token_id=vocab["[CLS]"],
+                              sep_token_id=vocab["[SEP]"], bos_token_id=None, eos_token_id=None,
+                              classifier_pooling="mean", num_labels=len(CLASSIFIER_LABELS),
+                              id2label=dict(enumerate(CLASSIFIER_LABELS)),
+                              label2id={label: i for i, label in enumerate(CLASSIFIER_LABELS)})
+    _save(ModernBertForSequenceClassification(config), path, seed)
     return path
 
 

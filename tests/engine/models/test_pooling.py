@@ -21,6 +21,7 @@ from tests.engine.models import pooling_factory as factory
 st = pytest.importorskip("sentence_transformers")
 transformers = pytest.importorskip("transformers")
 
+# The third is longer than the ModernBERT checkpoints' local window (4 positions either side).
 TEXTS = ["The cat sat on the mat", "hello world", "what is the capital of france? paris is the capital.", "a"]
 PAIRS = [("what is the capital of france", "paris"), ("cat", "the dog sat on the mat"), ("hello", "world")]
 
@@ -69,7 +70,7 @@ def _ids(path: Path, texts: list[str]) -> list[list[int]]:
     return [tok(t)["input_ids"] for t in texts]
 
 
-@pytest.mark.parametrize("name", ["bert_embedder", "xlm_roberta_embedder", "decoder_embedder"])
+@pytest.mark.parametrize("name", ["bert_embedder", "xlm_roberta_embedder", "modernbert_embedder", "decoder_embedder"])
 def test_embeddings_equal_sentence_transformers(checkpoints: Callable[[str], Path], name: str) -> None:
     path = checkpoints(name)
     ref = _st_encode(path, TEXTS)
@@ -133,7 +134,7 @@ def test_cross_encoder_scores_equal_sentence_transformers(checkpoints: Callable[
         assert abs(zeros[0, 0] - ref[0]) > 1e-4
 
 
-@pytest.mark.parametrize("name", ["classifier", "decoder_classifier"])
+@pytest.mark.parametrize("name", ["classifier", "modernbert_classifier", "decoder_classifier"])
 def test_classifier_probs_equal_transformers(checkpoints: Callable[[str], Path], name: str) -> None:
     path = checkpoints(name)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
