@@ -6,8 +6,8 @@ workload (issue 41's), one ``sluice serve -dp 2`` stack per policy, started in t
 Each tenant has a system prompt of ``--system-len`` tokens; each request is a tenant's system prompt followed by a
 short user turn of its own (``--user-len`` tokens) and asks for ``--output-len`` tokens (streamed, ``ignore_eos``).
 Tenants are drawn at random for each request (the same sequence for every policy), ``--concurrency`` clients in a
-closed loop. Prompts are token ids (exact lengths). The replicas' KV pools (``--num-kv-blocks`` each) hold about
-three quarters of the tenants' prompts, so a policy that sends every tenant to every replica evicts what it will
+closed loop. Prompts are token ids (exact lengths). Each replica's KV pool (``--num-kv-blocks``) holds the system
+prompts of half the tenants and two more, so a policy that sends every tenant to every replica evicts what it will
 need again. Reported per policy: TTFT p50 / p99, output tokens per second, and the hit rate (cached prompt tokens
 over prompt tokens, from ``usage.prompt_tokens_details``).
 """
@@ -161,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="each replica's KV pool (default: three quarters of the tenants' prompts plus the running "
-                        "requests' own blocks)")
+                   help="each replica's KV pool (default: half the tenants' system prompts and two more, plus the "
+                        "running requests' own blocks)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-flags", default="", help="more `sluice serve` flags, space-separated")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     block = 16
-    blocks = args.num_kv_blocks or (args.tenants * 3 // 4 * (args.system_len // block)
+    blocks = args.num_kv_blocks or ((args.tenants // 2 + 2) * (args.system_len // block)
                                     + args.concurrency * ((args.user_len + args.output_len) // block + 2))
     prompts = workload(args.tenants, args.system_len, args.user_len, args.requests, args.seed)
     flags = ["-dp", "2", "--num-threads", "1", "--num-kv-blocks", str(blocks), "--max-num-seqs",

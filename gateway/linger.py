@@ -71,11 +71,11 @@ class LingeringHttpToolsProtocol(HttpToolsProtocol):
         if self._linger_bytes > LINGER_MAX_BYTES:
             self._end_linger()
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> None:
         if self._lingering:
             self._end_linger()
-            return None
-        return super().eof_received()
+            return
+        super().eof_received()
 
     def on_response_complete(self) -> None:
         if self._lingering:  # no keep-alive and no pipelined request on a connection that is closing

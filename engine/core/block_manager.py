@@ -226,11 +226,13 @@ class BlockManager:
         blocks from ``get_computed_blocks`` are passed (the request then holds
         none), else ``request.num_computed_tokens``. The caller sets
         ``request.num_computed_tokens`` to the cached count after success.
+        ``count`` False leaves the prefix cache counters alone (an offload tier's load: the request is counted when
+        it is admitted after it).
         """
         if not self.can_allocate(request, num_new_tokens, computed_blocks):
             return False
         num_fresh, cow = self._plan(request, num_new_tokens, computed_blocks)
-        if count and not request.block_ids and self.enable_prefix_caching:   # (an offload load: at its admission)
+        if count and not request.block_ids and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(computed_blocks) * self.block_size
         for block_id in computed_blocks:

@@ -25,6 +25,7 @@ from engine.config import (
     StructuredOutputsConfig,
     check_structured_output_backend,
     default_max_queued_requests,
+    parse_human_int,
     parse_size,
 )
 from engine.entrypoints.vllm_compat import add_vllm_compat_args
@@ -114,7 +115,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="native: host memory (default); disk: files in --kv-offloading-path")
     g.add_argument("--kv-offloading-path", default=None, metavar="DIR",
                    help="the directory the disk tier's files go in (required with --kv-offloading-backend disk)")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache bytes on CPU, e.g. 4GiB")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="KV cache bytes, e.g. 4GiB or 512MB (g alone: GiB); on accelerators it replaces the "
+                        "--gpu-memory-utilization share (default: 2GiB on CPU)")
+    g.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_human_int, default=None,
+                   help="vLLM's spelling of --kv-cache-memory, with vLLM's units: 4G = 4 GiB, 4g = 4e9 bytes")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--device-memory-utilization", "--gpu-memory-utilization", dest="device_memory_utilization",
                    type=float, default=0.9)

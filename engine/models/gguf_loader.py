@@ -15,6 +15,7 @@ shard is un-permuted by its own head count.
 """
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import sys
@@ -29,8 +30,9 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from engine.distributed import ParallelContext
-from engine.models import gguf_families, gguf_moe, quant
+from engine.models import gguf_families, gguf_kquants, gguf_moe, quant
 from engine.models.config import ModelConfig, RopeScaling, merge_eos
+from engine.models.int4 import Int4Weight
 from engine.models.llama import CausalLM, build_model
 from engine.models.moe_config import mla_from_hf, moe_from_hf
 from engine.models.sharding import EXPERT, Shard
@@ -307,15 +309,38 @@ def _iter_quantized(reader: GGUFReader, model: CausalLM) -> Iterator[tuple[str, 
         yield name, weight
 
 
+def _iter_q4_k(reader: GGUFReader, model: CausalLM) -> Iterator[tuple[str, Int4Weight]]:
+    """This rank's part of the Q4_K matrices as group-32 4-bit weights (engine.models.gguf_kquants), rows in Hugging
+    Face order; a column shard that would split a sub-block of 32 is left out (that layer runs dense)."""
+    config = model.config
+    for name, tensor in model_tensors(reader, config)[0]:
+        shard = model.weight_shard(name)
+        if (tensor.tensor_type != gguf_kquants.Q4_K or len(tensor.shape) != 2 or shard is None
+                or EXPERT.search(name) is not None):
+            continue
+        if shard.dim == 1 and (shard.start % gguf_kquants.SUB_BLOCK or shard.size % gguf_kquants.SUB_BLOCK):
+            continue
+        rows = tensor.data[shard.start:shard.start + shard.size] if shard.dim == 0 else tensor.data
+        weight = gguf_kquants.q4_k_weight(rows)
+        if shard.dim == 1:
+            weight = weight.take(shard, name)
+        if _permuted(name, config):
+            heads = weight.shape[0] // config.head_dim
+            weight = gguf_kquants.permute_rows(weight, functools.partial(unpermute_qk, num_heads=heads))
+        yield name, weight
+
+
 def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu",
                     parallel: ParallelContext = ParallelContext()) -> CausalLM:
     """Weights dequantized to ``dtype``; for float32 and bfloat16 on the CPU the model also keeps the quantized
     blocks (``CausalLM.load_quantized``) for the ``quant_linear`` kernel (the CPU device drops them
-    when the kernels are off or cannot be built). ``parallel``: as ``load_model``."""
+    when the kernels are off or cannot be built), and its Q4_K projections become 4-bit weights (their float copies
+    freed; engine.models.gguf_kquants). ``parallel``: as ``load_model``."""
     reader = ModelReader(str(path))
     config = config_from_gguf(reader)
     model = build_model(config, dtype, device, parallel)
     model.load_weights(_iter_tensors(reader, model))
     if dtype in (torch.float32, torch.bfloat16) and torch.device(device).type == "cpu":
         model.load_quantized(_iter_quantized(reader, model))
+        gguf_kquants.attach(model, _iter_q4_k(reader, model))
     return model

@@ -63,6 +63,9 @@ class Int4Weight:
     zeros: torch.Tensor                 # float32 [out, in // group_size], in code units
     group_size: int                     # columns per group (``in`` for one scale per output channel)
     perm: torch.Tensor | None = None    # int64 [in]: the kernel's column k is the checkpoint's column perm[k]
+    # float32 [out, in // group_size]: when set, ``W = codes * scales + offsets`` (GGUF K-quants' additive minimum,
+    # exact where a zero point ``-offset / scale`` would round, and defined for a scale of 0) and ``zeros`` is unused
+    offsets: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         out, cols = self.codes.shape
@@ -70,6 +73,9 @@ class Int4Weight:
         if cols % self.group_size or self.scales.shape != (out, groups) or self.zeros.shape != (out, groups):
             raise ValueError(f"4-bit weight [{out}, {cols}]: scales {tuple(self.scales.shape)} and zeros "
                              f"{tuple(self.zeros.shape)} are not one per row and group of {self.group_size} columns")
+        if self.offsets is not None and self.offsets.shape != (out, groups):
+            raise ValueError(f"4-bit weight [{out}, {cols}]: offsets {tuple(self.offsets.shape)} are not one per row "
+                             f"and group of {self.group_size} columns")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -80,7 +86,10 @@ class Int4Weight:
         out, cols = self.shape
         groups = cols // self.group_size
         codes = self.codes.float().view(out, groups, self.group_size)
-        w = ((codes - self.zeros.unsqueeze(-1)) * self.scales.unsqueeze(-1)).view(out, cols)
+        if self.offsets is not None:
+            w = (codes * self.scales.unsqueeze(-1) + self.offsets.unsqueeze(-1)).view(out, cols)
+        else:
+            w = ((codes - self.zeros.unsqueeze(-1)) * self.scales.unsqueeze(-1)).view(out, cols)
         if self.perm is None:
             return w
         unpermuted = torch.empty_like(w)
@@ -95,22 +104,22 @@ class Int4Weight:
             return self
         end = shard.start + shard.size
         if shard.dim == 0:
-            perm = self.perm
-            return Int4Weight(self.codes[shard.start:end], self.scales[shard.start:end],
-                              self.zeros[shard.start:end], self.group_size, perm)
+            return replace(self, codes=self.codes[shard.start:end], scales=self.scales[shard.start:end],
+                           zeros=self.zeros[shard.start:end],
+                           offsets=None if self.offsets is None else self.offsets[shard.start:end])
         cols = self.shape[1]
         if self.perm is not None:
             raise ValueError(f"{name}: an act-order (desc_act) 4-bit weight cannot split its input columns over "
                              "tensor-parallel ranks (its groups are scattered over them); use tensor_parallel_size "
                              "1 or a checkpoint without desc_act")
         if self.group_size == cols:   # one group per row: every column slice keeps the row's scale and zero
-            return Int4Weight(self.codes[:, shard.start:end], self.scales, self.zeros, shard.size)
+            return replace(self, codes=self.codes[:, shard.start:end], group_size=shard.size)
         if shard.start % self.group_size or shard.size % self.group_size:
             raise ValueError(f"{name}: tensor-parallel ranks of {shard.size} input columns would split its groups of "
                              f"{self.group_size}; use a tensor_parallel_size whose shards hold whole groups")
         g0, g1 = shard.start // self.group_size, end // self.group_size
-        return Int4Weight(self.codes[:, shard.start:end], self.scales[:, g0:g1], self.zeros[:, g0:g1],
-                          self.group_size)
+        return replace(self, codes=self.codes[:, shard.start:end], scales=self.scales[:, g0:g1],
+                       zeros=self.zeros[:, g0:g1], offsets=None if self.offsets is None else self.offsets[:, g0:g1])
 
     @staticmethod
     def cat(parts: Sequence[Int4Weight], name: str) -> Int4Weight:
@@ -123,19 +132,25 @@ class Int4Weight:
             if p.group_size != first.group_size or p.shape[1] != first.shape[1] or not same_perm:
                 raise ValueError(f"{name}: the parts of a fused projection differ in group size or act-order "
                                  "permutation (g_idx); they must share them to run as one layer")
+            if (p.offsets is None) != (first.offsets is None):
+                raise ValueError(f"{name}: the parts of a fused projection mix zero points and additive offsets")
+        offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])  # type: ignore[misc]
         return Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                          torch.cat([p.zeros for p in parts]), first.group_size, first.perm)
+                          torch.cat([p.zeros for p in parts]), first.group_size, first.perm, offsets)
 
     def pad_rows(self, rows: int) -> Int4Weight:
         """Rows of weight 0 appended up to ``rows`` (a vocabulary-parallel lm_head's padding)."""
         extra = rows - self.shape[0]
         return replace(self, codes=torch.cat([self.codes, self.codes.new_zeros(extra, self.shape[1])]),
                        scales=torch.cat([self.scales, self.scales.new_zeros(extra, self.scales.shape[1])]),
-                       zeros=torch.cat([self.zeros, self.zeros.new_zeros(extra, self.zeros.shape[1])]))
+                       zeros=torch.cat([self.zeros, self.zeros.new_zeros(extra, self.zeros.shape[1])]),
+                       offsets=None if self.offsets is None else
+                       torch.cat([self.offsets, self.offsets.new_zeros(extra, self.offsets.shape[1])]))
 
     def to(self, device: torch.device) -> Int4Weight:
         return Int4Weight(self.codes.to(device), self.scales.to(device), self.zeros.to(device), self.group_size,
-                          None if self.perm is None else self.perm.to(device))
+                          None if self.perm is None else self.perm.to(device),
+                          None if self.offsets is None else self.offsets.to(device))
 
 
 def from_groups(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

@@ -30,10 +30,10 @@ from engine.config import EngineConfig
 from engine.device import Device, get_device
 from engine.models import ModelConfig, resolve_dtype
 from engine.models.bert import BertEncoder, EncoderConfig
-from engine.models.modernbert import ModernBertConfig, ModernBertEncoder
 from engine.models.config import config_from_hf
 from engine.models.llama import CausalLM, build_model
 from engine.models.loader import iter_safetensors, safetensors_files
+from engine.models.modernbert import ModernBertConfig, ModernBertEncoder
 from engine.models.pooler import activate, finish_embedding, pool_states
 from engine.models.pooling_config import PoolingModelInfo, read_pooling_info
 from engine.models.sharding import WHOLE

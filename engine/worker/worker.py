@@ -21,6 +21,7 @@ from engine.worker.graphs import capture_decode_graphs, graphs_off_reason
 from engine.worker.kv_profile import kv_cache_budget, profile_step
 from engine.worker.kv_transfer import KVTransferWorker
 from engine.worker.lora_manager import LoRAManager
+from engine.worker.memory_budget import BlockBytes, MemoryBudget, module_bytes
 from engine.worker.model_checks import check_model_options
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.worker.sampler import Sampler
@@ -122,9 +123,11 @@ class Worker:
         return self.model.config
 
     def num_kv_blocks(self) -> int:
-        """KV blocks for the configured memory (``--kv-cache-memory`` on CPU, a share of device memory less what
-        the weights, a profiled max-size step's activations and other processes hold on accelerators), or
-        ``--num-kv-blocks``. Decided on the
+        """KV blocks for the configured memory (``--kv-cache-memory`` when given, as vLLM's
+        ``--kv-cache-memory-bytes``, and 2 GiB on CPU without it; on accelerators a share of device memory less
+        what the weights, a profiled max-size step's activations and other processes hold), or ``--num-kv-blocks``.
+        The arithmetic is logged; a cache with no room for one block, or for one sequence of an asked-for
+        ``--max-model-len``, is refused with it (``memory_budget``). Decided on the
         driver for every rank (they share block ids): by the rank whose blocks take the most bytes, the largest
         pipeline stage's or the driver's with its draft model."""
         cfg = self.config
@@ -147,37 +150,48 @@ class Worker:
         if self.mtp is not None:
             draft += (block_bytes(self.mtp.num_layers, 1, mc.mla.latent_dim, 1) if mc.mla is not None
                       else block_bytes(self.mtp.num_layers, mc.num_kv_heads, mc.head_dim))
-        per_block = max(block_bytes(largest_stage, heads, width, planes),
-                        block_bytes(self.model.num_local_layers, heads, width, planes) + draft)
-        if self.device.name == "cpu":
-            budget = cfg.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
+        block = max(BlockBytes(planes, largest_stage, cfg.block_size, heads, width, elem),
+                    BlockBytes(planes, self.model.num_local_layers, cfg.block_size, heads, width, elem, draft),
+                    key=lambda b: b.total)
+        weights, lora = module_bytes(self.model)
+        draft_weights = sum(module_bytes(m)[0] for m in (self.draft, self.mtp) if isinstance(m, torch.nn.Module))
+        held = (("weights", weights), ("LoRA slots", lora), ("draft model", draft_weights))
+        field = "kv_cache_memory"
+        if cfg.kv_cache_memory is not None or self.device.name == "cpu":   # vLLM's --kv-cache-memory-bytes
+            given = (("--kv-cache-memory", cfg.kv_cache_memory) if cfg.kv_cache_memory is not None
+                     else ("the CPU default (--kv-cache-memory)", _DEFAULT_CPU_KV_BYTES))
+            budget = MemoryBudget(given, (), held, block, "held besides")
         elif par.world_size == 1:
-            budget = self._profiled_budget()
+            field = "device_memory_utilization"
+            budget = self._profiled_budget(held, block)
         else:
             # The profile step's collectives would wait for ranks that are not running it: estimate instead.
+            field = "device_memory_utilization"
             free, total = self.device.memory_info()
-            budget = int(total * cfg.device_memory_utilization) - (total - free) - self._activation_reserve()
-            logger.info("KV cache: %.2f GiB (%d ranks: activations estimated, not profiled)", budget / 2**30,
-                        par.world_size)
-        num = budget // per_block
-        if num < 1:
-            raise InvalidRequestError("device_memory_utilization" if self.device.name != "cpu" else "kv_cache_memory",
-                                      f"{budget} bytes leave no room for one KV block ({per_block} bytes)")
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB each)", num, cfg.block_size, per_block / 2**20)
-        return int(num)
+            budget = MemoryBudget((f"device {total} B x {cfg.device_memory_utilization:g} =",
+                                   int(total * cfg.device_memory_utilization)),
+                                  (("in use before the cache", total - free),
+                                   (f"activations (estimated: {par.world_size} ranks, not profiled)",
+                                    self._activation_reserve())), held, block, "counted in them")
+        refusal = budget.refusal(cfg.max_model_len)
+        if refusal is not None:
+            raise InvalidRequestError(field if budget.num_blocks < 1 else "max_model_len", refusal)
+        logger.info("%s", budget.summary(cfg.max_model_len, cfg.max_num_seqs))
+        return budget.num_blocks
 
-    def _profiled_budget(self) -> int:
+    def _profiled_budget(self, held: tuple[tuple[str, int], ...], block: BlockBytes) -> MemoryBudget:
         """The cache's bytes on a single-rank accelerator, from a profiled max-size step (``kv_profile``)."""
         cfg = self.config
         profile = profile_step(self.model, self.device, self.device.attention_backend(),
                                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                                block_size=cfg.block_size, dtype=self.kv_cache_dtype)
-        budget = kv_cache_budget(profile, cfg.device_memory_utilization)
-        gib = 2**30
-        logger.info("KV cache sized by profiling a %d-token step: %.2f GiB x %.2f of the device, less weights "
-                    "%.2f GiB, activation peak %.2f GiB, other use %.2f GiB -> %.2f GiB", cfg.max_num_batched_tokens,
-                    profile.total / gib, cfg.device_memory_utilization, profile.weights / gib,
-                    profile.activations / gib, profile.others / gib, budget / gib)
+        util = cfg.device_memory_utilization
+        budget = MemoryBudget((f"device {profile.total} B x {util:g} =", int(profile.total * util)),
+                              (("weights", profile.weights),
+                               (f"activation peak (a {cfg.max_num_batched_tokens}-token step over --max-num-seqs "
+                                f"{cfg.max_num_seqs})", profile.activations), ("other use", profile.others)),
+                              held[1:], block, "counted in the weights")
+        assert budget.kv_bytes == kv_cache_budget(profile, util)
         return budget
 
     def _activation_reserve(self) -> int:
@@ -196,7 +210,11 @@ class Worker:
         eager = graphs_off_reason(self.config, self.device.name, self.parallel.world_size, stage.backend,
                                   self.model.config)
         if eager is None:
+            free_before, _ = self.device.memory_info()
             stage.graphs = capture_decode_graphs(self.model, stage.backend, stage.kv_caches, self.config, self.device)
+            # Captured after the cache is sized: the pools come out of the (1 - utilization) share left over.
+            logger.info("decode graph pools: %d B (device memory taken by the capture)",
+                        free_before - self.device.memory_info()[0])
         elif self.device.name != "cpu":
             logger.info("decode steps run eagerly: %s", eager)
         self.stage = stage

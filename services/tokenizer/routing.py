@@ -33,7 +33,7 @@ class RoutingSettings:
     """``policy`` None: ``kv_aware`` with several engines (one engine needs no choice)."""
 
     policy: str | None = None
-    balance_abs_threshold: int = 4
+    balance_abs_threshold: int = 8
     balance_rel_threshold: float = 1.5
 
     def __post_init__(self) -> None:

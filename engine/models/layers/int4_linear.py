@@ -5,7 +5,8 @@ weight packed once by ``aten._convert_weight_to_int4pack_for_cpu``. What that ke
 float32 in tests/engine/models/test_int4_linear.py, torch 2.13): ``x @ W.T`` with
 ``W[n, k] = (q[n, k] - 8) * scale[k // g, n] + zero[k // g, n]`` for codes ``q`` in 0..15, scales and "zeros"
 (an additive offset, tinygemm's convention) in ``x``'s dtype, ``g`` in {32, 64, 128, 256}, ``N`` a multiple of 16;
-bfloat16, float16 and float32 activations. A checkpoint's ``(q - z) * s`` is that with ``zero = (8 - z) * s``;
+bfloat16, float16 and float32 activations. A checkpoint's ``(q - z) * s`` is that with ``zero = (8 - z) * s``, a GGUF
+K-quant's ``q * s + offset`` that with ``zero = 8 * s + offset``;
 groups of other sizes that are multiples of an allowed one (per-channel weights) repeat their scale over the
 kernel's smaller groups. ``Int4DequantLinearMethod`` serves the rest (other shapes, other devices than CPU): it
 dequantizes the weight at each call and runs ``F.linear``; correct, not fast.
@@ -51,7 +52,9 @@ class Int4PackLinearMethod(LinearMethod):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
         repeat = weight.group_size // group_size
         scales = weight.scales.repeat_interleave(repeat, dim=1)               # [out, groups]
-        offsets = ((_MIDPOINT - weight.zeros) * weight.scales).repeat_interleave(repeat, dim=1)
+        additive = ((_MIDPOINT - weight.zeros) * weight.scales if weight.offsets is None
+                    else _MIDPOINT * weight.scales + weight.offsets)
+        offsets = additive.repeat_interleave(repeat, dim=1)
         self.scale_and_zero = torch.stack([scales.t(), offsets.t()], dim=-1).contiguous()   # float32 [groups, out, 2]
         self._by_dtype: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale_and_zero}
 
@@ -93,6 +96,8 @@ class NpuInt4LinearMethod(LinearMethod):
 
     def __init__(self, npu_ops: Any, weight: Int4Weight) -> None:
         out, cols = weight.shape
+        if weight.offsets is not None:
+            raise ValueError("GGUF K-quant 4-bit weights (additive offsets) run on the CPU, not the NPU")
         if out % 8:
             raise ValueError(f"a 4-bit weight of {out} output features does not pack 8 to an int32 on the NPU")
         per_channel = weight.group_size == cols

@@ -19,6 +19,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.entrypoints.args import add_engine_args, config_from_args
+from engine.worker.kv_transfer import DiskTier
 from services.child_flags import engine_flags
 from tests.engine.core.tiny_llama import save_tiny_llama
 
@@ -157,6 +158,41 @@ def test_a_corrupted_disk_entry_is_recomputed_not_served(tiny: tuple[Path, Llama
         assert core.scheduler_stats()["external_prefix_cache_hits"] == 4 * BLOCK
     finally:
         core.close()
+
+
+def test_a_request_aborted_while_its_blocks_load_leaves_nothing_behind(
+        core: EngineCore, tiny: tuple[Path, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    read = DiskTier._read
+
+    def slow_read(self: DiskTier, slot: int, block_hash: bytes) -> torch.Tensor | None:
+        time.sleep(0.05)   # a slow disk: the reads are still running when the abort comes
+        return read(self, slot, block_hash)
+
+    monkeypatch.setattr(DiskTier, "_read", slow_read)
+    a, b, c = prompts(5, 3)
+    run(core, "a", a)
+    run(core, "b", b)
+    run(core, "c", c)
+    connector = core.scheduler.kv_offload
+    assert connector is not None
+    # Another request decodes meanwhile, so the steps do not wait for the disk tier's reads.
+    core.add_request("d", [5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
+    core.step()
+    core.add_request("a2", a, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    core.step()   # its load starts
+    offload = core.config.kv_offloading_config
+    assert offload is not None
+    # A host tier's load lands in the step that starts it; a disk tier's in a later one.
+    assert connector.num_loading == (1 if offload.backend == "disk" else 0)
+    if connector.num_loading:
+        assert core.scheduler.num_waiting == 1
+        core.abort_requests(["a2"])
+        assert connector.num_loading == 0
+    while core.has_unfinished_requests():
+        core.step()
+    core.scheduler.block_manager.check_invariants([])
+    again, cached = run(core, "a3", a)
+    assert again == reference(tiny[1], a) and cached == 10 * BLOCK
 
 
 def test_the_tier_never_holds_more_than_its_budget(tiny: tuple[Path, LlamaForCausalLM], offload: KVOffloadConfig
