@@ -52,11 +52,12 @@ class LingeringHttpToolsProtocol(HttpToolsProtocol):
         if self._lingering or self.transport.is_closing():
             return
         cycle = self.cycle
-        if cycle is None or not cycle.more_body or not self.transport.can_write_eof():
+        if cycle is None or not cycle.more_body:
             self.transport.close()
             return
         self._lingering = True
-        self.transport.write_eof()  # after the response's bytes: the client reads it, then end of stream
+        if self.transport.can_write_eof():  # TLS cannot half-close: the response's Content-Length ends it there
+            self.transport.write_eof()  # after the response's bytes: the client reads it, then end of stream
         self.flow.resume_reading()
         now = self.loop.time()
         self._linger_last, self._linger_deadline = now, now + LINGER_MAX_SECONDS

@@ -34,8 +34,8 @@ SERVE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--return-tokens-as-token-ids",), None, refuse_always("logprobs always name tokens by their text"),
                kind="switch"),
     CompatFlag(("--api-server-count",), "one gateway per port is how Sluice runs", type=int,
-               refuse=refuse_unless(lambda v: v == 1, "several API processes on one port are not implemented: "
-                                                      "--gateways N runs N gateways on consecutive ports")),
+               refuse=refuse_unless(lambda v: v == 1, "Sluice's flag for several API processes on one port is "
+                                                      "--gateways N (N gateway processes, SO_REUSEPORT)")),
     CompatFlag(("--disable-frontend-multiprocessing",), "the gateway and the engine are always separate processes",
                kind="switch"),
     CompatFlag(("--enable-reasoning",), "reasoning is parsed whenever --reasoning-parser is given (vLLM dropped "

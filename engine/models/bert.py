@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.varlen_attention import VarlenLayout
+
 _ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
 # Checkpoint name prefixes of the encoder inside a task model.
@@ -70,15 +72,9 @@ class _SelfAttention(nn.Module):
         self.out = nn.Linear(config.hidden_size, config.hidden_size)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        outs = []
-        start = 0
-        for n in seq_lens:   # bidirectional within each sequence; sequences never see each other
-            qs, ks, vs = (t[start:start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs).squeeze(0).transpose(0, 1))
-            start += n
-        ctx = torch.cat(outs).reshape(x.shape[0], -1)
+        ctx = layout.attend(q, k, v).reshape(x.shape[0], -1)   # bidirectional within each sequence
         return self.norm(self.out(ctx) + x)
 
 
@@ -91,8 +87,8 @@ class _Layer(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.act = _ACTS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        x = self.attention(x, seq_lens)
+    def forward(self, x: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
+        x = self.attention(x, layout)
         return self.norm(self.output(self.act(self.intermediate(x))) + x)
 
 
@@ -120,8 +116,9 @@ class BertEncoder(nn.Module):
         x = (self.word_embeddings(input_ids) + self.position_embeddings(positions + self.config.position_offset)
              + self.token_type_embeddings(token_type_ids))
         x = self.embed_norm(x)
+        layout = VarlenLayout(seq_lens, x.device)
         for layer in self.layers:
-            x = layer(x, seq_lens)
+            x = layer(x, layout)
         return x
 
     def classify(self, cls_states: torch.Tensor) -> torch.Tensor:

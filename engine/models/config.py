@@ -121,7 +121,7 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.hidden_act not in ACTIVATIONS:
+        if self.hidden_act not in ACTIVATIONS and self.architecture not in ENCODER_ARCHITECTURES:  # bert.py's own
             raise ValueError(f"{self.architecture}: hidden_act={self.hidden_act!r} is not supported "
                              f"({', '.join(ACTIVATIONS)})")
 

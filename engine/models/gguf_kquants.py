@@ -11,13 +11,14 @@ Every K-quant stores super-blocks of 256 weights along a row (ggml's ``block_q4_
 * Q6_K, 210 bytes: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per sub-block of 16) and a
   float16 ``d``. ``w = d * scale * (q - 32)``.
 
-How they run on the CPU (docs/models.md, "GGUF"): a Q4_K matrix is exactly a group-32 asymmetric 4-bit weight,
-``scale = d * sc`` and an additive ``offset = -dmin * m`` per sub-block (``Int4Weight.offsets``, computed in float32
-as gguf-py computes them, so ``Int4Weight.dequantize`` is gguf-py's dequantization bit for bit), and runs on the
-int4 ``LinearMethod`` (torch's ``_weight_int4pack_mm_for_cpu``) with no float copy kept. Q5_K and Q6_K are
-dequantized at load to the model's dtype (as transformers does) and run on the dense methods: no kernel here takes
-them exactly (Q6_K's scales cover 16 weights, the int4 kernel's groups at least 32; Q5_K's codes have 5 bits), and
-measured at a decode-sized step they run as fast as bfloat16 can (benchmarks/gguf_kquants.py).
+How they run on the CPU (docs/models.md, "GGUF quantized types"): a Q4_K matrix is exactly a group-32 asymmetric
+4-bit weight, ``scale = d * sc`` and an additive ``offset = -dmin * m`` per sub-block (``Int4Weight.offsets``,
+computed in float32 as gguf-py computes them, so ``Int4Weight.dequantize`` is gguf-py's dequantization bit for bit),
+and runs on the int4 ``LinearMethod`` (torch's ``_weight_int4pack_mm_for_cpu``) with no float copy kept. Q5_K and
+Q6_K are dequantized at load to the model's dtype (as transformers does) and run on the dense methods: no kernel
+here takes them as they are (Q6_K's scales cover 16 weights, the int4 kernel's groups at least 32; Q5_K's codes
+have 5 bits), and Q5_K's exact split into two int4 planes held nearly as much memory as bfloat16 and was faster at
+one row only (benchmarks/gguf_kquants.py, docs/benchmarks.md).
 
 A projection gets its 4-bit weight only when the kernel takes it (output rows a multiple of 16) and, for a fused one
 (q/k/v, gate/up), when all its parts are Q4_K: a Q4_K_M file's Q6_K ``attn_v`` leaves that layer's q/k/v dense.

@@ -134,7 +134,7 @@ class Int4Weight:
                                  "permutation (g_idx); they must share them to run as one layer")
             if (p.offsets is None) != (first.offsets is None):
                 raise ValueError(f"{name}: the parts of a fused projection mix zero points and additive offsets")
-        offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])  # type: ignore[misc]
+        offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts if p.offsets is not None])
         return Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                           torch.cat([p.zeros for p in parts]), first.group_size, first.perm, offsets)
 

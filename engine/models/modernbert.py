@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.varlen_attention import VarlenLayout
+
 _ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
 
@@ -95,7 +97,7 @@ class _Attention(nn.Module):
         self.theta = config.local_theta if self.local else config.global_theta
         self.window = config.window
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
         q, k, v = self.Wqkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         dims = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=x.device) / self.head_dim
         freqs = positions[:, None].float() * (1.0 / self.theta ** dims)
@@ -103,17 +105,8 @@ class _Attention(nn.Module):
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        outs = []
-        start = 0
-        for n in seq_lens:
-            qs, ks, vs = (t[start:start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            mask = None
-            if self.local and n > self.window + 1:
-                idx = torch.arange(n, device=x.device)
-                mask = (idx[:, None] - idx[None, :]).abs() <= self.window
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).squeeze(0).transpose(0, 1))
-            start += n
-        return self.Wo(torch.cat(outs).reshape(x.shape[0], -1))
+        out = layout.attend(q, k, v, window=self.window if self.local else None)
+        return self.Wo(out.reshape(x.shape[0], -1))
 
 
 class _Mlp(nn.Module):
@@ -138,8 +131,8 @@ class _Layer(nn.Module):
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.norm_bias)
         self.mlp = _Mlp(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, seq_lens)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, layout)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -173,8 +166,9 @@ class ModernBertEncoder(nn.Module):
                 seq_lens: list[int]) -> torch.Tensor:
         """[T, hidden] (``token_type_ids`` are not read)."""
         x = self.embeddings.norm(self.embeddings.tok_embeddings(input_ids))
+        layout = VarlenLayout(seq_lens, x.device)
         for layer in self.layers:
-            x = layer(x, positions, seq_lens)
+            x = layer(x, positions, layout)
         return self.final_norm(x)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,8 @@ def read_hf_config(model: str) -> dict[str, Any]:
 
 def resolve_runner(model: str, runner: str, convert: str) -> str:
     """``generate`` or ``pooling`` for ``model`` (a directory or a .gguf file): ``runner`` unless auto, then pooling
-    for an encoder or a ``*ForSequenceClassification`` / ``*Model`` architecture, or with ``convert`` embed/classify."""
+    for an encoder, a ``*ForSequenceClassification`` / ``*Model`` architecture, a sentence-transformers directory
+    (``modules.json``: Qwen3-Embedding's config names ``Qwen3ForCausalLM``), or with ``convert`` embed/classify."""
     if runner not in RUNNERS:
         raise InvalidRequestError("runner", f"unknown runner {runner!r}; expected one of {', '.join(RUNNERS)}")
     if convert not in CONVERTS:
@@ -83,6 +84,8 @@ def resolve_runner(model: str, runner: str, convert: str) -> str:
     cfg = read_hf_config(model)
     archs = [str(a) for a in cfg.get("architectures") or []]
     if cfg.get("model_type") in ENCODER_TYPES or cfg.get("model_type") in REFUSED_ENCODERS:
+        return "pooling"
+    if (Path(model) / "modules.json").is_file():
         return "pooling"
     if any(a.endswith("ForSequenceClassification") or (a.endswith("Model") and not a.endswith("LMHeadModel"))
            for a in archs):

@@ -9,6 +9,7 @@ order).
 
 Each block of 32 weights along the input dimension has one scale (and, for Q4_1, one offset); they are
 stored here as float16 [out, in/32] (as in the file) next to the codes, which keep ggml's byte order.
+(Q4_K tensors run on the int4 kernel instead, and Q5_K / Q6_K dequantized: engine.models.gguf_kquants.)
 """
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
 from common.errors import InvalidRequestError
@@ -37,8 +36,10 @@ from engine.models.modernbert import ModernBertConfig, ModernBertEncoder
 from engine.models.pooler import activate, finish_embedding, pool_states
 from engine.models.pooling_config import PoolingModelInfo, read_pooling_info
 from engine.models.sharding import WHOLE
+from engine.models.varlen_attention import VarlenLayout
 from engine.models.weight_names import split_fused
 from engine.worker.model_runner import PreparedStep, RunnerOutput
+from engine.worker.worker import prepare_model
 
 if TYPE_CHECKING:
     from engine.core.lora_request import LoRARequest
@@ -61,18 +62,12 @@ class NoCacheAttention(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
-        if window is not None or softcap is not None:
+        if window is not None or softcap is not None:   # refused at load (PoolingModel)
             raise ValueError("sliding-window and soft-capped attention are not supported by the pooling runner")
-        groups = query.shape[1] // key.shape[1]
-        outs = []
-        start = 0
-        for n in meta.query_lens:
-            q = query[start:start + n].transpose(0, 1)
-            k = key[start:start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
-            v = value[start:start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
-            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1))
-            start += n
-        return torch.cat(outs)
+        layout = meta.derived.get(self)
+        if not isinstance(layout, VarlenLayout):   # built by the first layer, shared by the others
+            layout = meta.derived[self] = VarlenLayout(meta.query_lens, query.device)
+        return layout.attend(query, key, value, causal=True, scale=scale)
 
 
 class PoolingModel:
@@ -107,16 +102,20 @@ class PoolingModel:
             encoder = encoder.to_empty(device=self.device)
             encoder.load_weights(iter_safetensors(names, lambda _: WHOLE))   # never sharded
             self.encoder = encoder.to(dtype).eval().requires_grad_(False)
-            self.model_config = _encoder_model_config(ecfg, cfg)
+            self.model_config = _encoder_model_config(ecfg)
             return
+        # the lm_head is not used: tied, so that a checkpoint without one (``Qwen3Model``) loads
         mc = replace(config_from_hf(cfg, None, has_lm_head=False), tie_word_embeddings=True)
+        unsupported = ("sliding-window attention" if mc.sliding_window is not None else
+                       "soft-capped attention" if mc.attn_logit_softcapping is not None else
+                       "multi-head latent attention" if mc.mla is not None else None)
+        if unsupported is not None:
+            raise InvalidRequestError("model", f"{path}: {unsupported} is not supported by the pooling runner")
         if num_labels and _DECODER_HEAD not in names:
             raise InvalidRequestError("model", f"{path}: a decoder sequence classifier needs {_DECODER_HEAD}")
         decoder = build_model(mc, dtype, self.device)
         body = {n: p for n, p in names.items() if n != _DECODER_HEAD and n not in _DECODER_UNUSED}
         decoder.load_weights(split_fused(iter_safetensors(body, decoder.weight_shard), mc, decoder.weight_shard))
-        from engine.worker.worker import prepare_model
-
         prepare_model(decoder, device, dtype)
         self.decoder = decoder
         if num_labels:
@@ -153,7 +152,7 @@ class PoolingModel:
         return rows @ self.score.T
 
 
-def _encoder_model_config(ecfg: EncoderConfig | ModernBertConfig, cfg: dict[str, object]) -> ModelConfig:
+def _encoder_model_config(ecfg: EncoderConfig | ModernBertConfig) -> ModelConfig:
     """What the engine core reads of a model (vocabulary, context), for an encoder."""
     return ModelConfig(architecture=ecfg.model_type, vocab_size=ecfg.vocab_size, hidden_size=ecfg.hidden_size,
                        intermediate_size=ecfg.intermediate_size, num_layers=ecfg.num_layers,
@@ -224,14 +223,13 @@ class PoolingExecutor:
         """Nothing is ever loaded."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        return self.execute_prepared(self.prepare_model(scheduler_output))
+        return RunnerOutput(pooled=self.run(scheduler_output))
 
     def prepare_model(self, scheduler_output: SchedulerOutput) -> PreparedStep:
-        return _PoolingStep(scheduler_output)  # type: ignore[return-value]
+        raise RuntimeError("a pooling engine steps synchronously (pooling_engine_config turns async scheduling off)")
 
     def execute_prepared(self, prepared: PreparedStep) -> RunnerOutput:
-        assert isinstance(prepared, _PoolingStep)
-        return RunnerOutput(pooled=self.run(prepared.scheduler_output))
+        raise RuntimeError("a pooling engine steps synchronously (pooling_engine_config turns async scheduling off)")
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> dict[SequenceId, torch.Tensor]:
@@ -275,12 +273,8 @@ class PoolingExecutor:
         """Nothing to stop."""
 
 
-class _PoolingStep:
-    def __init__(self, scheduler_output: SchedulerOutput) -> None:
-        self.scheduler_output = scheduler_output
-
-
 def pooling_engine_config(config: EngineConfig) -> EngineConfig:
-    """The settings a pooling engine runs under: no prefix cache (nothing is cached) and no async scheduling (each
-    request ends with the step that computed it)."""
-    return config.with_changes(enable_prefix_caching=False, async_scheduling=False, num_scheduler_steps=1)
+    """The settings a pooling engine runs under: no prefix cache and no KV offload tier (nothing is cached), no
+    async scheduling (each request ends with the step that computed it)."""
+    return config.with_changes(enable_prefix_caching=False, kv_offloading_config=None, async_scheduling=False,
+                               num_scheduler_steps=1)

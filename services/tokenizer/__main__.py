@@ -17,12 +17,23 @@ from services.tokenizer.routing import ROUTING_POLICIES, RoutingSettings
 from services.tokenizer.tools import ToolSettings
 
 
+class _JoinedAddresses(argparse.Action):
+    """A repeated flag's values as one comma-separated string (what one flag with a comma list gives)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        given = f"_{self.dest}_given"
+        value = f"{getattr(namespace, self.dest)},{values}" if getattr(namespace, given, False) else str(values)
+        setattr(namespace, self.dest, value)
+        setattr(namespace, given, True)
+
+
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()  # under `sluice serve`: end with it
     parser = argparse.ArgumentParser(prog="sluice tokenizer", description=__doc__)
-    parser.add_argument("--engine", action="append", default=None, metavar="ADDRESS",
-                        help="engine gRPC address (default 127.0.0.1:50051); repeated or comma-separated for several "
-                             "engines (data-parallel replicas of one model), each request going to one of them")
+    parser.add_argument("--engine", action=_JoinedAddresses, default="127.0.0.1:50051", metavar="ADDRESS",
+                        help="engine gRPC address; repeated or comma-separated for several engines (data-parallel "
+                             "replicas of one model), each request going to one of them")
     parser.add_argument("--routing", default=None, choices=ROUTING_POLICIES,
                         help="how a request's engine is chosen among several: kv_aware (the default: the longest "
                              "cached prefix, from the engines' KV events, unless their loads drift apart), "
@@ -71,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         tls = grpc_tls_from_args(ns)
         keys = api_keys(ns)
         routing = RoutingSettings(ns.routing, ns.routing_balance_abs_threshold, ns.routing_balance_rel_threshold)
-        engines = [a.strip() for arg in ns.engine or ["127.0.0.1:50051"] for a in arg.split(",") if a.strip()]
+        engines = [a.strip() for a in ns.engine.split(",") if a.strip()]
     except (ValueError, OSError) as e:
         parser.error(str(e))
     tracing = set_up(observability, log_level=ns.log_level, process="tokenizer")

@@ -8,6 +8,7 @@ service has open there, its load as its last GetInfo said, and its prefix cache 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ class Engine:
         self.up = False                           # connected, and it answered GetInfo on this connection
         self.shm_registered = False
         self.shm_refused = False                  # it cannot map our ring: inline ids for it
+        self._shm_lock = asyncio.Lock()           # one registration at a time (requests arrive together)
         self.open_requests = 0                    # this service's requests running there now
         self.reported_load = 0                    # its running + waiting sequences, as its last GetInfo said
         self.kv_cache_usage = 0.0
@@ -103,7 +105,11 @@ class Engine:
         host, or with a /dev/shm of its own) gets inline ids from then on, said once in the log."""
         if ring is None or self.shm_refused:
             return False
-        if not self.shm_registered:
+        if self.shm_registered:
+            return True
+        async with self._shm_lock:
+            if self.shm_registered or self.shm_refused:   # another request's registration answered meanwhile
+                return self.shm_registered
             try:
                 r = await self.stub.RegisterSharedMemory(engine_pb2.RegisterSharedMemoryRequest(
                     segment=ring.name, size_bytes=ring.size_bytes, owner=owner), timeout=5)

@@ -108,6 +108,10 @@ class PromptBlocks:
             yield self._external[i]
 
 
+# A prompt's block hashes by (block size, hash algorithm).
+PromptHashes = dict[tuple[int, str], PromptBlocks]
+
+
 class Router:
     """One service's routing state: the rotation for ties, the hashers by algorithm (each binds this process's
     ``PYTHONHASHSEED``, which must be the engines')."""
@@ -120,8 +124,9 @@ class Router:
         self._hashers: dict[str, BlockHasher] = {}
 
     def choose(self, engines: Sequence[Candidate], token_ids: Sequence[int], *, lora_name: str | None = None,
-               cache_salt: str | None = None) -> Decision:
-        """Which of ``engines`` (at least one) gets a request for the prompt ``token_ids``."""
+               cache_salt: str | None = None, hashes: PromptHashes | None = None) -> Decision:
+        """Which of ``engines`` (at least one) gets a request for the prompt ``token_ids``; ``hashes``: the
+        prompt's, from :meth:`hash_prompt` (None: computed here, as far as needed)."""
         if len(engines) == 1:
             return Decision(0, "single")
         policy = self.settings.policy_for(len(engines))
@@ -131,7 +136,9 @@ class Router:
         if policy == "least_loaded" or self._imbalanced(loads):
             return Decision(self._least_loaded(engines, range(len(engines))),
                             policy if policy == "least_loaded" else "balance")
-        matched = self._matched_tokens(engines, token_ids, lora_name, cache_salt)
+        if hashes is None:
+            hashes = self.hash_prompt(engines, token_ids, lora_name=lora_name, cache_salt=cache_salt)
+        matched = [_matched_tokens(e.cache, hashes) for e in engines]
         best = max(matched)
         choice = self._least_loaded(engines, [i for i, m in enumerate(matched) if m == best])
         return Decision(choice, policy, best)
@@ -151,27 +158,34 @@ class Router:
         self._next += 1
         return tied[self._next % len(tied)]
 
-    def _matched_tokens(self, engines: Sequence[Candidate], token_ids: Sequence[int], lora_name: str | None,
-                        cache_salt: str | None) -> list[int]:
-        """Each engine's cached prefix of the prompt, in tokens (0 for an engine whose cache is unknown). The
-        hashes are computed once per (block size, algorithm) the engines use: once in practice."""
-        prompts: dict[tuple[int, str], PromptBlocks] = {}
-        matched = []
+    def hash_prompt(self, engines: Sequence[Candidate], token_ids: Sequence[int], *, lora_name: str | None = None,
+                    cache_salt: str | None = None) -> PromptHashes:
+        """The prompt's block hashes for each way the engines hash (once in practice: one block size and
+        algorithm), computed as far as some engine has them cached. Safe off the event loop (it only reads the
+        indexes): a long prompt's hashes take a while."""
+        hashes: PromptHashes = {}
         for e in engines:
             cache = e.cache
             if cache is None or not len(cache.index):
-                matched.append(0)
                 continue
             key = (cache.block_size, cache.hash_algo)
-            blocks = prompts.get(key)
+            blocks = hashes.get(key)
             if blocks is None:
-                blocks = prompts[key] = PromptBlocks(token_ids, cache.block_size, self._hasher(cache.hash_algo),
-                                                     lora_name or None, cache_salt or None)
-            matched.append(cache.index.matched_blocks(blocks) * cache.block_size)
-        return matched
+                blocks = hashes[key] = PromptBlocks(token_ids, cache.block_size, self._hasher(cache.hash_algo),
+                                                    lora_name, cache_salt)
+            cache.index.matched_blocks(blocks)   # computes them as far as this engine has them
+        return hashes
 
     def _hasher(self, algo: str) -> BlockHasher:
         hasher = self._hashers.get(algo)
         if hasher is None:
             hasher = self._hashers[algo] = self._hasher_for(algo)
         return hasher
+
+
+def _matched_tokens(cache: CacheView | None, hashes: PromptHashes) -> int:
+    """The prompt tokens ``cache`` holds (0 where it is unknown)."""
+    blocks = None if cache is None else hashes.get((cache.block_size, cache.hash_algo))
+    if cache is None or blocks is None:
+        return 0
+    return cache.index.matched_blocks(blocks) * cache.block_size

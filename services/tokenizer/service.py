@@ -191,7 +191,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """The engine to send one request to, held for as long as the request runs there (counted as that
         engine's load meanwhile): chosen by ``--routing`` among the engines that are up."""
         engine, _ = await self._route(token_ids, lora_name, cache_salt)
-        engine.open_requests += 1
         try:
             yield engine.stub
         finally:
@@ -203,16 +202,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _route(self, token_ids: list[int] | np.ndarray, lora_name: str, cache_salt: str
                      ) -> tuple[Engine, Decision]:
-        """The engine for a prompt, among those up (all of them when none is: the call fails as it would)."""
+        """The engine for a prompt, among those up (all of them when none is: the call fails as it would), counted
+        as one of its open requests from here (in the same turn of the event loop as the choice, so requests that
+        arrive together see each other): the caller takes one off when the request ends."""
         candidates = [e for e in self.engines if e.up] or self.engines
         if len(candidates) == 1:
+            candidates[0].open_requests += 1
             return candidates[0], Decision(0, "single")
         ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
-        if len(ids) > _ROUTE_OFF_LOOP_TOKENS:
-            decision = await self.prompts.off_loop(self.router.choose, candidates, ids, lora_name=lora_name or None,
-                                                   cache_salt=cache_salt or None)
-        else:
-            decision = self.router.choose(candidates, ids, lora_name=lora_name or None, cache_salt=cache_salt or None)
+        hashes = None
+        if len(ids) > _ROUTE_OFF_LOOP_TOKENS and self.router.settings.policy_for(len(candidates)) == "kv_aware":
+            hashes = await self.prompts.off_loop(self.router.hash_prompt, candidates, ids,
+                                                 lora_name=lora_name or None, cache_salt=cache_salt or None)
+            candidates = [e for e in self.engines if e.up] or self.engines   # as they are now
+        decision = self.router.choose(candidates, ids, lora_name=lora_name or None, cache_salt=cache_salt or None,
+                                      hashes=hashes)
+        candidates[decision.choice].open_requests += 1
         return candidates[decision.choice], decision
 
     # -- public RPCs --------------------------------------------------------------------------------------
@@ -300,8 +305,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             for i in range(n)}
         usage = Usage(prompt=len(prompt_ids))
         source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
-        engine, route = await self._route(prompt_ids, adapter, request.cache_salt)
-        engine_req, handoff = await self.engine_request(options, prompt_ids, source=source, engine=engine)
+        engine, route = await self._route(prompt_ids, adapter, request.cache_salt)   # counted there until the end
+        try:
+            engine_req, handoff = await self.engine_request(options, prompt_ids, source=source, engine=engine)
+        except BaseException:
+            engine.open_requests -= 1
+            raise
         engine_req.client_request_id = request_id
         if span is not None and self.tracing is not None:
             span.add_event("prompt_ready", {"gen_ai.usage.prompt_tokens": len(prompt_ids)})
@@ -315,7 +324,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             logger.info("Received request %s (engine key %s): %d prompt tokens, n=%d%s", request_id, key,
                         len(prompt_ids), n, f"; to {engine.name} ({route.describe()})" if len(self.engines) > 1 else "")
         call = engine.stream.generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
-        engine.open_requests += 1
         try:
             async for msg in _with_deadline(call, deadline):
                 if msg is None:  # the time limit elapsed

@@ -66,9 +66,13 @@ def test_requests_alternate_over_the_engines_up_and_go_around_one_that_is_gone()
                 async with fake_engine(b, ports[1]):
                     await _until(lambda: _true(all(e.up for e in servicer.engines)), 10, "both engines up")
                     assert await _is(health, SERVING)
+                    # Arriving together (before either engine has our ring): each sees the others' choices.
+                    results = await asyncio.gather(*(_generate(stub, f"c{i}") for i in range(6)))
+                    assert all(_completed(r) for r in results)
+                    assert (len(a.first_tokens), len(b.first_tokens)) == (3, 3)
                     results = [await _generate(stub, f"r{i}") for i in range(4)]
                     assert all(_completed(r) for r in results)
-                    assert (len(a.first_tokens), len(b.first_tokens)) == (2, 2)   # no cache known: in turn
+                    assert (len(a.first_tokens), len(b.first_tokens)) == (5, 5)   # no cache known: in turn
                     async with servicer.engine_for([1, 2, 3]) as held:
                         chosen = next(e for e in servicer.engines if e.stub is held)
                         assert chosen.open_requests == 1
@@ -76,13 +80,13 @@ def test_requests_alternate_over_the_engines_up_and_go_around_one_that_is_gone()
                 await _until(lambda: _true(not servicer.engines[1].up), 5, "engine b seen gone")
                 assert await _is(health, SERVING)   # a is still there
                 results = [await _generate(stub, f"s{i}") for i in range(4)]
-                assert all(_completed(r) for r in results) and len(a.first_tokens) == 6
+                assert all(_completed(r) for r in results) and len(a.first_tokens) == 9
                 restarted = StallingEngine()   # a new process on b's port
                 async with fake_engine(restarted, ports[1]):
                     await _until(lambda: _true(servicer.engines[1].up), 10, "engine b back")
                     results = [await _generate(stub, f"t{i}") for i in range(4)]
                     assert all(_completed(r) for r in results)
-                    assert (len(a.first_tokens), len(restarted.first_tokens)) == (8, 2)
+                    assert (len(a.first_tokens), len(restarted.first_tokens)) == (11, 2)
                     assert (b.registrations, restarted.registrations) == (1, 1)   # the new process got our ring
             await _until(lambda: _is(health, NOT_SERVING), 5, "NOT_SERVING with neither engine")
 

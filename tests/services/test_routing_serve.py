@@ -14,6 +14,7 @@ from engine.core.kv_events import offset_endpoint_port
 from engine.entrypoints.args import add_engine_args, config_from_args
 from engine.entrypoints.grpc_servicer import _connectable
 from services import supervisor
+from services.tokenizer.__main__ import _JoinedAddresses
 
 
 def stack(*flags: str) -> supervisor.Supervisor:
@@ -76,3 +77,11 @@ def test_the_engine_reports_its_kv_events_endpoints_as_a_client_on_its_host_conn
     assert _connectable("tcp://10.0.0.2:5557") == ""   # the PUB socket connects out there: nothing to connect to
     assert _connectable("tcp://10.0.0.2:5558", always_bound=True) == "tcp://10.0.0.2:5558"   # a replay ROUTER
     assert _connectable("inproc://kv") == "" and _connectable(None) == ""
+
+
+def test_a_tokenizer_service_takes_its_engines_repeated_or_comma_separated() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", action=_JoinedAddresses, default="127.0.0.1:50051")
+    assert parser.parse_args([]).engine == "127.0.0.1:50051"
+    assert parser.parse_args(["--engine", "a:1"]).engine == "a:1"
+    assert parser.parse_args(["--engine", "127.0.0.1:50051", "--engine", "b:2,c:3"]).engine == "127.0.0.1:50051,b:2,c:3"

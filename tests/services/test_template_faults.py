@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
+import pytest
 
 from common.grpc_server import CHANNEL_OPTIONS
 from engine.config import default_model_path
@@ -22,6 +25,7 @@ from gateway.app import create_app
 from gateway.client import GrpcBackend
 from gateway.settings import GatewaySettings
 from proto.sluice.v1 import engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.tokenizer import template_worker
 from services.tokenizer.limits import InputLimits
 from services.tokenizer.server import public_server
 from services.tokenizer.service import GenerationServicer
@@ -115,3 +119,39 @@ async def rounds(stack: Stack) -> None:
             assert status == ("INVALID_ARGUMENT" if i % 2 == 0 else "400"), (rnd, i, status, details)
             assert details == too_slow, (rnd, i, details)
             assert TIMEOUT_S <= elapsed < TIMEOUT_S + START_ALLOWANCE_S, (rnd, i, elapsed)  # at once, not in turn
+
+
+def test_a_child_that_dies_at_start_is_reported_not_killed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's ProcessLookupError: a child that exited before it was ready was killed again, and asyncio raises
+    once it has reaped the child. Here the child cannot load the chat module and exits at once."""
+    monkeypatch.setattr(template_worker, "_CHAT_MODULE", Path("/nonexistent/chat.py"))
+
+    async def main() -> list[str]:
+        worker = template_worker.TemplateWorker(timeout_s=TIMEOUT_S, memory_bytes=2 * 2**30)
+        out = []
+        for _ in range(3):
+            try:
+                await worker.render(FAST, [{"role": "user", "content": "hi"}], add_generation_prompt=False,
+                                    special_tokens={}, kwargs={}, max_output_chars=1000)
+            except RuntimeError as e:
+                out.append(str(e))
+            await asyncio.sleep(0.3)  # time for asyncio to reap the child before the next
+        await worker.close()
+        return out
+
+    assert asyncio.run(main()) == ["the chat template worker did not start (it wrote b'')"] * 3
+
+
+def test_ending_a_child_asyncio_has_reaped_does_not_raise() -> None:
+    """Once asyncio has reaped a child and closed its pipes, ``kill`` raises ProcessLookupError (what the probe
+    met when a child had died on its own): ending a child checks first."""
+    async def main() -> None:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass", stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE)
+        await proc.wait()
+        await asyncio.sleep(0.2)  # its pipes seen closed: the transport is finished
+        with pytest.raises(ProcessLookupError):
+            proc.kill()
+        await template_worker._end(proc)
+
+    asyncio.run(main())

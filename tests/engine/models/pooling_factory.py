@@ -51,7 +51,7 @@ def save_tiny_bert_embedder(path: Path, seed: int = 0) -> Path:
     vocab = _write_bert_tokenizer(path)
     config = BertConfig(vocab_size=len(vocab), type_vocab_size=2, pad_token_id=0, **_BERT_SIZES)
     _save(BertModel(config), path, seed)
-    _write_sentence_transformers(path, dim=config.hidden_size, pooling="mean", normalize=True)
+    write_sentence_transformers(path, dim=config.hidden_size, pooling="mean", normalize=True)
     return path
 
 
@@ -63,7 +63,7 @@ def save_tiny_matryoshka_embedder(path: Path, seed: int = 3) -> Path:
     config.is_matryoshka = True
     config.matryoshka_dimensions = list(MATRYOSHKA_DIMENSIONS)
     _save(BertModel(config), path, seed)
-    _write_sentence_transformers(path, dim=config.hidden_size, pooling="cls", normalize=True)
+    write_sentence_transformers(path, dim=config.hidden_size, pooling="cls", normalize=True)
     return path
 
 
@@ -73,7 +73,7 @@ def save_tiny_xlm_roberta_embedder(path: Path, seed: int = 4) -> Path:
     config = XLMRobertaConfig(vocab_size=len(vocab), type_vocab_size=1, pad_token_id=1, bos_token_id=0,
                               eos_token_id=2, **{**_BERT_SIZES, "max_position_embeddings": 130})
     _save(XLMRobertaModel(config), path, seed)
-    _write_sentence_transformers(path, dim=config.hidden_size, pooling="cls", normalize=True)
+    write_sentence_transformers(path, dim=config.hidden_size, pooling="cls", normalize=True)
     return path
 
 
@@ -87,7 +87,7 @@ def save_tiny_modernbert_embedder(path: Path, seed: int = 8) -> Path:
                               global_attn_every_n_layers=3, pad_token_id=0, cls_token_id=vocab["[CLS]"],
                               sep_token_id=vocab["[SEP]"], bos_token_id=None, eos_token_id=None)
     _save(ModernBertModel(config), path, seed)
-    _write_sentence_transformers(path, dim=config.hidden_size, pooling="mean", normalize=True)
+    write_sentence_transformers(path, dim=config.hidden_size, pooling="mean", normalize=True)
     return path
 
 
@@ -114,7 +114,7 @@ def save_tiny_decoder_embedder(path: Path, seed: int = 1) -> Path:
                          rms_norm_eps=1e-6, pad_token_id=vocab["[PAD]"], eos_token_id=vocab["[SEP]"],
                          tie_word_embeddings=False)
     _save(Qwen3Model(config), path, seed)
-    _write_sentence_transformers(path, dim=config.hidden_size, pooling="lasttoken", normalize=True)
+    write_sentence_transformers(path, dim=config.hidden_size, pooling="lasttoken", normalize=True)
     return path
 
 
@@ -172,7 +172,7 @@ def _save(model: PreTrainedModel, path: Path, seed: int) -> None:
     model.save_pretrained(path)
 
 
-def _write_sentence_transformers(path: Path, *, dim: int, pooling: str, normalize: bool) -> None:
+def write_sentence_transformers(path: Path, *, dim: int, pooling: str, normalize: bool) -> None:
     """modules.json, sentence_bert_config.json, config_sentence_transformers.json, 1_Pooling/config.json and (with
     ``normalize``) 2_Normalize, as sentence-transformers 2.x/3.x saved them to the hub."""
     modules: list[dict[str, Any]] = [

@@ -20,7 +20,8 @@ from gguf.quants import dequantize
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from engine.device.kernel_choice import KernelChoice
-from engine.models import CausalLM, load_model
+from engine.distributed import ParallelContext
+from engine.models import CausalLM, gguf_kquants, load_model
 from engine.models.gguf_kquants import q4_k_weight
 from engine.models.layers.int4_linear import Int4PackLinearMethod, int4_method
 from engine.models.layers.linear import Linear
@@ -148,15 +149,17 @@ def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 # GGUF tensor -> its type: layer 0 all Q4_K but ffn_down (Q6_K); layer 1 a Q6_K attn_v (its q/k/v stay dense), Q5_K
-# attn_output and ffn_gate / ffn_up, Q4_K ffn_down; token_embd Q4_K, output Q6_K (llama.cpp's Q4_K_M choices)
-_TYPES = {"token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K,
+# attn_output and ffn_gate / ffn_up, Q4_K ffn_down; output Q6_K (llama.cpp's Q4_K_M choices); token_embd Q4_K as
+# llama.cpp's, or Q6_K (``write_llama_gguf``'s ``table``)
+_TYPES = {"output.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K,
           "blk.1.attn_v.weight": Q.Q6_K, "blk.1.attn_output.weight": Q.Q5_K, "blk.1.ffn_gate.weight": Q.Q5_K,
           "blk.1.ffn_up.weight": Q.Q5_K}
 
 
-def write_llama_gguf(hf: PreTrainedModel, path: Path) -> Path:
+def write_llama_gguf(hf: PreTrainedModel, path: Path, table: Q = Q.Q4_K) -> Path:
     """The file convert_hf_to_gguf.py would write from ``hf`` (q/k permuted), then quantized per ``_TYPES`` (Q4_K
-    otherwise) as llama-quantize would: matrices in K-quants, vectors F32."""
+    otherwise; the embedding table in ``table``) as llama-quantize would: matrices in K-quants, vectors F32."""
+    types = {**_TYPES, "token_embd.weight": table}
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.add_context_length(cfg.max_position_embeddings)
@@ -185,7 +188,7 @@ def write_llama_gguf(hf: PreTrainedModel, path: Path) -> Path:
         if w.ndim == 1:
             writer.add_tensor(new, np.ascontiguousarray(w))
         else:
-            qtype = _TYPES.get(new, Q.Q4_K)
+            qtype = types.get(new, Q.Q4_K)
             writer.add_tensor(new, quantize_k(w, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -206,7 +209,13 @@ def llama_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     randomize(hf, 1)
     path = tmp_path_factory.mktemp("kquant-llama")
     hf.config.save_pretrained(path)
-    return hf, write_llama_gguf(hf, path / "model.gguf"), tied
+    # untied: a Q6_K embedding table (dense); tied: a Q4_K one, which the lm_head runs on in 4 bits
+    return hf, write_llama_gguf(hf, path / "model.gguf", Q.Q4_K if tied else Q.Q6_K), tied
+
+
+# the projections all of whose parts are Q4_K in ``_TYPES``
+_Q4_K_LAYERS = {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.gate_up_proj",
+                "layers.1.mlp.down_proj"}
 
 
 def _int4_layers(model: CausalLM) -> set[str]:
@@ -219,8 +228,7 @@ def test_q4_k_projections_run_on_the_int4_kernel_to_transformers_logits(
     theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=hf.config,
                                                   dtype=torch.float32).eval()
     ours = load_model(str(path), torch.float32)
-    expected = {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.gate_up_proj",
-                "layers.1.mlp.down_proj", *(["lm_head"] if tied else [])}
+    expected = _Q4_K_LAYERS | ({"lm_head"} if tied else set())
     assert _int4_layers(ours) == expected
     assert all(ours.get_submodule(name).weight is None for name in expected - {"lm_head"})   # no float copy
     prepare(ours, torch.float32)
@@ -246,3 +254,20 @@ def test_dense_weights_are_gguf_py_dequantization(llama_file: tuple[PreTrainedMo
                        torch.from_numpy(raw["blk.1.attn_output.weight"]))
     down = ours.get_submodule("layers.1.mlp.down_proj").int4
     assert down is not None and torch.equal(down.dequantize(), torch.from_numpy(raw["blk.1.ffn_down.weight"]))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_ranks_hold_their_shard_of_the_q4_k_weights(
+        rank: int, llama_file: tuple[PreTrainedModel, Path, bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of two ranks reads its rows (q/k/v, gate/up, the lm_head's vocabulary) or input columns (o_proj,
+    down_proj) of the Q4_K tensors, un-permuted by its own heads: the same values as that rank's dense load."""
+    _, path, tied = llama_file
+    parallel = ParallelContext(tp_size=2, rank=rank)
+    ours = load_model(str(path), torch.float32, "cpu", parallel)
+    int4 = {name: m.int4 for name, m in ours.named_modules() if isinstance(m, Linear) and m.int4 is not None}
+    assert set(int4) == _Q4_K_LAYERS | ({"lm_head"} if tied else set())
+    monkeypatch.setattr(gguf_kquants, "attach", lambda model, weights: 0)
+    dense = load_model(str(path), torch.float32, "cpu", parallel)
+    for name, weight in int4.items():
+        assert weight is not None
+        assert torch.equal(weight.dequantize(), dense.get_submodule(name).weight), name

@@ -204,8 +204,26 @@ def test_pooling_config_and_runner_resolution(checkpoints: Callable[[str], Path]
     save_tiny_llama(tmp_path / "llama")
     assert resolve_runner(str(tmp_path / "llama"), "auto", "auto") == "generate"
     assert resolve_runner(str(tmp_path / "llama"), "auto", "embed") == "pooling"
-    converted = read_pooling_info(str(tmp_path / "llama"), convert="embed")
+    assert resolve_runner(str(tmp_path / "llama"), "generate", "auto") == "generate"
+    factory.write_sentence_transformers(tmp_path / "llama", dim=64, pooling="lasttoken", normalize=True)
+    assert resolve_runner(str(tmp_path / "llama"), "auto", "auto") == "pooling"   # a *ForCausalLM with ST files
+    converted = read_pooling_info(str(tmp_path / "llama"))
     assert (converted.family, converted.pooling_type, converted.normalize) == ("decoder", "LAST", True)
+    # sentence-transformers 5's one-field Pooling config, and a pooling mode that is refused by name
+    st5 = factory.save_tiny_bert_embedder(tmp_path / "st5")
+    (st5 / "1_Pooling" / "config.json").write_text('{"embedding_dimension": 32, "pooling_mode": "cls"}')
+    assert read_pooling_info(str(st5)).pooling_type == "CLS"
+    (st5 / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 32, "pooling_mode_max_tokens": true}')
+    with pytest.raises(InvalidRequestError, match="pooling_mode_max_tokens"):
+        read_pooling_info(str(st5))
+
+
+def test_decoder_with_a_sliding_window_is_refused_as_an_embedder(tmp_path: Path) -> None:
+    from tests.engine.executor.checkpoints import write_checkpoint
+
+    write_checkpoint("mistral", tmp_path / "mistral")
+    with pytest.raises(InvalidRequestError, match="sliding-window"):
+        _core(tmp_path / "mistral", convert="embed")
 
 
 def test_decoder_converted_to_embedder_pools_the_last_hidden_state(tmp_path: Path) -> None:
