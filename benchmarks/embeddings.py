@@ -1,31 +1,35 @@
 """Embeddings served over HTTP against ``sentence-transformers`` on the same CPU: texts per second.
 
-    python -m benchmarks.embeddings --texts 1024 --concurrency 32 --words 64 --batch-size 32 \\
+    python -m benchmarks.embeddings --texts 256 --concurrency 32 --words 64 --batch-size 32 --rounds 2 \\
         --out benchmarks/results/embeddings.json
 
 A BERT-base-shaped random model (hidden 768, 12 layers, 12 heads, mean pooling, Normalize; float32) with its
 sentence-transformers files is written once to ``--model-dir``. Its word-level tokenizer makes each text exactly
-``--words`` + 2 tokens. Then, one side after the other on the same machine:
+``--words`` + 2 tokens. ``sluice serve <dir> --dtype float32`` starts and gets a warm-up wave; then each round runs
+both sides on the same texts, one after the other (the stack idles while the reference runs):
 
-* ``sentence-transformers``: ``SentenceTransformer.encode(texts, batch_size=--batch-size)`` in this process (after
-  one warm-up batch), texts per second over the whole list;
-* ``sluice``: ``sluice serve <dir> --dtype float32``, ``--concurrency`` clients each sending one text per
-  ``POST /v1/embeddings`` until the list is done (after a warm-up wave), texts per second over the wall clock,
-  and each process's CPU seconds in the run (``/proc``), which say where the time went.
+* ``sentence-transformers``: ``SentenceTransformer.encode(texts, batch_size=--batch-size)`` in this process,
+  texts per second over the whole list and this process's CPU seconds per text;
+* ``sluice``: ``--concurrency`` clients each sending one text per ``POST /v1/embeddings`` until the list is done,
+  texts per second over the wall clock, and each process's CPU seconds in the run (``/proc``): where the time went.
 
-A few texts' embeddings from both sides are compared (max abs difference printed) before the figures count.
+On a machine shared with other work the wall-clock figures move with its load; CPU seconds per text move less.
+A few texts' embeddings from both sides are compared (max abs difference printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +81,21 @@ def make_texts(count: int, words: int, seed: int = 1) -> list[str]:
     return [" ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(words)) for _ in range(count)]
 
 
-def run_reference(model_dir: Path, texts: list[str], batch_size: int) -> tuple[float, np.ndarray]:
-    """Texts per second of ``SentenceTransformer.encode`` in batches, and the first texts' vectors."""
+def load_reference(model_dir: Path, texts: list[str], batch_size: int) -> Any:
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(str(model_dir), device="cpu")
     model.encode(texts[:batch_size], batch_size=batch_size)  # warm-up
-    start = time.perf_counter()
+    return model
+
+
+def run_reference(model: Any, texts: list[str], batch_size: int) -> tuple[float, float, np.ndarray]:
+    """Texts per second of ``SentenceTransformer.encode`` in batches, its CPU seconds per text (every thread of
+    this process), and the first texts' vectors."""
+    cpu, start = time.process_time(), time.perf_counter()
     vectors = model.encode(texts, batch_size=batch_size, convert_to_numpy=True)
-    return len(texts) / (time.perf_counter() - start), vectors[:8]
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return len(texts) / wall, cpu / len(texts), vectors[:8]
 
 
 async def _drive(base: str, texts: list[str], concurrency: int) -> float:
@@ -104,13 +114,10 @@ async def _drive(base: str, texts: list[str], concurrency: int) -> float:
         return time.perf_counter() - start
 
 
-def run_sluice(model_dir: Path, texts: list[str], concurrency: int, log: Path, flags: list[str]
-               ) -> tuple[float, np.ndarray, dict[str, float]]:
-    """Texts per second served over HTTP, the first texts' vectors, and each process's CPU seconds in the run."""
-    import httpx
-
+@contextlib.contextmanager
+def sluice_stack(model_dir: Path, log: Path, flags: list[str]) -> Iterator[tuple[str, int]]:
+    """``sluice serve`` of the model: its base URL and process id."""
     from benchmarks.compare import stop, wait_ready
-    from benchmarks.overhead import stack_cpu_s
     from common.procs import free_port
 
     port, engine_port, tokenizer_port = free_port(), free_port(), free_port()
@@ -120,17 +127,20 @@ def run_sluice(model_dir: Path, texts: list[str], concurrency: int, log: Path, f
                                  str(tokenizer_port), "--dtype", "float32", *flags],
                                 cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(proc, f"{base}/ready", 900)
-        asyncio.run(_drive(base, texts[:concurrency * 2], concurrency))  # warm-up wave
-        first = httpx.post(f"{base}/v1/embeddings", json={"input": texts[:8]}, timeout=600).json()
-        vectors = np.array([d["embedding"] for d in first["data"]])
-        before = stack_cpu_s(proc.pid)
-        wall = asyncio.run(_drive(base, texts, concurrency))
-        after = stack_cpu_s(proc.pid)
-        return len(texts) / wall, vectors, {k: round(after[k] - before.get(k, 0.0), 2) for k in after}
+        wait_ready(proc, f"http://127.0.0.1:{port}/ready", 900)
+        yield f"http://127.0.0.1:{port}", proc.pid
     finally:
         stop(proc)
+
+
+def run_sluice(base: str, pid: int, texts: list[str], concurrency: int) -> tuple[float, dict[str, float]]:
+    """Texts per second served over HTTP, and each process's CPU seconds in the run."""
+    from benchmarks.overhead import stack_cpu_s
+
+    before = stack_cpu_s(pid)
+    wall = asyncio.run(_drive(base, texts, concurrency))
+    after = stack_cpu_s(pid)
+    return len(texts) / wall, {k: round(after[k] - before.get(k, 0.0), 2) for k in after}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,24 +152,36 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-dir", type=Path, default=ROOT / "benchmarks" / "results" / "bert-base-random")
     p.add_argument("--serve-flag", action="append", default=[], help="an extra `sluice serve` flag (repeatable)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of both sides, interleaved")
     args = p.parse_args(argv)
     model_dir = write_model(args.model_dir)
     texts = make_texts(args.texts, args.words)
-    st_rate, st_vectors = run_reference(model_dir, texts, args.batch_size)
-    print(f"sentence-transformers: {st_rate:.1f} texts/s (batch {args.batch_size})", flush=True)
-    log = args.model_dir.parent / "embeddings-serve.log"
-    rate, vectors, cpu = run_sluice(model_dir, texts, args.concurrency, log, args.serve_flag)
-    diff = float(np.abs(vectors - st_vectors).max())
-    print(f"sluice over HTTP: {rate:.1f} texts/s (c={args.concurrency}); CPU s by process {cpu}")
-    print(f"ratio sluice / sentence-transformers: {rate / st_rate:.2f}x; max |difference| of 8 vectors {diff:.2e}")
+    reference = load_reference(model_dir, texts, args.batch_size)
+    rounds: list[dict[str, Any]] = []
+    with sluice_stack(model_dir, args.model_dir.parent / "embeddings-serve.log", args.serve_flag) as (base, pid):
+        import httpx
+
+        asyncio.run(_drive(base, texts[:args.concurrency * 2], args.concurrency))  # warm-up wave
+        first = httpx.post(f"{base}/v1/embeddings", json={"input": texts[:8]}, timeout=600).json()
+        ours = np.array([d["embedding"] for d in first["data"]])
+        for i in range(args.rounds):  # the reference runs while the stack idles
+            st_rate, st_cpu, st_vectors = run_reference(reference, texts, args.batch_size)
+            rate, cpu = run_sluice(base, pid, texts, args.concurrency)
+            ratio = rate / st_rate
+            rounds.append({"sentence_transformers_texts_s": st_rate, "sentence_transformers_cpu_s_per_text": st_cpu,
+                           "sluice_texts_s": rate, "sluice_cpu_s_per_text": sum(cpu.values()) / len(texts),
+                           "sluice_cpu_s": cpu, "ratio": ratio})
+            print(f"round {i}: sentence-transformers {st_rate:.2f} texts/s ({st_cpu:.3f} CPU s/text), sluice over "
+                  f"HTTP {rate:.2f} texts/s (c={args.concurrency}; CPU s by process {cpu}): {ratio:.2f}x", flush=True)
+    diff = float(np.abs(ours - st_vectors).max())
+    median = statistics.median(r["ratio"] for r in rounds)
+    print(f"max |difference| of 8 vectors {diff:.2e}; median ratio sluice / sentence-transformers {median:.2f}x")
     if args.out is not None:
         result: dict[str, Any] = {
             "command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(),
             "texts": args.texts, "tokens_per_text": args.words + 2, "concurrency": args.concurrency,
-            "batch_size": args.batch_size, "sentence_transformers_texts_s": st_rate, "sluice_texts_s": rate,
-            "ratio": rate / st_rate, "cpu_s": cpu, "max_abs_diff": diff}
+            "batch_size": args.batch_size, "rounds": rounds, "max_abs_diff": diff}
         args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-
 
 if __name__ == "__main__":
     main()
