@@ -4,9 +4,12 @@ over a replica's ranks, each replica's devices, each engine's metrics port."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import secrets
+import shutil
 import socket
+import tempfile
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
@@ -46,15 +49,17 @@ def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:
 
 def kv_events_for_routing(config: EngineConfig, replicas: int, routing: str | None) -> EngineConfig:
     """The engines' settings when the tokenizer services route by cache (``kv_aware``, the default, over several
-    replicas): KV events on, with replay, replica r publishing on the ports given + r (the engine adds its rank),
-    a block of ports free now (the PUB sockets', then the replay sockets'). Kept as they are when
+    replicas): KV events on, with replay, on ipc sockets in a folder of this user's (replica r's names + ``_dp{r}``,
+    the engine adds its rank): the events carry prompts' token ids, so they stay off the network. Kept as they
+    are when
     ``--kv-events-config`` was given, with prefix caching off, or with one replica."""
     if (replicas == 1 or routing not in (None, "kv_aware") or config.kv_events_config is not None
             or not config.enable_prefix_caching):
         return config
-    first = consecutive_free_ports(2 * replicas)
+    folder = tempfile.mkdtemp(prefix="sluice-kv-events-")   # mode 0700: this user's processes only
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return config.with_changes(kv_events_config=KVEventsConfig(
-        enable_kv_cache_events=True, endpoint=f"tcp://*:{first}", replay_endpoint=f"tcp://*:{first + replicas}"))
+        enable_kv_cache_events=True, endpoint=f"ipc://{folder}/pub", replay_endpoint=f"ipc://{folder}/replay"))
 
 
 def shared_hash_seed() -> str:

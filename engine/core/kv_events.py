@@ -69,15 +69,16 @@ class KVEventBatch(EventBatch):
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
     """The endpoint of data-parallel replica ``data_parallel_rank``: a tcp port + rank, an inproc name + ``_dp{r}``
-    (vLLM's ``ZmqEventPublisher.offset_endpoint_port``)."""
+    (vLLM's ``ZmqEventPublisher.offset_endpoint_port``), and an ipc path + ``_dp{r}`` as well (vLLM refuses ipc
+    there; ``sluice serve`` uses it to keep the events off the network)."""
     if not endpoint or data_parallel_rank == 0:
         return endpoint
-    if "inproc" in endpoint:
+    if "inproc" in endpoint or endpoint.startswith("ipc://"):
         return f"{endpoint}_dp{data_parallel_rank}"
     if "tcp" in endpoint:
         base, _, port = endpoint.rpartition(":")
         return f"{base}:{int(port) + data_parallel_rank}"
-    raise ValueError(f"invalid KV events endpoint {endpoint!r}: must be tcp:// or inproc://")
+    raise ValueError(f"invalid KV events endpoint {endpoint!r}: must be tcp://, ipc:// or inproc://")
 
 
 class NullEventPublisher:

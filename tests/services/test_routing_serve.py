@@ -4,6 +4,7 @@ children share one ``PYTHONHASHSEED``. The engines' own parser reads the flags t
 
 from __future__ import annotations
 
+import os
 import argparse
 import json
 
@@ -34,7 +35,7 @@ def engine_config(argv: list[str]) -> KVEventsConfig | None:
     return config_from_args(ns).kv_events_config
 
 
-def test_kv_aware_replicas_publish_kv_events_on_ports_of_their_own_and_share_a_hash_seed(
+def test_kv_aware_replicas_publish_kv_events_on_sockets_of_their_own_and_share_a_hash_seed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     s = stack("-dp", "2")
@@ -44,8 +45,10 @@ def test_kv_aware_replicas_publish_kv_events_on_ports_of_their_own_and_share_a_h
     assert ranks == [0, 1]
     endpoints = [offset_endpoint_port(configs[0].endpoint, r) for r in ranks]
     replays = [offset_endpoint_port(configs[0].replay_endpoint, r) for r in ranks]
-    ports = [int(str(e).rsplit(":", 1)[1]) for e in endpoints + replays]
-    assert len(set(ports)) == 4 and all(str(e).startswith("tcp://*:") for e in endpoints + replays)
+    # ipc sockets in a folder only this user can enter: the events carry token ids, they stay off the network.
+    assert len(set(endpoints + replays)) == 4 and all(str(e).startswith("ipc://") for e in endpoints + replays)
+    folder = os.path.dirname(str(configs[0].endpoint).removeprefix("ipc://"))
+    assert os.stat(folder).st_mode & 0o777 == 0o700
     assert {flag(t.argv, "--engine") for t in s.tokenizers} == {"127.0.0.1:7000,127.0.0.1:7001"}
     assert all(flag(t.argv, "--routing") is None for t in s.tokenizers)   # the service's default: kv_aware
     seeds = {c.env.get("PYTHONHASHSEED") for c in s.children}
