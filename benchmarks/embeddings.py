@@ -76,15 +76,19 @@ def write_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def make_texts(count: int, words: int, seed: int = 1) -> list[str]:
+def make_texts(count: int, words: int, seed: int = 1, min_words: int | None = None) -> list[str]:
+    """``count`` texts of ``words`` words each, or of a length drawn uniformly from ``min_words``..``words``."""
     rng = random.Random(seed)
-    return [" ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(words)) for _ in range(count)]
+    low = words if min_words is None else min_words
+    return [" ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(rng.randint(low, words)))
+            for _ in range(count)]
 
 
-def load_reference(model_dir: Path, texts: list[str], batch_size: int) -> Any:
+def load_reference(model_dir: Path, texts: list[str], batch_size: int, dtype: str = "float32") -> Any:
+    import torch
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(model_dir), device="cpu")
+    model = SentenceTransformer(str(model_dir), device="cpu", model_kwargs={"dtype": getattr(torch, dtype)})
     model.encode(texts[:batch_size], batch_size=batch_size)  # warm-up
     return model
 
@@ -115,7 +119,8 @@ async def _drive(base: str, texts: list[str], concurrency: int) -> float:
 
 
 @contextlib.contextmanager
-def sluice_stack(model_dir: Path, log: Path, flags: list[str]) -> Iterator[tuple[str, int]]:
+def sluice_stack(model_dir: Path, log: Path, flags: list[str], dtype: str = "float32"
+                 ) -> Iterator[tuple[str, int]]:
     """``sluice serve`` of the model: its base URL and process id."""
     from benchmarks.compare import stop, wait_ready
     from common.procs import free_port
@@ -124,7 +129,7 @@ def sluice_stack(model_dir: Path, log: Path, flags: list[str]) -> Iterator[tuple
     with open(log, "ab") as f:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", str(model_dir), "--host", "127.0.0.1",
                                  "--port", str(port), "--engine-port", str(engine_port), "--tokenizer-port",
-                                 str(tokenizer_port), "--dtype", "float32", *flags],
+                                 str(tokenizer_port), "--dtype", dtype, *flags],
                                 cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}/ready", 900)
@@ -147,6 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--texts", type=int, default=1024)
     p.add_argument("--words", type=int, default=64, help="words per text (each one token; +2 special tokens)")
+    p.add_argument("--min-words", type=int, default=None,
+                   help="draw each text's length from --min-words..--words (default: all --words long)")
+    p.add_argument("--dtype", default="float32", help="the served model's --dtype")
+    p.add_argument("--reference-dtype", default="float32", help="the dtype sentence-transformers loads the model in")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
     p.add_argument("--model-dir", type=Path, default=ROOT / "benchmarks" / "results" / "bert-base-random")
@@ -155,10 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of both sides, interleaved")
     args = p.parse_args(argv)
     model_dir = write_model(args.model_dir)
-    texts = make_texts(args.texts, args.words)
-    reference = load_reference(model_dir, texts, args.batch_size)
+    texts = make_texts(args.texts, args.words, min_words=args.min_words)
+    reference = load_reference(model_dir, texts, args.batch_size, args.reference_dtype)
     rounds: list[dict[str, Any]] = []
-    with sluice_stack(model_dir, args.model_dir.parent / "embeddings-serve.log", args.serve_flag) as (base, pid):
+    with sluice_stack(model_dir, args.model_dir.parent / "embeddings-serve.log", args.serve_flag,
+                      args.dtype) as (base, pid):
         import httpx
 
         asyncio.run(_drive(base, texts[:args.concurrency * 2], args.concurrency))  # warm-up wave
@@ -179,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.out is not None:
         result: dict[str, Any] = {
             "command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(),
-            "texts": args.texts, "tokens_per_text": args.words + 2, "concurrency": args.concurrency,
+            "texts": args.texts, "tokens_per_text": args.words + 2, "min_tokens_per_text": (args.min_words or
+                                                                                            args.words) + 2,
+            "dtype": args.dtype, "reference_dtype": args.reference_dtype, "concurrency": args.concurrency,
             "batch_size": args.batch_size, "rounds": rounds, "max_abs_diff": diff}
         args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
 

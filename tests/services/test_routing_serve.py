@@ -4,9 +4,9 @@ children share one ``PYTHONHASHSEED``. The engines' own parser reads the flags t
 
 from __future__ import annotations
 
-import os
 import argparse
 import json
+import os
 
 import pytest
 
