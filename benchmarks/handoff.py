@@ -41,6 +41,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,10 @@ class _DescribedCore:
         from engine.config import EngineConfig
 
         self.config = EngineConfig(served_model_name="bench")
+        self.runner = "generate"
+        self.pooling = None
+        self.kv_event_publisher = None
+        self.scheduler = SimpleNamespace(block_manager=SimpleNamespace(usage=lambda: 0.0))
 
     def info(self) -> dict[str, Any]:
         return {"model": "bench", "max_model_len": 1 << 20, "vocab_size": 1 << 17, "eos_token_ids": [],
@@ -124,7 +129,8 @@ class RecordingEngine:
         return fn(self.core)
 
     async def generate(self, request_id: str, prompt_token_ids: Any, params: Any,
-                       *, priority: int = 0, lora_request: Any = None) -> AsyncIterator[Any]:
+                       *, priority: int = 0, lora_request: Any = None, cache_salt: str | None = None
+                       ) -> AsyncIterator[Any]:
         t = time.perf_counter()  # first thing: the ids are in the engine in the form its core takes
         from engine.core.finish_reason import FinishReason
         from engine.core.outputs import EngineCoreOutput

@@ -192,7 +192,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def GetInfo(self, request: engine_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
                       ) -> engine_pb2.GetInfoResponse:
-        info, stats = await self.engine.call(lambda core: (core.info(), core.scheduler_stats()))
+        info, stats, usage = await self.engine.call(
+            lambda core: (core.info(), core.scheduler_stats(), core.scheduler.block_manager.usage()))
         return engine_pb2.GetInfoResponse(
             model_name=info["model"], max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
             eos_token_ids=info["eos_token_ids"], bos_token_id=info["bos_token_id"],
@@ -205,7 +206,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 prefix_cache_query_tokens=stats["prefix_cache_queries"],
                 prefix_cache_hit_tokens=stats["prefix_cache_hits"], preemptions=stats["num_preemptions"]),
             lora_enabled=self.registry.enabled, lora_adapters=adapters_to_pb(self.registry),
-            instance_id=self.instance_id, **self._prefix_cache_info(),
+            instance_id=self.instance_id, kv_cache_usage=usage, **self._prefix_cache_info(),
             **pooling_info_fields(self.engine.core.runner, self.engine.core.pooling))
 
     async def Pool(self, request: engine_pb2.EnginePoolRequest, context: grpc.aio.ServicerContext
@@ -228,12 +229,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     def _prefix_cache_info(self) -> dict[str, Any]:
         """GetInfo's prefix-cache fields: what a router needs to hash prompts as this engine does and to follow its
-        KV events (engine.core.kv_events), and the KV-cache usage."""
+        KV events (engine.core.kv_events)."""
         core = self.engine.core
         config = core.config
         info: dict[str, Any] = {"prefix_caching": config.enable_prefix_caching,
-                                "prefix_caching_hash_algo": config.prefix_caching_hash_algo,
-                                "kv_cache_usage": core.scheduler.block_manager.usage()}
+                                "prefix_caching_hash_algo": config.prefix_caching_hash_algo}
         publisher = core.kv_event_publisher
         if isinstance(publisher, ZmqEventPublisher) and config.kv_events_config is not None:
             info.update(kv_events_endpoint=_connectable(publisher.endpoint),

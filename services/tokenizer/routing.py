@@ -2,7 +2,7 @@
 
 * ``round_robin``: in turn.
 * ``least_loaded``: the fewest requests (this service's open ones, or the engine's running + waiting as its last
-  GetInfo said, whichever is more), then the lowest KV-cache usage.
+  GetInfo said, whichever is more), then the lowest KV-cache usage (in tenths of the pool).
 * ``kv_aware`` (the default with several engines): the engine whose prefix cache holds the longest prefix of the
   prompt, exactly: the prompt's full-block hashes are computed here with the engine's own function
   (engine.core.block_hashing: same algorithm, block size and ``PYTHONHASHSEED``, LoRA name and cache salt as extra
@@ -149,7 +149,9 @@ class Router:
         return most - least > s.balance_abs_threshold and most > s.balance_rel_threshold * least
 
     def _least_loaded(self, engines: Sequence[Candidate], among: Iterator[int] | Sequence[int] | range) -> int:
-        keyed = [((engines[i].load, engines[i].kv_cache_usage), i) for i in among]
+        # KV usage comes from the engine's last GetInfo (up to a second old): only a difference of a tenth of the
+        # pool or more counts, else requests that finish within that second would all go to one engine.
+        keyed = [((engines[i].load, int(engines[i].kv_cache_usage * 10)), i) for i in among]
         low = min(k for k, _ in keyed)
         return self._turn([i for k, i in keyed if k == low])
 
