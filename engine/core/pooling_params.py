@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.errors import InvalidRequestError
-from engine.models.pooling_config import PoolingModelInfo
+
+if TYPE_CHECKING:   # the engine's CLI parses its flags before torch (engine.models) is imported
+    from engine.models.pooling_config import PoolingModelInfo
 
 TASKS = ("embed", "classify", "score", "token_embed")
 

@@ -45,6 +45,9 @@ DOCUMENTED: dict[str, tuple[str, str]] = {
     "_npu_reshape_and_cache_siso": ("key key_cache slot_indices", ""),
     "_npu_paged_attention_mla": ("query key_cache num_kv_heads num_heads scale_value block_table context_lens "
                                  "mla_vheadsize out", ""),
+    "npu_weight_quant_batchmatmul": ("x weight antiquant_scale antiquant_offset quant_scale quant_offset bias "
+                                     "antiquant_group_size inner_precise", ""),
+    "npu_convert_weight_to_int4pack": ("weight inner_k_tiles", ""),
 }
 
 
@@ -193,6 +196,17 @@ REFUSED: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
                               ValueError, "scales"),
     "quantize division": (lambda: twin.npu_quantize(_half(2, 8), _half(8), None, torch.qint8, -1, True),
                           ValueError, "div_mode"),
+    "int4pack int8 weight": (lambda: twin.npu_convert_weight_to_int4pack(torch.ones(4, 8, dtype=torch.int8)),
+                             TypeError, "int32"),
+    "int4pack out of range": (lambda: twin.npu_convert_weight_to_int4pack(torch.full((4, 8), 9, dtype=torch.int32)),
+                              ValueError, "range"),
+    "wqbmm float32 x": (lambda: twin.npu_weight_quant_batchmatmul(torch.randn(2, 8), torch.ones(8, 4, dtype=torch.int8),
+                                                                  _half(4)), TypeError, "float16 or bfloat16"),
+    "wqbmm scale dtype": (lambda: twin.npu_weight_quant_batchmatmul(_half(2, 8), torch.ones(8, 4, dtype=torch.int8),
+                                                                    torch.ones(4)), TypeError, "antiquant_scale"),
+    "wqbmm group size": (lambda: twin.npu_weight_quant_batchmatmul(_half(2, 64), torch.ones(64, 4, dtype=torch.int8),
+                                                                   _half(4, 4), antiquant_group_size=16),
+                         ValueError, "antiquant_group_size"),
 }
 
 
@@ -210,7 +224,8 @@ def test_every_twin_operator_has_a_refusal_case() -> None:
                 "swiglu": "npu_swiglu", "rotary": "npu_rotary_mul", "quant": "npu_dynamic_quant",
                 "quantize": "npu_quantize",
                 "matmul": "npu_quant_matmul", "siso": "_npu_reshape_and_cache_siso",
-                "mla": "_npu_paged_attention_mla"}
+                "mla": "_npu_paged_attention_mla", "int4pack": "npu_convert_weight_to_int4pack",
+                "wqbmm": "npu_weight_quant_batchmatmul"}
     assert {prefixes[case.split(" ")[0]] for case in REFUSED} == set(twin.OPERATORS) - set(MOE_DOCUMENTED)
 
 

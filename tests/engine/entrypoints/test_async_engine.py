@@ -159,9 +159,10 @@ class _SchedulerCore:
         self.scheduler = Scheduler(config, 1024, eos_token_ids={2}, max_model_len=4096)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
-                    lora_request: object = None, arrival_time: float | None = None) -> None:
+                    lora_request: object = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> None:
         self.scheduler.add_request(Request(request_id, prompt_token_ids, params, priority=priority,
-                                           arrival_time=arrival_time))
+                                           arrival_time=arrival_time, cache_salt=cache_salt))
 
     def abort_requests(self, targets: list[str], *, reason: FinishReason = FinishReason.ABORT) -> None:
         for request_id in targets:
