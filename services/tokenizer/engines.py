@@ -42,14 +42,16 @@ class Engine:
         self._shm_lock = asyncio.Lock()           # one registration at a time (requests arrive together)
         self.open_requests = 0                    # this service's requests running there now
         self.reported_load = 0                    # its running + waiting sequences, as its last GetInfo said
+        self._own_at_report = 0                   # how many of those were this service's
         self.kv_cache_usage = 0.0
         self.cache: CacheView | None = None       # its prefix cache, once it publishes KV events we follow
         self._subscriber: KVEventSubscriber | None = None
 
     @property
     def load(self) -> int:
-        """Requests there: this service's open ones (exact, now) or all of the engine's (a second old), the more."""
-        return max(self.open_requests, self.reported_load)
+        """Requests there: this service's open ones (exact, now) plus the others' as the engine's last GetInfo
+        (up to a second old) counted them; this service's own requests that ended since are not counted again."""
+        return self.open_requests + max(0, self.reported_load - self._own_at_report)
 
     async def get_info(self, timeout: float | None) -> engine_pb2.GetInfoResponse:
         """Its GetInfo; a new ``instance_id`` is a restarted engine, whoever asked (see :meth:`restarted`)."""
@@ -58,6 +60,7 @@ class Engine:
             self.restarted()
         self.instance_id = r.instance_id
         self.reported_load = r.num_running + r.num_waiting
+        self._own_at_report = self.open_requests
         self.kv_cache_usage = r.kv_cache_usage
         return r
 
