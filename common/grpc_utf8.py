@@ -122,16 +122,50 @@ def _checked_stream(inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], An
     return handler
 
 
+async def _checked_requests(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A streamed call's requests, raising at the first that does not parse: the handler's reader ends the
+    call with INVALID_ARGUMENT naming the field (``GenerateStream``: as a second ``generate`` for an open id
+    does; the call's open requests are aborted)."""
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise request.error()
+        yield request
+
+
+def _checked_request_stream(inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    if inspect.isasyncgenfunction(inner):
+        async def streaming(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+            async for item in inner(_checked_requests(requests), context):
+                yield item
+
+        return streaming
+
+    async def unary(requests: AsyncIterator[Any], context: Any) -> Any:
+        return await inner(_checked_requests(requests), context)
+
+    return unary
+
+
 class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
-    """For every unary-request method: a request that does not parse is refused as INVALID_ARGUMENT naming its
-    field. Installed inside the error interceptor, which maps the ``InvalidRequestError`` raised. Methods that
-    stream requests keep grpc's own deserializer."""
+    """For every method: a request that does not parse is refused as INVALID_ARGUMENT naming its field (on a
+    request-streaming call, the first such message ends the call so). Installed inside the error interceptor,
+    which maps the ``InvalidRequestError`` raised."""
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)
-        if handler is None or handler.request_streaming:
+        if handler is None:
             return handler
         deserialize = _lenient(handler.request_deserializer)
+        if handler.request_streaming:
+            if handler.stream_stream is not None:
+                return grpc.stream_stream_rpc_method_handler(
+                    _checked_request_stream(handler.stream_stream), request_deserializer=deserialize,
+                    response_serializer=handler.response_serializer)
+            if handler.stream_unary is not None:
+                return grpc.stream_unary_rpc_method_handler(
+                    _checked_request_stream(handler.stream_unary), request_deserializer=deserialize,
+                    response_serializer=handler.response_serializer)
+            return handler
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _checked_unary(handler.unary_unary), request_deserializer=deserialize,

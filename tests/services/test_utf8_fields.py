@@ -1,9 +1,9 @@
 """Invalid UTF-8 in a public gRPC string field (issue 44, part 5; the 2026-11-28 probe): every ``string`` field
-reachable from ``GenerateRequest`` and ``TokenizeRequest`` (nested, repeated and map fields included) is sent
-with bytes that are not UTF-8, to the tokenizer service's public server; each call is INVALID_ARGUMENT naming that
-field, with no ERROR logged (before the fix: UNKNOWN from grpc's deserializer, and a traceback). The bytes are
-built with protobuf's own serializer and checked to be refused by its own parser; the field paths come from the
-descriptors."""
+reachable from ``GenerateRequest``, ``TokenizeRequest`` and ``GenerateStreamRequest`` (nested, repeated and map
+fields included; a streamed call's first message) is sent with bytes that are not UTF-8, to the tokenizer
+service's public server; each call is INVALID_ARGUMENT naming that field, with no ERROR logged (before the fix:
+UNKNOWN from grpc's deserializer, and a traceback). The bytes are built with protobuf's own serializer and checked
+to be refused by its own parser; the field paths come from the descriptors."""
 
 from __future__ import annotations
 
@@ -71,14 +71,15 @@ def malformed(message_class: type[Message], path: Path) -> bytes:
 
 
 CASES = [(method, message_class, path) for method, message_class in
-         (("Generate", generation_pb2.GenerateRequest), ("Tokenize", generation_pb2.TokenizeRequest))
+         (("Generate", generation_pb2.GenerateRequest), ("Tokenize", generation_pb2.TokenizeRequest),
+          ("GenerateStream", generation_pb2.GenerateStreamRequest))
          for path in string_paths(message_class.DESCRIPTOR)]
 
 
 def test_there_are_string_fields_to_check() -> None:
     names = {(m, ".".join(f.name for f in p)) for m, _, p in CASES}
     assert {("Generate", "text"), ("Generate", "chat.messages.content"), ("Generate", "request_id"),
-            ("Tokenize", "text"), ("Generate", "trace_headers.key")} <= names
+            ("Tokenize", "text"), ("Generate", "trace_headers.key"), ("GenerateStream", "generate.text")} <= names
     assert len(CASES) > 20
 
 
@@ -101,11 +102,15 @@ def test_every_malformed_utf8_string_field_is_invalid_argument_naming_it(caplog:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as client:
                 generate = client.unary_stream("/sluice.v1.Generation/Generate")
                 tokenize = client.unary_unary("/sluice.v1.Generation/Tokenize")
+                streamed = client.stream_stream("/sluice.v1.Generation/GenerateStream")
                 for method, message_class, path in CASES:
                     data = malformed(message_class, path)
                     try:
                         if method == "Generate":
                             async for _ in generate(data, timeout=30):
+                                pass
+                        elif method == "GenerateStream":  # the call's first message: the call ends naming it
+                            async for _ in streamed(iter([data]), timeout=30):
                                 pass
                         else:
                             await tokenize(data, timeout=30)
@@ -124,7 +129,8 @@ def test_every_malformed_utf8_string_field_is_invalid_argument_naming_it(caplog:
     with caplog.at_level(logging.ERROR):
         results = asyncio.run(main())
     names = {generation_pb2.GenerateRequest: "sluice.v1.GenerateRequest",
-             generation_pb2.TokenizeRequest: "sluice.v1.TokenizeRequest"}
+             generation_pb2.TokenizeRequest: "sluice.v1.TokenizeRequest",
+             generation_pb2.GenerateStreamRequest: "sluice.v1.GenerateStreamRequest"}
     for (method, field, code, details), (_, message_class, _) in zip(results, CASES, strict=True):
         assert (method, field, code, details) == (
             method, field, grpc.StatusCode.INVALID_ARGUMENT,
