@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
-from gateway import models, response_models
+from gateway import models, pooling_schemas, response_models
+from gateway.responses_api.request import ResponsesRequest
 
 OPENAPI_PATH = "/openapi.json"
 DOCS_PATH = "/docs"
@@ -70,11 +71,56 @@ def _text(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"text/plain": {"schema": {"type": "string"}}}}
 
 
+def _object(description: str) -> dict[str, Any]:
+    """A JSON object response whose fields the summary's API (OpenAI's, vLLM's) defines."""
+    return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+
+def _pooling_paths() -> dict[str, dict[str, Any]]:
+    """vLLM's pooling routes (a pooling model: ``--runner pooling``, an encoder or a cross-encoder)."""
+    rerank = _post(pooling_schemas.RerankRequest, _object("Jina's and Cohere's rerank response"),
+                   "Rerank documents against a query (a cross-encoder, or an embedding model by cosine)")
+    score = _post(pooling_schemas.ScoreRequest, _object("vLLM's score response: one score per pair"),
+                  "Score text pairs")
+    return {
+        "/v1/embeddings": _post(pooling_schemas.EmbeddingRequest, _object("OpenAI's embeddings list"),
+                                "Create embeddings"),
+        "/pooling": _post(pooling_schemas.PoolingRequest, _object("vLLM's pooling response"),
+                          "The model's pooled output"),
+        "/classify": _post(pooling_schemas.ClassificationRequest, _object("vLLM's classification response"),
+                           "Classify inputs (a sequence-classification model)"),
+        "/score": score, "/v1/score": score, "/rerank": rerank, "/v1/rerank": rerank, "/v2/rerank": rerank,
+    }
+
+
+def _responses_paths() -> dict[str, dict[str, Any]]:
+    """OpenAI's Responses API (stored responses live in the gateway's bounded memory)."""
+    response = _object("A response object; with `stream`, server-sent events instead")
+    response["content"]["text/event-stream"] = {"schema": {"type": "object"}}
+    ident = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return {
+        "/v1/responses": _post(ResponsesRequest, response, "Create a response"),
+        "/v1/responses/{response_id}": {
+            "get": {"summary": "Retrieve a stored response", "parameters": ident,
+                    "responses": {"200": _object("The response object")}},
+            "delete": {"summary": "Delete a stored response", "parameters": ident,
+                       "responses": {"200": _object("The deletion confirmation")}}},
+        "/v1/responses/{response_id}/input_items": {"get": {
+            "summary": "List a stored response's input items", "parameters": ident,
+            "responses": {"200": _object("A list of input items")}}},
+        "/v1/responses/{response_id}/cancel": {"post": {
+            "summary": "Cancel a background response (refused: `background` is not supported)",
+            "parameters": ident, "responses": {"200": _object("The response object")}}},
+    }
+
+
 def build_document(*, secured: bool) -> dict[str, Any]:
     """The OpenAPI document; with ``secured``, the API routes ask for a bearer key."""
     listed: list[type[BaseModel]] = [models.CompletionRequest, models.ChatCompletionRequest, models.TokenizeRequest,
                                      models.DetokenizeRequest, models.LoadLoraAdapterRequest,
-                                     models.UnloadLoraAdapterRequest]
+                                     models.UnloadLoraAdapterRequest, pooling_schemas.EmbeddingRequest,
+                                     pooling_schemas.PoolingRequest, pooling_schemas.ClassificationRequest,
+                                     pooling_schemas.ScoreRequest, pooling_schemas.RerankRequest, ResponsesRequest]
     shown: list[type[BaseModel]] = [response_models.Completion, response_models.ChatCompletion,
                                     response_models.ChatCompletionChunk, response_models.ModelList,
                                     response_models.TokenizeResponse, response_models.DetokenizeResponse,
@@ -96,6 +142,8 @@ def build_document(*, secured: bool) -> dict[str, Any]:
                                        "Load a LoRA adapter (with --allow-runtime-lora-updating)"),
         "/v1/unload_lora_adapter": _post(models.UnloadLoraAdapterRequest, _text("vLLM's success sentence"),
                                          "Unload a LoRA adapter (with --allow-runtime-lora-updating)"),
+        **_responses_paths(),
+        **_pooling_paths(),
     }
     error = _json(response_models.ErrorResponse, "OpenAI's error body")
     for item in paths.values():
