@@ -152,7 +152,8 @@ class EngineMetrics(Collector):
 
     def record_outputs(self, outputs: Iterable[EngineCoreOutput], now: float | None = None) -> None:
         """One step's outputs as they are handed back: the latency between a sequence's deltas (per token),
-        prompt tokens when a request's first tokens come, and the finished ones."""
+        prompt tokens when a request's first tokens come (a pooling request's with its pooled output), and the
+        finished ones."""
         now = time.monotonic() if now is None else now
         last = self._last_output
         for out in outputs:
@@ -167,6 +168,8 @@ class EngineMetrics(Collector):
                     self.itl.observe(latency)
                     self.tpot.observe(latency)
                 last[key] = now
+            elif out.pooled is not None:   # a pooling request: its one output, after its one forward
+                self._prompt_tokens += out.num_prompt_tokens
             if out.finish_reason is not None:
                 last.pop(key, None)
                 self._request_success[FINISHED_REASON[out.finish_reason]] += 1
@@ -233,6 +236,10 @@ class EngineMetrics(Collector):
             yield _lora_requests_info(core, lora.max_loras)
         if core.spec_stats is not None:
             yield from self._spec_decode(stats, list(core.spec_stats.accepted_per_pos), labels)
+        if "encoder_cache_hits" in stats:   # a vision-language model: its images' vision tower outputs reused
+            for key, doc in (("encoder_cache_queries", "Encoder cache lookups, in images looked up by a step."),
+                             ("encoder_cache_hits", "Encoder cache hits, in images whose embeddings were cached.")):
+                yield _counter(f"sluice:{key}", doc, labels, stats[key] - base[key])
 
     def _spec_decode(self, stats: dict[str, int], accepted_per_pos: list[int], labels: list[str]
                      ) -> Iterator[Metric]:

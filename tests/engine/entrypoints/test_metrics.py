@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -273,3 +274,15 @@ def test_the_engine_cli_still_loads_no_torch_before_main() -> None:
     out = subprocess.run([sys.executable, "-c", "import sys, engine.entrypoints.cli; print('torch' in sys.modules)"],
                          cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_pooling_request_counts_its_prompt_tokens_once() -> None:
+    metrics = EngineMetrics(FakeCore())   # type: ignore[arg-type]
+    metrics.record_outputs([EngineCoreOutput("e", [], finish_reason=FinishReason.STOP, num_prompt_tokens=9,
+                                             request_finished=True, pooled=torch.ones(4),
+                                             times=times(1.0, 1.5, None, 2.0))])
+    # Aborted before its forward: no pooled output, nothing processed.
+    metrics.record_outputs([EngineCoreOutput("f", [], finish_reason=FinishReason.ABORT, num_prompt_tokens=5,
+                                             request_finished=True, times=times(3.0, None, None, 3.5))])
+    got = scrape(metrics)
+    assert value(got["vllm:prompt_tokens"], "vllm:prompt_tokens_total") == 9
