@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import platform
 import random
 import statistics
@@ -178,11 +179,13 @@ def main(argv: list[str] | None = None) -> None:
             st_rate, st_cpu, st_vectors = run_reference(reference, texts, args.batch_size)
             rate, cpu = run_sluice(base, pid, texts, args.concurrency)
             ratio = rate / st_rate
+            load = os.getloadavg()[0]   # other work on the machine moves the wall-clock figures
             rounds.append({"sentence_transformers_texts_s": st_rate, "sentence_transformers_cpu_s_per_text": st_cpu,
                            "sluice_texts_s": rate, "sluice_cpu_s_per_text": sum(cpu.values()) / len(texts),
-                           "sluice_cpu_s": cpu, "ratio": ratio})
+                           "sluice_cpu_s": cpu, "ratio": ratio, "load_average_1m": load})
             print(f"round {i}: sentence-transformers {st_rate:.2f} texts/s ({st_cpu:.3f} CPU s/text), sluice over "
-                  f"HTTP {rate:.2f} texts/s (c={args.concurrency}; CPU s by process {cpu}): {ratio:.2f}x", flush=True)
+                  f"HTTP {rate:.2f} texts/s (c={args.concurrency}; CPU s by process {cpu}): {ratio:.2f}x; "
+                  f"load average {load:.1f}", flush=True)
     diff = float(np.abs(ours - st_vectors).max())
     median = statistics.median(r["ratio"] for r in rounds)
     print(f"max |difference| of 8 vectors {diff:.2e}; median ratio sluice / sentence-transformers {median:.2f}x")

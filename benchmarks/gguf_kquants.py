@@ -9,9 +9,10 @@ every product streams its weight from memory as a decode step does. Methods, fro
 projection), ``bf16`` = OneDnnLinearMethod on the dequantized weight (a Q5_K / Q6_K projection, or any K-quant
 loaded as transformers loads it), ``q5_k-2planes`` = the exact two-plane form a Q5_K matrix could take on the same
 kernel, not wired (``w = [d sc q_low - dmin m] + [16 d sc q_high]``: one int4 weight of twice the columns, the
-input read twice). ``held MiB``: what the method keeps for one matrix (the int4 kernel's packed codes
-and its float32 and bfloat16 scale-and-offset tables); ``file MiB``: the Q4_K bytes. The roofline is the bytes the
-method reads per product over the read bandwidth of a 1 GiB bfloat16 sum in the same run. Prints a markdown table.
+input read twice). ``held MiB``: what the method keeps for one matrix after a bfloat16 step (the int4 kernel's
+packed codes and its scale-and-offset table, in the model's dtype only); ``file MiB``: the Q4_K bytes. The roofline
+is the bytes the method reads per product over the read bandwidth of a 1 GiB bfloat16 sum in the same run. Prints a
+markdown table.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -64,20 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     methods: dict[str, list[LinearMethod]] = {"bf16": [], "q4_k-int4": [], "q5_k-2planes": []}
     for _ in range(ns.copies):
-        weight = q4_k_weight(random_q4_k(out, inp, rng))
+        weight = replace(q4_k_weight(random_q4_k(out, inp, rng)), dtype=torch.bfloat16)   # as a bf16 model loads it
         methods["bf16"].append(OneDnnLinearMethod(weight.dequantize().bfloat16()))
         methods["q4_k-int4"].append(Int4PackLinearMethod(weight, 32))
-        planes = q4_k_weight(random_q4_k(out, 2 * inp, rng))
+        planes = replace(q4_k_weight(random_q4_k(out, 2 * inp, rng)), dtype=torch.bfloat16)
         methods["q5_k-2planes"].append(_TwoPlanes(Int4PackLinearMethod(planes, 32)))
     layer = Linear(inp, out, bias=False).requires_grad_(False)
     first = methods["q4_k-int4"][0]
     assert isinstance(first, Int4PackLinearMethod)
-    first.apply(layer, torch.zeros(1, inp, dtype=torch.bfloat16))   # makes its bfloat16 table
+    first.apply(layer, torch.zeros(1, inp, dtype=torch.bfloat16))   # a bfloat16 step: nothing more is made
     table = first.scale_and_zero.numel()
     read = {"bf16": out * inp * 2, "q4_k-int4": first.packed.numel() * first.packed.element_size() + table * 2}
     read["q5_k-2planes"] = 2 * read["q4_k-int4"]
-    held = {"bf16": read["bf16"], "q4_k-int4": read["q4_k-int4"] + table * 4,
-            "q5_k-2planes": 2 * (read["q4_k-int4"] + table * 4)}
+    kept = first.packed.numel() + sum(t.numel() * t.element_size() for t in first._by_dtype.values())
+    held = {"bf16": read["bf16"], "q4_k-int4": kept, "q5_k-2planes": 2 * kept}
     file_mib = out * inp // 256 * _Q4_K_BYTES / 2**20
     bandwidth = read_bandwidth()
     print(f"# {machine_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -6,14 +6,18 @@
 ``--copies`` distinct random weights of one [out, in] shape (``--shape in x out``), run one after the other, so
 that every product streams its weight from memory as a decode step does (one copy would sit in the cache). Methods,
 end to end from bfloat16 rows to bfloat16 rows: ``bf16`` = OneDnnLinearMethod (the engine's bfloat16 path),
-``int4`` = Int4PackLinearMethod (PyTorch's int4 CPU kernel, groups of ``--group``), ``int4-dequant`` =
-Int4DequantLinearMethod (the fallback). Milliseconds per linear (median of ``--rounds``, the methods alternating
-round by round); the roofline is the bytes of one weight (codes, scales and offsets as the method holds them) over
-the read bandwidth of a 1 GiB bfloat16 sum measured in the same run. Prints a markdown table.
+``int4`` = Int4PackLinearMethod held to PyTorch's int4 CPU kernel at every row count (groups of ``--group``),
+``int4-dense`` = the same held to its prefill path (the packed weight dequantized tile by tile into the bfloat16
+GEMM), ``int4-dequant`` = Int4DequantLinearMethod (the fallback). The engine's Int4PackLinearMethod runs ``int4``
+below ``DENSE_MIN_ROWS`` rows and ``int4-dense`` from there on. Milliseconds per linear (median of ``--rounds``,
+the methods alternating round by round); the roofline is the bytes of one weight (codes, scales and offsets as the
+method holds them) over the read bandwidth of a 1 GiB bfloat16 sum measured in the same run. Prints a markdown
+table.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -40,21 +44,22 @@ def read_bandwidth() -> float:
 def _methods(inp: int, out: int, group: int, copies: int, dequant: bool
              ) -> tuple[Linear, dict[str, list[LinearMethod]], dict[str, int]]:
     gen = torch.Generator().manual_seed(0)
-    names = ["bf16", "int4"] + (["int4-dequant"] if dequant else [])
+    names = ["bf16", "int4", "int4-dense"] + (["int4-dequant"] if dequant else [])
     methods: dict[str, list[LinearMethod]] = {n: [] for n in names}
     for _ in range(copies):
         weight = Int4Weight(torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.uint8),
                             torch.rand(out, inp // group, generator=gen) * 0.01,
-                            torch.full((out, inp // group), 8.0), group)
+                            torch.full((out, inp // group), 8.0), group, dtype=torch.bfloat16)
         methods["bf16"].append(OneDnnLinearMethod(weight.dequantize().bfloat16()))
-        packed = Int4PackLinearMethod(weight, group)
-        methods["int4"].append(packed)
+        methods["int4"].append(Int4PackLinearMethod(weight, group, dense_min_rows=None))
+        methods["int4-dense"].append(Int4PackLinearMethod(weight, group, dense_min_rows=1))
         if dequant:
             methods["int4-dequant"].append(Int4DequantLinearMethod(weight))
     first = methods["int4"][0]
     assert isinstance(first, Int4PackLinearMethod)
     nbytes = {"bf16": out * inp * 2,
               "int4": first.packed.numel() * first.packed.element_size() + first.scale_and_zero.numel() * 2,
+              "int4-dense": first.packed.numel() * first.packed.element_size() + first.scale_and_zero.numel() * 2,
               "int4-dequant": out * inp + 2 * 4 * out * (inp // group)}
     return Linear(inp, out, bias=False), methods, nbytes
 
@@ -77,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     layer.requires_grad_(False)
     bandwidth = read_bandwidth()
     print(f"# {machine_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"# {inp} -> {out}, groups of {ns.group}, {ns.copies} copies; read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"# {inp} -> {out}, groups of {ns.group}, {ns.copies} copies; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"load average {os.getloadavg()[0]:.1f}")
     print("| rows | method | ms per linear | roofline ms | x roofline | vs bf16 |")
     print("|---:|---|---:|---:|---:|---:|")
     for rows in (int(r) for r in ns.rows.split(",")):

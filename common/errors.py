@@ -30,7 +30,12 @@ class FailedPreconditionError(SluiceError):
 
 
 class QueueFullError(SluiceError):
-    """The bounded waiting queue is full; the request was not accepted."""
+    """The bounded waiting queue is full, or the engine is overloaded; the request was not accepted.
+    ``retry_after_s``: when the engine expects to have room (None: unsaid)."""
+
+    def __init__(self, message: str = "", retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class EngineDeadError(SluiceError):

@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 # Trailing metadata of a refused call naming its typed reason (sluice.v1.ErrorReason, by value name), for the
 # refusals a caller acts on: a status code alone is too coarse, and matching the details' text is not a contract.
 ERROR_REASON_KEY = "sluice-error-reason"
+# Trailing metadata of a RESOURCE_EXHAUSTED call: whole seconds to wait before retrying (the gateway's Retry-After).
+RETRY_AFTER_KEY = "retry-after"
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -102,4 +104,18 @@ async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext) -> None
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.exception("unexpected error in handler", exc_info=exc)
+    if (retry := retry_after_s(exc)) is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry)),))
     await context.abort(code, message)
+
+
+def retry_after_s(exc: BaseException) -> int | None:
+    """The seconds a refusal says to wait before retrying: an overloaded engine's estimate (QueueFullError), or a
+    downstream call's ``retry-after`` trailer, passed on; None when unsaid."""
+    if isinstance(exc, QueueFullError):
+        return exc.retry_after_s
+    if isinstance(exc, grpc.aio.AioRpcError):
+        for key, value in exc.trailing_metadata() or ():
+            if key == RETRY_AFTER_KEY and isinstance(value, str) and value.isdigit():
+                return int(value)
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -375,6 +376,24 @@ class KVOffloadConfig:
         return int(self.size_gib * 2**30)
 
 
+def parse_mm_limits(value: object) -> dict[str, int] | None:
+    """``--limit-mm-per-prompt`` as vLLM takes it: a JSON object (or a dict) of modality -> a count >= 0.
+    InvalidRequestError naming the flag otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidRequestError("limit_mm_per_prompt", f"must be a JSON object like {{\"image\": 2}}: {e}") \
+                from None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                                 and v >= 0 for k, v in value.items()):
+        raise InvalidRequestError("limit_mm_per_prompt", f"must map modalities to counts >= 0, like {{\"image\": 2}};"
+                                                         f" got {value!r}")
+    return dict(value)
+
+
 # EngineConfig.quantization's values: W8A8 int8 quantized at load, a compressed-tensors W8A8 int8 checkpoint, or an
 # msModelSlim one (vLLM-Ascend's "ascend", or "modelslim"); "gptq" / "awq" require such a 4-bit checkpoint (a
 # compressed-tensors W4A16 one is "compressed-tensors"; all three are detected without the flag).
@@ -409,6 +428,9 @@ class EngineConfig:
     # Requests that may wait beyond the free running seats, then QueueFullError; None = unbounded (the offline
     # API's default; the servers' flag defaults to default_max_queued_requests(max_num_seqs)).
     max_queued_requests: int | None = None
+    # Refuse (QueueFullError) a request whose expected wait for its first token, from the engine's measured prefill
+    # and seat rates, exceeds this many milliseconds (engine.core.admission); None = off.
+    max_expected_ttft_ms: int | None = None
     scheduling_policy: str = "fcfs"          # fcfs | priority
     # Accelerator graphs (CUDA graphs of decode steps, per batch-size bucket): False captures them at warm-up;
     # True runs every step eagerly. CPU runs eagerly whatever it says.
@@ -452,8 +474,12 @@ class EngineConfig:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: str | None = None
+    # vLLM's --limit-mm-per-prompt: the most items of each modality one prompt may carry, e.g. {"image": 2} (a JSON
+    # object on the command line); None: no limit.
+    limit_mm_per_prompt: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "limit_mm_per_prompt", parse_mm_limits(self.limit_mm_per_prompt))
         if self.kv_cache_memory is not None and not isinstance(self.kv_cache_memory, int):
             object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
         if self.device == "npu" and self.block_size == 16:   # the default: the NPU's operators run blocks of 128
@@ -496,6 +522,8 @@ class EngineConfig:
         check(0 < self.device_memory_utilization <= 1, "device_memory_utilization", "must be in (0, 1]")
         check(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests",
               "must be >= 0")
+        check(self.max_expected_ttft_ms is None or self.max_expected_ttft_ms > 0, "max_expected_ttft_ms",
+              "must be > 0")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
         check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
               f"{self.quantization!r} is not supported; expected one of {', '.join(QUANTIZATIONS)} (or none: the "

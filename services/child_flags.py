@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 from engine.config import EngineConfig, LoRAConfig, default_max_queued_requests
+from services.tokenizer.migration import migration_flags
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -57,7 +58,8 @@ def lora_flags(lora: LoRAConfig) -> list[str]:
 
 
 def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
-    """The tokenizer services' own flags (chat template, tool calling, reasoning, routing), passed on as given."""
+    """The tokenizer services' own flags (chat template, tool calling, reasoning, routing, migration), passed on as
+    given."""
     flags = ["--chat-template", ns.chat_template] if ns.chat_template is not None else []
     if ns.enable_auto_tool_choice:
         flags.append("--enable-auto-tool-choice")
@@ -69,4 +71,4 @@ def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
         flags.append("--trust-request-chat-template")
     if ns.routing is not None:
         flags += ["--routing", ns.routing]
-    return flags
+    return flags + migration_flags(ns)

@@ -62,6 +62,7 @@ from services.replicas import (
     shared_hash_seed,
 )
 from services.serve_args import add_vllm_serve_args, check_vllm_serve_args
+from services.tokenizer.migration import add_migration_args
 from services.tokenizer.reasoning import Reasoning
 from services.tokenizer.routing import ROUTING_POLICIES
 
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_vllm_serve_args(p)
     add_observability_args(p)
     add_metrics_args(p)
+    add_migration_args(p)
     add_rest_tls_args(p)
     add_grpc_tls_args(p)
     return p
@@ -193,6 +195,9 @@ def add_metrics_args(parser: argparse.ArgumentParser) -> None:
                    help="port of the engine's vllm:* metrics on 127.0.0.1, which each gateway's /metrics appends "
                         "to its own (replicas' engines use consecutive ports; default: free ports; 0: no engine "
                         "metrics)")
+    g.add_argument("--tokenizer-metrics-port", type=port_number, default=0,
+                   help="first port of the tokenizer services' sluice:* metrics on 127.0.0.1 (requests migrated; "
+                        "the services of all replicas use consecutive ports; 0: off)")
 
 
 def resolve_settings(argv: list[str], notes: list[str] | None = None) -> argparse.Namespace:
@@ -307,12 +312,14 @@ class Supervisor:
         for i in range(ns.tokenizers):
             tok_port = ns.tokenizer_port + r * ns.tokenizers + i
             addr = f"127.0.0.1:{tok_port}"
+            tok_metrics = ns.tokenizer_metrics_port + r * ns.tokenizers + i if ns.tokenizer_metrics_port else 0
             tokenizers.append(Child(
                 f"tokenizer{suffix}-{i}",
                 [py, "-m", "services.tokenizer", "--engine", ",".join(self.engine_addrs), "--host", "127.0.0.1",
                  "--port",
                  str(tok_port), "--served-model-name", config.model_name, "--log-level", ns.log_level,
-                 "--shutdown-timeout", str(ns.shutdown_timeout), *model_flags, *self._key_flags(),
+                 "--shutdown-timeout", str(ns.shutdown_timeout), "--metrics-port", str(tok_metrics), *model_flags,
+                 *self._key_flags(),
                  *self._child_flags(log_requests=ns.data_parallel_size > 1)],
                 ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation", tls)), env=self.child_env))
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None

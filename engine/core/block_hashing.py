@@ -15,8 +15,9 @@ A full block's hash is vLLM's ``hash_block_tokens``::
 per process — as vLLM, so that without an agreed seed nobody outside can predict a block's hash. A router that
 recomputes hashes must run with the engine's ``PYTHONHASHSEED`` and algorithm.
 
-``extra_keys`` is None for a base-model block without a salt, else a tuple of, in vLLM's order, the LoRA adapter's
-name and (first block only) the request's cache salt. KV events carry each hash as vLLM does by default
+``extra_keys`` is None for a base-model block without a salt or image, else a tuple of, in vLLM's order, the LoRA
+adapter's name, the content hashes of the images whose placeholders the block covers, and (first block only) the
+request's cache salt. KV events carry each hash as vLLM does by default
 (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): its last 8 bytes as an unsigned big-endian integer
 (``external_block_hash``).
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 BlockHash = bytes
@@ -94,14 +95,23 @@ def make_block_hasher(algo: str = "sha256", environ: Mapping[str, str] | None = 
     return hasher
 
 
-def block_extra_keys(lora_name: str | None, cache_salt: str | None, first_block: bool) -> ExtraKeys:
-    """A block's extra keys, as vLLM's ``generate_block_hash_extra_keys`` orders them (no multimodal inputs here)."""
+def block_extra_keys(lora_name: str | None, cache_salt: str | None, first_block: bool,
+                     mm_hashes: Sequence[str] = ()) -> ExtraKeys:
+    """A block's extra keys, as vLLM's ``generate_block_hash_extra_keys`` orders them: the LoRA adapter, the hashes
+    of the multimodal items whose placeholders the block covers (``mm_block_hashes``), the salt."""
     keys: list[Any] = []
     if lora_name is not None:
         keys.append(lora_name)
+    keys.extend(mm_hashes)
     if first_block and cache_salt:
         keys.append(cache_salt)
     return tuple(keys) if keys else None
+
+
+def mm_block_hashes(spans: Sequence[tuple[int, int, str]], start: int, end: int) -> tuple[str, ...]:
+    """The hashes of the multimodal items, given as (placeholder offset, length, hash) in prompt order, whose
+    placeholders overlap the block of tokens ``[start, end)`` (vLLM's ``_gen_mm_extra_hash_keys``)."""
+    return tuple(h for offset, length, h in spans if offset < end and offset + length > start)
 
 
 def external_block_hash(block_hash: bytes | int) -> int:

@@ -32,7 +32,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from engine.core.block_hashing import ExtraKeys, external_block_hash, make_block_hasher
+from engine.core.block_hashing import ExtraKeys, external_block_hash, make_block_hasher, mm_block_hashes
 from engine.core.block_hashing import block_extra_keys as hashing_extra_keys
 from engine.core.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from engine.core.request import Request
@@ -44,11 +44,14 @@ HashFn = Callable[[Any, tuple[int, ...], ExtraKeys], Any]
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def block_extra_keys(request: Request, first_block: bool) -> ExtraKeys:
-    """What besides its tokens a block's KV depends on, as vLLM hashes it: the LoRA adapter's name, and on the
-    first block the request's cache salt (None for an unsalted base-model block). No multimodal inputs here."""
+def block_extra_keys(request: Request, index: int, block_size: int) -> ExtraKeys:
+    """What besides its tokens block ``index`` of ``request``'s KV depends on, as vLLM hashes it: the LoRA adapter's
+    name, the hashes of the images whose placeholders it covers, and on the first block the request's cache salt
+    (None for an unsalted text-only base-model block)."""
     lora = request.lora_request
-    return hashing_extra_keys(None if lora is None else lora.lora_name, request.cache_salt, first_block)
+    mm = (mm_block_hashes([(it.offset, it.length, it.hash) for it in request.mm_items], index * block_size,
+                          (index + 1) * block_size) if request.mm_items else ())
+    return hashing_extra_keys(None if lora is None else lora.lora_name, request.cache_salt, index == 0, mm)
 
 
 # A table entry whose block was given back: outside every layer's sliding window, never read again.
@@ -129,7 +132,7 @@ class BlockManager:
         for i in range(max_blocks):
             block_id = self._block_of_hash.get(hashes[i])
             if (block_id is None or self._key_of_block[block_id] != (
-                    parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), block_extra_keys(request, i == 0), lora_id)):
+                    parent, tuple(tokens[i * bs:(i + 1) * bs].tolist()), block_extra_keys(request, i, bs), lora_id)):
                 break
             blocks.append(block_id)
             parent = hashes[i]
@@ -158,7 +161,7 @@ class BlockManager:
             parent = hashes[i - 1] if i > 0 else None
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs].tolist())
             self._hash_of_block[block_id] = hashes[i]
-            self._key_of_block[block_id] = (parent, block_tokens, block_extra_keys(request, i == 0), lora_id)
+            self._key_of_block[block_id] = (parent, block_tokens, block_extra_keys(request, i, bs), lora_id)
             self._block_of_hash[hashes[i]] = block_id
             stored.append(i)
         request.num_seen_blocks = num_full
@@ -193,7 +196,7 @@ class BlockManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(self._hash_fn(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs].tolist()),
-                                        block_extra_keys(request, i == 0)))
+                                        block_extra_keys(request, i, bs)))
         return hashes
 
     # ----- allocation --------------------------------------------------------------

@@ -22,6 +22,7 @@ from engine.core.finish_reason import FinishReason
 from engine.core.kv_events import EventPublisher, NullEventPublisher, event_batch, make_event_publisher
 from engine.core.kv_offload import num_tier_slots
 from engine.core.lora_request import LoRARequest
+from engine.core.multimodal import MultiModalItem, check_items
 from engine.core.outputs import EngineCoreOutput
 from engine.core.pooling_params import PoolingParams, PoolingTasks
 from engine.core.request import Request, SequenceId
@@ -183,7 +184,8 @@ class EngineCore:
     # -- requests -----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
                     *, priority: int = 0, arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> Request:
+                    lora_request: LoRARequest | None = None, cache_salt: str | None = None,
+                    resumed_output_tokens: int = 0, mm_items: Sequence[MultiModalItem] = ()) -> Request:
         """Validate and queue a request. Raises InvalidRequestError (naming the field) or QueueFullError.
 
         ``prompt_token_ids``: a list of ints or a 1-D integer array (what the gRPC servicer passes on,
@@ -191,7 +193,10 @@ class EngineCore:
         here; the prompt's length (max_model_len, the KV cache) and the request id by the scheduler.
         ``lora_request``: the adapter to run it through (None: the base model), loaded and validated the first
         time its id is seen (its errors refuse the request). ``cache_salt``: vLLM's prefix-cache salt, a
-        non-empty string (None: no salt); only requests with the same salt share cached blocks."""
+        non-empty string (None: no salt); only requests with the same salt share cached blocks.
+        ``resumed_output_tokens``: the prompt's last this-many ids are output already delivered by another engine
+        (request migration, :meth:`check_resumed`). ``mm_items``: the prompt's images, their placeholders in it
+        (``engine.core.multimodal.check_items`` refuses what the model or ``--limit-mm-per-prompt`` does not take)."""
         if self.pooling is not None:
             raise FailedPreconditionError(f"{self.config.model_name} is a pooling model ({self.pooling.kind}): it "
                                           f"serves the pooling tasks {', '.join(self.pooling.tasks)}, not generation")
@@ -209,6 +214,11 @@ class EngineCore:
             if bad is not None:
                 raise InvalidRequestError("prompt_token_ids", f"token id {bad} is out of range [0, {self.vocab_size})")
         params.validate(self.vocab_size, self.config.max_logprobs)
+        if mm_items:
+            check_items(mm_items, np.asarray(prompt_token_ids), self.model_config.image_token_id,
+                        self.config.limit_mm_per_prompt, self.config.model_name, self.executor.image_tokens)
+        if resumed_output_tokens:
+            self.check_resumed(resumed_output_tokens, len(prompt_token_ids), params)
         limit = self.config.max_num_seqs
         if params.beam_search is not None and params.beam_search.beam_width > limit:
             raise InvalidRequestError("beam_search.beam_width", f"must be <= max_num_seqs ({limit}), got "
@@ -225,13 +235,29 @@ class EngineCore:
         if lora_request is not None:
             self.add_lora(lora_request)
         request = Request(request_id, prompt_token_ids, params, arrival_time=arrival_time, priority=priority,
-                          lora_request=lora_request, cache_salt=cache_salt)
+                          lora_request=lora_request, cache_salt=cache_salt,
+                          resumed_output_tokens=resumed_output_tokens)
+        request.mm_items = tuple(sorted(mm_items, key=lambda item: item.offset))
         self.scheduler.add_request(request)
         if lora_request is not None:
             lora_id = lora_request.lora_int_id
             self._lora_of_request[request_id] = lora_id
             self._lora_users[lora_id] = self._lora_users.get(lora_id, 0) + 1
         return request
+
+    @staticmethod
+    def check_resumed(num_resumed: int, num_ids: int, params: SamplingParams) -> None:
+        """A resumed request (``resumed_output_tokens``) continues one sequence whose outputs the client has seen:
+        at most the ids sent, n = 1, no best_of or beam search (those report nothing before their end, so a moved one
+        starts again instead), and fewer than max_tokens (one that reached it had ended)."""
+        if num_resumed > num_ids:
+            raise InvalidRequestError("resumed_output_tokens", f"must be at most the prompt's length ({num_ids}), "
+                                                               f"got {num_resumed}")
+        if params.n != 1 or params.holds_outputs:
+            raise InvalidRequestError("resumed_output_tokens", "needs n = 1 and neither best_of nor beam search")
+        if params.max_tokens is not None and num_resumed >= params.max_tokens:
+            raise InvalidRequestError("resumed_output_tokens", f"must be less than max_tokens ({params.max_tokens}), "
+                                                               f"got {num_resumed}")
 
     def add_pooling_request(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
                             params: PoolingParams, *, token_type_ids: Sequence[int] | None = None, priority: int = 0,
@@ -476,6 +502,8 @@ class EngineCore:
                 "spec_decode_num_draft_tokens": self.spec_stats.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.spec_stats.num_accepted_tokens,
             }),
+            **({} if self.model_config.image_token_id is None else dict(zip(
+                ("encoder_cache_queries", "encoder_cache_hits"), self.executor.encoder_cache_stats()))),
         }
 
     def info(self) -> dict[str, object]:

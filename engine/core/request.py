@@ -12,6 +12,7 @@ import numpy as np
 from engine.core.beam import BeamSearchState
 from engine.core.finish_reason import FinishReason
 from engine.core.lora_request import LoRARequest
+from engine.core.multimodal import MultiModalItem
 from engine.core.pooling_params import PoolingSpec
 from engine.core.sampling_params import SamplingParams
 
@@ -93,7 +94,11 @@ class Request:
         index: int = 0,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        resumed_output_tokens: int = 0,
     ) -> None:
+        """``resumed_output_tokens``: the last this-many ids of ``prompt_token_ids`` are output the request already
+        produced on another engine (request migration): they become its first outputs, already reported, and are
+        recomputed with the prompt as a preempted request's are."""
         self.request_id = request_id
         self.index = index
         self.seq_id = SequenceId(request_id, index)
@@ -105,7 +110,8 @@ class Request:
         self._tokens = np.empty(len(prompt) + min(sampling_params.max_tokens or 16, 4096), dtype=TOKEN_DTYPE)
         self._tokens[:len(prompt)] = prompt
         self._num_tokens = len(prompt)
-        self.prompt_token_ids: np.ndarray = self._tokens[:len(prompt)]  # a view: the prompt never changes
+        num_prompt = len(prompt) - resumed_output_tokens
+        self.prompt_token_ids: np.ndarray = self._tokens[:num_prompt]  # a view: the prompt never changes
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
@@ -116,11 +122,13 @@ class Request:
         self.cache_salt = cache_salt
         # A pooling request's task and parameters (None: a generation request): one step over the whole prompt.
         self.pooling: PoolingSpec | None = None
+        # The prompt's images, in prompt order (engine.core.multimodal; empty: text only).
+        self.mm_items: tuple[MultiModalItem, ...] = ()
         # Every sequence of the request, this one included: one list, shared by all of them (a fork appends).
         self.sequences: list[Request] = [self]
         # Indexes aborted before the fork made their sequences (only on index 0 while n > 1): they end at the fork.
         self.aborted_before_fork: set[int] = set()
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = prompt[num_prompt:].tolist()
         # Each entry: (sampled token logprob, {token id: logprob} of the top-k) when logprobs asked.
         self.output_logprobs: list[tuple[float, dict[int, float], int]] = []
         # Sum of the sampled tokens' logprobs (raw model distribution), kept when the sampler reports them.
@@ -135,9 +143,10 @@ class Request:
         # cover the prompt (then sent with each sequence's first output).
         self.prompt_logprob_chunks: list[PromptLogprobsChunk] = []
         self.prompt_logprobs: PromptLogprobs | None = None
-        if sampling_params.prompt_logprobs is not None and len(prompt) == 1:
+        if sampling_params.prompt_logprobs is not None and num_prompt == 1:
             self._join_prompt_logprobs()   # one token: nothing precedes it, nothing to compute
-        self.num_reported_tokens = 0         # output tokens already in an EngineCoreOutput (stream interval)
+        # Output tokens already in an EngineCoreOutput (stream interval), or delivered by the engine it moved from.
+        self.num_reported_tokens = resumed_output_tokens
         self.num_computed_tokens = 0
         # Async scheduling: tokens a step still in flight samples for this sequence. The next step is scheduled
         # as if they were known (``num_planned_tokens``); the runner feeds them from that step's output.

@@ -23,6 +23,9 @@ index)``; the scheduler alone decides when the whole request has ended and says 
 best_of forks its sequences the same way but holds their outputs: when the last ends, the ``n`` with the highest
 cumulative logprob are reported (``engine.core.reports``). Beam search keeps ``width`` beams of one request that
 are scheduled, preempted and ended together (``engine.core.beam_groups``).
+
+A preempted request is not chosen as a victim again before it has sampled a token since, and a new request whose
+expected first-token wait exceeds ``max_expected_ttft_ms`` is refused (``engine.core.admission``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from common.errors import InvalidRequestError, QueueFullError
 from engine.config import EngineConfig
+from engine.core.admission import QUEUE_FULL, AdmissionControl, PreemptionGuard
 from engine.core.beam import Candidates
 from engine.core.beam_groups import BeamGroups
 from engine.core.block_hashing import make_block_hasher
@@ -99,6 +103,8 @@ class Scheduler:
         self._finished_ids: list[SequenceId] = []
         self.ended: list[SequenceId] = []   # the sequences the last update_from_output ended
         self.num_preemptions = 0
+        self.admission = AdmissionControl(config.max_expected_ttft_ms, config.max_num_batched_tokens)
+        self.preemption_guard = PreemptionGuard()
         self.num_prompt_tokens = 0       # prompt tokens computed (recomputation after preemption included)
         self.num_generation_tokens = 0   # tokens sampled
 
@@ -167,9 +173,11 @@ class Scheduler:
         limit = self.config.max_queued_requests
         free = self.num_free_seats
         if limit is not None and len(self.waiting) + 1 - free > limit:   # unseated once this one is in
+            self.admission.refused[QUEUE_FULL] += 1
             raise QueueFullError(f"the request queue is full: {len(self.waiting)} requests wait for {free} free "
                                  f"seats (max_num_seqs={self.config.max_num_seqs}) and at most {limit} may wait "
                                  f"beyond them (max_queued_requests={limit})")
+        self.admission.check(num_prompt, self.waiting, self.running, free)
         if request.sampling_params.beam_search is not None:
             request.beam = self.beam_groups.new_search(request)
         request.status = RequestStatus.WAITING
@@ -219,6 +227,7 @@ class Scheduler:
         child.copy_tokens_from(parent)
         child.holds_outputs, child.num_returned, child.beam = parent.holds_outputs, parent.num_returned, parent.beam
         child.prompt_logprobs = parent.prompt_logprobs
+        child.mm_items = parent.mm_items
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_scheduled_time = parent.first_scheduled_time
@@ -242,6 +251,7 @@ class Scheduler:
         # A prefill chunk ahead of decodes in the queue (priority policy) leaves one token for each of them.
         num_pending_decodes = sum(1 for r in self.running if r.num_planned_tokens - r.num_computed_tokens == 1)
         u = 0
+        holding = False   # a running unit waits for blocks this step
         while u < len(units) and budget > 0:
             unit = units[u]
             u += 1
@@ -252,19 +262,23 @@ class Scheduler:
             if not plan:
                 continue
             # Short of blocks: preempt from the tail, which this step has not scheduled yet, until it fits.
-            preempted_self = False
+            preempted_self = held = False
             lookahead: list[int] = []
             room = budget - sum(num_new for _, num_new in plan) - num_pending_decodes
             for request, num_new in plan:
                 spec = self._lookahead(request, num_new, min(self._spec_tokens, room) if self._spec_tokens
                                        else self._extra_steps)
                 room -= spec
-                while not preempted_self and not self.block_manager.allocate(request, num_new + spec):
+                while not preempted_self and not held and not self.block_manager.allocate(request, num_new + spec):
                     if spec:   # speculation gives way before anyone is preempted for it
                         room += spec
                         spec = 0
                         continue
-                    victims = units.pop()
+                    pick = self.preemption_guard.victim_index(units, u - 1, can_wait=bool(scheduled))
+                    if pick is None:   # protected from preemption: it waits for blocks, the others run
+                        held = True
+                        break
+                    victims = units.pop(pick)
                     if victims is not unit:
                         num_pending_decodes -= sum(1 for r in victims
                                                    if r.num_planned_tokens - r.num_computed_tokens == 1)
@@ -275,7 +289,11 @@ class Scheduler:
                         out.preempted.append(victim.seq_id)
                 lookahead.append(spec)
             if preempted_self:
-                break   # it was the last running unit
+                u -= 1   # the units after it move up
+                continue
+            if held:
+                holding = True
+                continue
             for (request, num_new), spec in zip(plan, lookahead):
                 row = ScheduledRequest.of(request, num_new)
                 if self._spec_tokens:
@@ -285,8 +303,8 @@ class Scheduler:
                 scheduled.append(row)
                 budget -= row.num_budget_tokens
 
-        # Admitting while running requests are being evicted would only evict them again.
-        admit = not out.preempted
+        # Admitting while running requests are being evicted (or wait for blocks) would only evict them again.
+        admit = not out.preempted and not holding
         loras = self._running_loras()
         skipped: list[Request] = []   # waiting units whose adapter would be one too many this step
         while admit and self.waiting and budget > 0:
@@ -422,6 +440,8 @@ class Scheduler:
             outputs += self.beam_groups.step(group, beam_candidates or {})
             self.num_generation_tokens += len(group)   # its live beams: each got a token
         self.ended = self._finished_ids[num_finished:]
+        self.admission.observe_step(out, len(self.ended), batch_full=len(out.scheduled) >= self.config.max_num_seqs,
+                                    busy=self.has_unfinished_requests())
         return outputs
 
     def _finish_pooled(self, request: Request, pooled: Mapping[SequenceId, torch.Tensor] | None) -> EngineCoreOutput:
@@ -518,9 +538,10 @@ class Scheduler:
         waiting ``request`` has a strictly better priority (a lower value; equal priorities never preempt each
         other). Returns the budget its chunks of this step gave back (0 when not scheduled yet), or None when
         nothing was preempted."""
-        if not self._by_priority or not self.running or self.running[-1].priority <= request.priority:
+        # (running is sorted best first: the worst is the last, or the last not protected from preemption)
+        worst = self.preemption_guard.priority_victim(self.running, request.priority) if self._by_priority else None
+        if worst is None:
             return None
-        worst = self.running[-1]   # sorted best first: the last is the worst (priority, then arrival)
         victims = [worst] if worst.beam is None else [s for s in worst.sequences
                                                       if s.status is RequestStatus.RUNNING]
         freed = 0
@@ -559,6 +580,7 @@ class Scheduler:
         victim.reset_prompt_logprobs()   # recomputed from the prompt's start with the rest
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemption_guard.mark(victim)
         self._insert(self.waiting, victim, front=True)
 
     def _append(self, request: Request, tokens: list[int], lps: list[Logprob] | None,

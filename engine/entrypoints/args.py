@@ -128,6 +128,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="requests that may wait beyond the free running seats (--max-num-seqs) before new ones "
                         "get 429 / RESOURCE_EXHAUSTED (default: 4 x --max-num-seqs, at least 256: a burst of "
                         "four batches waits, more is sent elsewhere); 'unbounded' for no limit")
+    g.add_argument("--max-expected-ttft-ms", type=int, default=None, metavar="MS",
+                   help="refuse a new request early (429 + Retry-After / RESOURCE_EXHAUSTED) when its expected wait "
+                        "for a first token, from the prefill and seat rates the engine measured, exceeds MS "
+                        "milliseconds; admits everything until it has measured them (default: off). Not MindIE's "
+                        "maxFirstTokenWaitTime, which preempts running requests for one that waited that long")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--enforce-eager", action="store_true", default=False,
                    help="run every step eagerly: no CUDA or NPU graphs of decode steps are captured (CPU "

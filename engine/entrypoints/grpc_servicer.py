@@ -29,6 +29,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.finish_reason import FinishReason
 from engine.core.kv_events import ZmqEventPublisher
 from engine.core.lora_request import LoRARequest
+from engine.core.multimodal import MultiModalItem
 from engine.core.outputs import EngineCoreOutput
 from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.draft_check import check_draft_tokenizer
 from engine.entrypoints.generation_config import generation_defaults, log_defaults
 from engine.entrypoints.grpc_lora import adapters_to_pb, load_adapter, unload_adapter
+from engine.entrypoints.grpc_multimodal import items_from_pb
 from engine.entrypoints.grpc_wire import (
     abort_targets_from_pb,
     output_to_pb,
@@ -147,6 +149,23 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             raise InvalidRequestError("prompt", "one of prompt_token_ids or prompt_shm is required")
         return prompt, released_slot
 
+    def read_mm_items(self, request: engine_pb2.EngineGenerateRequest) -> tuple[MultiModalItem, ...]:
+        """The request's images (``multi_modal_items``), their tensors read inline or from a registered segment."""
+        if not request.multi_modal_items:
+            return ()
+        return items_from_pb(request.multi_modal_items, self._read_shm_units)
+
+    def _read_shm_units(self, ref: engine_pb2.SharedMemoryRef) -> np.ndarray:
+        from proto.shm import ShmRef, ShmRefError
+
+        if self._shm is None or not self._shm.is_registered(ref.segment):
+            raise InvalidRequestError("multi_modal_items", f"shared-memory segment {ref.segment!r} is not registered")
+        try:
+            units: np.ndarray = self._shm.read(ShmRef(ref.segment, ref.offset, ref.length, ref.slot))
+        except ShmRefError as e:
+            raise InvalidRequestError(f"multi_modal_items.shm.{e.field}", str(e)) from e
+        return units
+
     async def Generate(self, request: engine_pb2.EngineGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
         engine = self.engine
@@ -156,6 +175,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             context.set_trailing_metadata(((ERROR_REASON_KEY, engine_pb2.ErrorReason.Name(e.reason)),))
             raise
         params = sampling_params_from_pb(request, self.sampling_defaults)
+        mm_items = self.read_mm_items(request)
         lora = self.lora_request(request.lora_adapter)   # an unknown name: NOT_FOUND (common.grpc_errors)
         label = request.client_request_id or request.request_id
         REQUEST_ID.set(label)  # this call's task serves this request only
@@ -165,7 +185,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         first = True
         try:
             async for out in engine.generate(request.request_id, prompt, params, priority=request.priority,
-                                             lora_request=lora, cache_salt=request.cache_salt or None):
+                                             lora_request=lora, cache_salt=request.cache_salt or None,
+                                             resumed_output_tokens=request.resumed_output_tokens,
+                                             mm_items=mm_items):
                 msg = output_to_pb(out)
                 if first and released_slot is not None:
                     msg.released_shm_slot = released_slot
@@ -311,7 +333,9 @@ class _StreamCall:
             params = sampling_params_from_pb(request, self._servicer.sampling_defaults)
             lora = self._servicer.lora_request(request.lora_adapter)
             done = self._engine.submit(rid, prompt, params, self, priority=request.priority, lora_request=lora,
-                                       cache_salt=request.cache_salt or None)
+                                       cache_salt=request.cache_salt or None,
+                                       resumed_output_tokens=request.resumed_output_tokens,
+                                       mm_items=self._servicer.read_mm_items(request))
         except Exception as e:  # noqa: BLE001 — refused: the error entry is its terminal event
             self._refuse(rid, e)
             return

@@ -26,6 +26,7 @@ from engine.config import EngineConfig, KVEventsConfig, LoRAConfig, SpeculativeC
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.core.finish_reason import FinishReason  # noqa: E402
 from engine.core.lora_request import LoRARequest  # noqa: E402
+from engine.core.multimodal import MultiModalItem  # noqa: E402
 from engine.core.outputs import (  # noqa: E402
     CompletionOutput,
     EngineCoreOutput,
@@ -42,7 +43,7 @@ from engine.core.sampling_params import (  # noqa: E402
     SamplingParams,
     StructuredOutputsParams,
 )
-from engine.entrypoints import pooling_outputs  # noqa: E402
+from engine.entrypoints import offline_multimodal, pooling_outputs  # noqa: E402
 from engine.entrypoints.draft_check import check_draft_tokenizer  # noqa: E402
 from engine.entrypoints.offline_logprobs import prompt_logprob_dicts, token_logprobs  # noqa: E402
 from engine.entrypoints.pooling_outputs import (  # noqa: E402
@@ -148,6 +149,10 @@ class LLM:
         log_defaults(self.sampling_defaults, self.config.generation_config)
         # The core never reads text: the vocabulary structured outputs mask with is handed to it from here.
         self.engine = EngineCore(self.config, grammar_vocabulary=GrammarVocabulary.from_tokenizer(self.tokenizer))
+        # A vision-language model's own processor, for prompts with images (None: a text-only model)
+        self.mm_processor = offline_multimodal.load_processor(self.config.model_path,
+                                                              self.engine.model_config.image_token_id,
+                                                              self.config.limit_mm_per_prompt)
         # A replica's other ranks (mp, ray) stop with this LLM: at close(), when it is collected, or at exit.
         self._close = weakref.finalize(self, self.engine.close)
         self._ids = itertools.count()
@@ -187,12 +192,16 @@ class LLM:
 
         ``priority``: one per prompt, lower runs earlier; needs ``scheduling_policy="priority"`` (as vLLM).
         ``lora_request``: the adapter for every prompt, or a list with one per prompt (None: the base model);
-        needs ``enable_lora=True``. A prompt dict's ``"cache_salt"`` salts its prefix cache, as vLLM's."""
+        needs ``enable_lora=True``. A prompt dict's ``"cache_salt"`` salts its prefix cache, as vLLM's; its
+        ``"multi_modal_data"`` (``{"image": PIL image or a list}``, a vision-language model's) goes with its
+        ``"prompt"`` through the model's processor."""
         items = self._normalize_prompts(prompts)
+        mm = self._process_images(prompts, items)
         params = self._broadcast_params(sampling_params, len(items))
         if priority is not None and len(priority) != len(items):
             raise InvalidRequestError("priority", f"got {len(priority)} priorities for {len(items)} prompts")
-        return self._run(items, params, priority, _broadcast_loras(lora_request, len(items)), _cache_salts(prompts))
+        return self._run(items, params, priority, _broadcast_loras(lora_request, len(items)), _cache_salts(prompts),
+                         mm)
 
     # -- pooling models (engine.entrypoints.pooling_outputs) -------------------------------------------------
     def embed(self, prompts: PoolingPrompt | Sequence[PoolingPrompt], *,
@@ -254,12 +263,24 @@ class LLM:
             raise InvalidRequestError("messages", "must be a non-empty list of messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
         items: list[tuple[str | None, list[int]]] = []
+        mm: list[tuple[MultiModalItem, ...]] = []
         for conv in conversations:
+            if offline_multimodal.has_image_parts(conv):   # image_url parts: through the model's processor
+                if self.mm_processor is None:
+                    raise offline_multimodal.text_only_refusal(self.config.model_name)
+                text, images = self.mm_processor.render_chat(conv, add_generation_prompt=add_generation_prompt,
+                                                             chat_template=chat_template)
+                processed = self.mm_processor.process(text, images)
+                items.append((text, processed.prompt_token_ids))
+                mm.append(offline_multimodal.engine_items(processed))
+                continue
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                       chat_template=chat_template)
             items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+            mm.append(())
         params = self._broadcast_params(sampling_params, len(items))
-        return self._run(items, params, None, _broadcast_loras(lora_request, len(items)))
+        return self._run(items, params, None, _broadcast_loras(lora_request, len(items)), (),
+                         mm if any(mm) else None)
 
     # -- internals ----------------------------------------------------------------------------------------
     def _normalize_prompts(self, prompts: PromptType | Sequence[PromptType]) -> list[tuple[str | None, list[int]]]:
@@ -280,6 +301,30 @@ class LLM:
             else:
                 raise InvalidRequestError("prompt", f"unsupported prompt type {type(p).__name__}")
         return items
+
+    def _process_images(self, prompts: PromptType | Sequence[PromptType], items: list[tuple[str | None, list[int]]]
+                        ) -> list[tuple[MultiModalItem, ...]] | None:
+        """Each prompt dict's ``multi_modal_data`` through the model's processor: its item in ``items`` becomes the
+        processor's ids (placeholders expanded); returns each prompt's images (None: no prompt has any)."""
+        seq = [prompts] if isinstance(prompts, dict) else prompts if isinstance(prompts, (list, tuple)) else []
+        found = [offline_multimodal.prompt_images(p) for p in seq] if len(seq) == len(items) else []
+        if not any(found):
+            return None
+        if self.mm_processor is None:
+            raise offline_multimodal.text_only_refusal(self.config.model_name)
+        mm: list[tuple[MultiModalItem, ...]] = []
+        for i, (p, images) in enumerate(zip(seq, found)):
+            if not images:
+                mm.append(())
+                continue
+            assert isinstance(p, dict)
+            if not isinstance(p.get("prompt"), str):
+                raise InvalidRequestError("prompt", "a prompt with multi_modal_data needs its text as \"prompt\" "
+                                                    "(the processor expands its image placeholders)")
+            processed = self.mm_processor.process(p["prompt"], images)
+            items[i] = (processed.prompt, processed.prompt_token_ids)
+            mm.append(offline_multimodal.engine_items(processed))
+        return mm
 
     def _check_thread(self) -> None:
         """Warn once when steps run on another thread than the one that loaded the model while that one lives:
@@ -319,7 +364,8 @@ class LLM:
 
     def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
              priority: Sequence[int] | None, loras: Sequence[LoRARequest | None],
-             salts: Sequence[str | None] = ()) -> list[RequestOutput]:
+             salts: Sequence[str | None] = (), mm: Sequence[tuple[MultiModalItem, ...]] | None = None
+             ) -> list[RequestOutput]:
         engine = self.engine
         self._check_thread()
         rids: list[str] = []
@@ -327,7 +373,7 @@ class LLM:
             for i, ((_, ids), sp) in enumerate(zip(items, params)):
                 rid = str(next(self._ids))
                 engine.add_request(rid, ids, sp, priority=priority[i] if priority else 0, lora_request=loras[i],
-                                   cache_salt=salts[i] if salts else None)
+                                   cache_salt=salts[i] if salts else None, mm_items=mm[i] if mm else ())
                 rids.append(rid)
         except BaseException:
             engine.abort_requests(rids)

@@ -228,6 +228,12 @@ class EngineMetrics(Collector):
         for reason, count in self._request_success.items():
             success.add_metric([*labels, reason], count)
         yield success
+        refused = CounterMetricFamily("sluice:requests_refused", "Requests the engine refused at admission, by "
+                                      "reason: queue_full (--max-queued-requests), first_token_wait "
+                                      "(--max-expected-ttft-ms).", labels=[*LABELS, "reason"])
+        for reason, count in sched.admission.refused.items():
+            refused.add_metric([*labels, reason], count)
+        yield refused
         for histogram in self._histograms:
             yield histogram.family(labels)
         yield self._cache_config_info(core, labels)

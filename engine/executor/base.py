@@ -9,7 +9,8 @@ collective), and the engine process exits for its supervisor to restart it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config import EngineConfig
 from engine.executor.errors import WorkerFailedError
@@ -37,6 +38,8 @@ class Executor(Protocol):
     def kv_cache_dtype_name(self) -> str: ...
     @property
     def last_prepare_s(self) -> float: ...
+    def encoder_cache_stats(self) -> tuple[int, int]: ...
+    def image_tokens(self, tensors: Mapping[str, Any]) -> int: ...
 
     def initialize_cache(self, eos_token_ids: set[int],
                          grammar_vocabulary: GrammarVocabulary | None = None) -> int: ...

@@ -1,11 +1,13 @@
 """The ``uniproc`` executor: one worker in the engine process, called directly."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from common.errors import InvalidRequestError
 from engine.config import EngineConfig
 from engine.models import ModelConfig
+from engine.models.llava import LlavaForConditionalGeneration
 from engine.worker.model_runner import PreparedStep, RunnerOutput
 from engine.worker.worker import Worker
 
@@ -83,6 +85,20 @@ class UniprocExecutor:
         """A prepared step's device side; under async scheduling on the core's worker thread, in step order."""
         assert self.worker.runner is not None, "initialize_cache first"
         return self.worker.runner.run(prepared)
+
+    def image_tokens(self, tensors: Mapping[str, Any]) -> int:
+        """The placeholder embeddings the model makes of one image's processor tensors; ValueError for tensors its
+        vision tower cannot take or a model without one."""
+        model = self.worker.model
+        if not isinstance(model, LlavaForConditionalGeneration):
+            raise ValueError("the model takes no images")
+        return model.image_tokens(tensors)
+
+    def encoder_cache_stats(self) -> tuple[int, int]:
+        """(lookups, hits) of the driver's encoder cache (a vision-language model's; (0, 0) without one)."""
+        stage = self.worker.stage
+        cache = None if stage is None or stage.encoder is None else stage.encoder.cache
+        return (0, 0) if cache is None else (cache.queries, cache.hits)
 
     @property
     def last_prepare_s(self) -> float:

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.device.kernel_choice import KernelChoice
+from engine.models.encoder_linear import ACTS as _ACTS
+from engine.models.encoder_linear import EncoderLinear, pack_linears
 from engine.models.varlen_attention import VarlenLayout
 
-_ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
 # Checkpoint name prefixes of the encoder inside a task model.
 _PREFIXES = ("bert.", "roberta.", "model.")
 
@@ -68,28 +68,28 @@ class _SelfAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_heads
         self.head_dim = config.hidden_size // config.num_heads
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.out = nn.Linear(config.hidden_size, config.hidden_size)
+        self.qkv = EncoderLinear(config.hidden_size, 3 * config.hidden_size)
+        self.out = EncoderLinear(config.hidden_size, config.hidden_size)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         ctx = layout.attend(q, k, v).reshape(x.shape[0], -1)   # bidirectional within each sequence
-        return self.norm(self.out(ctx) + x)
+        return self.norm(self.out(ctx, residual=x))
 
 
 class _Layer(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.attention = _SelfAttention(config)
-        self.intermediate = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.output = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.intermediate = EncoderLinear(config.hidden_size, config.intermediate_size)
+        self.output = EncoderLinear(config.intermediate_size, config.hidden_size)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.act = _ACTS[config.hidden_act]
+        self.act = config.hidden_act
 
     def forward(self, x: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
         x = self.attention(x, layout)
-        return self.norm(self.output(self.act(self.intermediate(x))) + x)
+        return self.norm(self.output(self.intermediate(x, act=self.act), residual=x))
 
 
 class BertEncoder(nn.Module):
@@ -120,6 +120,12 @@ class BertEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x, layout)
         return x
+
+    def use_kernels(self, choice: KernelChoice) -> None:
+        """The encoder layers' linears run on oneDNN's prepacked weights when the device offers them (the CPU);
+        the classifier head (a few rows per step) stays on ``F.linear``."""
+        if choice.onednn:
+            pack_linears(self.layers)
 
     def classify(self, cls_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] CLS states -> [N, num_labels] logits (BERT: the pooler's dense + tanh, then the classifier;

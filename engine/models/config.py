@@ -112,6 +112,8 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # A vision-language model's image placeholder token, whose embeddings its images' replace (None: text only).
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES:

@@ -26,6 +26,7 @@ A projection gets its 4-bit weight only when the kernel takes it (output rows a 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -112,7 +113,7 @@ def attach(model: CausalLM, weights: Iterable[tuple[str, Int4Weight]]) -> int:
             fused = fused.pad_rows(module.out_features)
         if fused.shape != (module.out_features, module.in_features) or kernel_group_size(fused) is None:
             continue
-        module.int4 = fused
+        module.int4 = replace(fused, dtype=module.weight.dtype)
         module.quant = None
         if not module.shares_weight:
             module.weight = None  # type: ignore[assignment]

@@ -66,6 +66,8 @@ class Int4Weight:
     # float32 [out, in // group_size]: when set, ``W = codes * scales + offsets`` (GGUF K-quants' additive minimum,
     # exact where a zero point ``-offset / scale`` would round, and defined for a scale of 0) and ``zeros`` is unused
     offsets: torch.Tensor | None = None
+    # the model's dtype (its activations'): the dtype a kernel keeps its scale table in; None = float32
+    dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         out, cols = self.codes.shape
@@ -150,7 +152,7 @@ class Int4Weight:
     def to(self, device: torch.device) -> Int4Weight:
         return Int4Weight(self.codes.to(device), self.scales.to(device), self.zeros.to(device), self.group_size,
                           None if self.perm is None else self.perm.to(device),
-                          None if self.offsets is None else self.offsets.to(device))
+                          None if self.offsets is None else self.offsets.to(device), self.dtype)
 
 
 def from_groups(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

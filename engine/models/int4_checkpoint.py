@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -187,7 +188,7 @@ def attach(model: CausalLM, weights: Iterable[tuple[str, Int4Weight]]) -> int:
         if fused.shape != (module.out_features, module.in_features):
             raise ValueError(f"{name}: 4-bit weight shape {fused.shape} != expected "
                              f"{(module.out_features, module.in_features)}")
-        module.int4 = fused.to(module.weight.device)
+        module.int4 = replace(fused.to(module.weight.device), dtype=module.weight.dtype)
         module.quant = None
         if not module.shares_weight:
             module.weight = None  # type: ignore[assignment]

@@ -125,12 +125,16 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
-        """input_ids, positions: int64 [T]; one KV cache per local layer. The first stage embeds ``input_ids``, a
-        later one continues from ``intermediate``, the (hidden states, residual) pair the stage before returned.
+                meta: AttentionMetadata, intermediate: Intermediate | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | Intermediate:
+        """input_ids, positions: int64 [T]; one KV cache per local layer. The first stage embeds ``input_ids`` (or
+        takes ``inputs_embeds`` [T, hidden] as they are: a vision-language model's, images merged in), a later one
+        continues from ``intermediate``, the (hidden states, residual) pair the stage before returned.
         Returns the final hidden states [T, hidden] on the last stage, else the pair to send on."""
         residual: torch.Tensor | None = None
-        if self.embed_tokens is not None:
+        if inputs_embeds is not None:
+            x = inputs_embeds
+        elif self.embed_tokens is not None:
             x = self.embed_tokens(input_ids)
             if self.config.embed_scale:   # Gemma: by sqrt(hidden), rounded to the table's dtype as transformers does
                 x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
@@ -331,6 +335,10 @@ class CausalLM(nn.Module):
         return (sum(1 for m in modules if isinstance(m, Linear) and m.int8 is not None)
                 + sum(2 * m.num_local_experts for m in modules if isinstance(m, FusedMoE) and m.int8 is not None))
 
+    def language_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters ``load_weights`` fills: all of them (a vision-language model loads its tower apart)."""
+        return dict(self.named_parameters())
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies tensors named as in a Hugging Face checkpoint into this model's fused layout: each this rank's
         part of the checkpoint's tensor (``weight_shard(name).take(tensor)``; the whole tensor without tensor
@@ -338,7 +346,7 @@ class CausalLM(nn.Module):
 
         Raises if a parameter is left unloaded, a name is unknown or a shape differs.
         """
-        params = dict(self.named_parameters())
+        params = self.language_parameters()
         loaded: set[tuple[str, int]] = set()  # (parameter, part index)
         for hf_name, tensor in weights:
             target = self._target(hf_name)

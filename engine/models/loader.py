@@ -56,6 +56,10 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu"
             raise InvalidRequestError("quantization", _not_modelslim(quantization, path, "a GGUF file"))
         int4_checkpoint.check_flag(quantization, None, path)
         model = load_gguf_model(p, dtype, device, parallel)
+    elif p.is_dir() and _model_type(p) in ("llava", "llava_next"):   # engine.models.vision_language
+        from engine.models.vision_language import load_vision_language
+
+        model = load_vision_language(p, safetensors_files(p), dtype, device, parallel, quantization)
     elif p.is_dir():
         model = load_hf_model(p, dtype, device, parallel, quantization)
     else:
@@ -83,7 +87,17 @@ def read_model_config(path: str) -> ModelConfig:
         from engine.models.gguf_loader import ModelReader, config_from_gguf
 
         return config_from_gguf(ModelReader(path))
-    return config_from_hf(json.loads((Path(path) / "config.json").read_text()), None, has_lm_head=True)
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    if cfg.get("model_type") in ("llava", "llava_next"):   # a vision-language model: its language model's
+        from engine.models.vision_language import language_config
+
+        return language_config(cfg)
+    return config_from_hf(cfg, None, has_lm_head=True)
+
+
+def _model_type(directory: Path) -> str | None:
+    config = directory / "config.json"
+    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
 
 
 def safetensors_files(directory: Path) -> list[Path]:

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.device.kernel_choice import KernelChoice
+from engine.models.encoder_linear import ACTS as _ACTS
+from engine.models.encoder_linear import EncoderLinear, pack_linears
 from engine.models.varlen_attention import VarlenLayout
-
-_ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
 
 
 @dataclass(frozen=True)
@@ -91,13 +90,15 @@ class _Attention(nn.Module):
         super().__init__()
         self.num_heads = config.num_heads
         self.head_dim = config.hidden_size // config.num_heads
-        self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
-        self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        self.Wqkv = EncoderLinear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
+        self.Wo = EncoderLinear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
         self.local = config.layer_types[layer] == "sliding_attention"
         self.theta = config.local_theta if self.local else config.global_theta
         self.window = config.window
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, layout: VarlenLayout,
+                residual: torch.Tensor) -> torch.Tensor:
+        """``residual`` + attention over ``x`` (the normed states)."""
         q, k, v = self.Wqkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         dims = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=x.device) / self.head_dim
         freqs = positions[:, None].float() * (1.0 / self.theta ** dims)
@@ -106,19 +107,20 @@ class _Attention(nn.Module):
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
         out = layout.attend(q, k, v, window=self.window if self.local else None)
-        return self.Wo(out.reshape(x.shape[0], -1))
+        return self.Wo(out.reshape(x.shape[0], -1), residual=residual)
 
 
 class _Mlp(nn.Module):
     def __init__(self, config: ModernBertConfig) -> None:
         super().__init__()
-        self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.Wi = EncoderLinear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.Wo = EncoderLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act = _ACTS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual`` + the GeGLU MLP of ``x`` (the normed states)."""
         inp, gate = self.Wi(x).chunk(2, dim=-1)
-        return self.Wo(self.act(inp) * gate)
+        return self.Wo(self.act(inp) * gate, residual=residual)
 
 
 class _Layer(nn.Module):
@@ -132,8 +134,8 @@ class _Layer(nn.Module):
         self.mlp = _Mlp(config)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, layout)
-        return x + self.mlp(self.mlp_norm(x))
+        x = self.attn(self.attn_norm(x), positions, layout, residual=x)
+        return self.mlp(self.mlp_norm(x), residual=x)
 
 
 class _Head(nn.Module):
@@ -170,6 +172,12 @@ class ModernBertEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x, positions, layout)
         return self.final_norm(x)
+
+    def use_kernels(self, choice: KernelChoice) -> None:
+        """The layers' linears run on oneDNN's prepacked weights when the device offers them (the CPU); the head
+        (a few rows per step) stays on ``F.linear``."""
+        if choice.onednn:
+            pack_linears(self.layers)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """[N, hidden] pooled states (CLS or mean, per ``classifier_pooling``) -> [N, num_labels] logits."""

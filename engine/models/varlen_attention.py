@@ -25,15 +25,16 @@ class VarlenLayout:
         outs = []
         start = 0
         for n in self.seq_lens:
-            qs = q[start:start + n].transpose(0, 1)
-            ks = k[start:start + n].transpose(0, 1)
-            vs = v[start:start + n].transpose(0, 1)
+            # [1, H, n, D]: SDPA's fused CPU kernel takes 4-D inputs only (3-D falls back to the math path)
+            qs = q[start:start + n].transpose(0, 1)[None]
+            ks = k[start:start + n].transpose(0, 1)[None]
+            vs = v[start:start + n].transpose(0, 1)[None]
             if groups > 1:
-                ks, vs = ks.repeat_interleave(groups, dim=0), vs.repeat_interleave(groups, dim=0)
+                ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
             mask = self._mask(n, causal, window) if window is not None and n > window + 1 else None
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None,
                                                  scale=scale)
-            outs.append(out.transpose(0, 1))
+            outs.append(out[0].transpose(0, 1))
             start += n
         return torch.cat(outs)
 

@@ -8,7 +8,7 @@ device wants it) host staging buffers, so building step N+1 is cheap Python.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,8 @@ from engine.worker.input_layout import lay_out, split_rows
 from engine.worker.kv_transfer import KVTransferWorker
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.multi_step import LookaheadLayout
-from engine.worker.sampler import Sampler, SamplingRow, make_generator
+from engine.worker.multimodal import plan_spans
+from engine.worker.sampler import Sampler, SamplingRow, is_greedy, make_generator
 from engine.worker.sampling_ops import compute_logprobs
 from engine.worker.spec_decode import Proposer
 from engine.worker.stage_runner import StageRunner
@@ -196,7 +197,8 @@ class ModelRunner:
         # The grammar masks of this step's constrained rows depend only on tokens already sampled: they are
         # filled on the mask thread while the model runs.
         masks = (self.structured.start_masks(owners, [self._constraint(seq_id, row)
-                                                      for seq_id, row in zip(owners, rows)])
+                                                      for seq_id, row in zip(owners, rows)],
+                                             [self._grammar_history(row) for row in rows])
                  if self.structured is not None else None)
         self.last_prepare_s = time.perf_counter() - t0
         return PreparedStep(out, inputs, self._buffer, row_tokens, chunks, draft_of, counts, sampling, sampled,
@@ -425,6 +427,7 @@ class ModelRunner:
                 sample_idx += range(end - n, end) if rows[i][3] else [end - 1]
         inputs = StepInputs(input_ids[:num_tokens].numpy(), positions[:num_tokens].numpy(),
                             slots[:num_tokens].numpy(), self.block_size, micro_batches, block_copies)
+        inputs.mm_spans = plan_spans(scheduled, row_tokens)
         fed = (np.asarray(fed_at, dtype=np.int64), fed_seqs) if fed_at else None
         return inputs, sample_idx, row_tokens, fed
 
@@ -488,7 +491,7 @@ class ModelRunner:
             params = req.sampling_params
             draft = draft_of.get(id(s))
             if draft is not None:
-                generator = self._generator(req.seq_id, params, 0)
+                generator = self._generator(req.seq_id, params, 0, req.num_output_tokens)
                 # A seeded row's positions draw from its generator one after another; the step rewinds it to
                 # the state after the last position kept (``_rewind``).
                 states: list[torch.Tensor] | None = [] if generator is not None else None
@@ -508,7 +511,7 @@ class ModelRunner:
                           if params.reasoning is not None else None)
                 rows.append(SamplingRow(params=params, prompt_token_ids=req.prompt_token_ids,
                                         output_token_ids=req.output_token_ids,
-                                        generator=self._generator(seq_id, params, offset),
+                                        generator=self._generator(seq_id, params, offset, req.num_output_tokens),
                                         cumulative=req.holds_outputs, forced_token=forced))
                 owners.append(seq_id)
             logits_row += 1
@@ -523,12 +526,30 @@ class ModelRunner:
             return spec
         return None
 
-    def _generator(self, seq_id: SequenceId, params: SamplingParams, offset: int) -> torch.Generator | None:
+    @staticmethod
+    def _grammar_history(row: SamplingRow) -> Sequence[int]:
+        """The row's outputs its grammar applies to (those after the thinking's end, when it thinks): fed to a
+        matcher made for a sequence that already has them (a request resumed from another engine)."""
+        outputs = row.output_token_ids
+        reasoning = row.params.reasoning
+        if reasoning is None or not outputs:
+            return outputs
+        try:
+            return outputs[outputs.index(reasoning.end_token_id) + 1:]
+        except ValueError:
+            return ()
+
+    def _generator(self, seq_id: SequenceId, params: SamplingParams, offset: int, num_sampled: int
+                   ) -> torch.Generator | None:
         """The sequence's own generator when its request is seeded: seed + its index, as the fork gives it
-        (``offset`` is that index at the fork, when the first sequence's params sample for all n)."""
+        (``offset`` is that index at the fork, when the first sequence's params sample for all n). Made for a
+        sequence that already has ``num_sampled`` outputs (a request resumed from another engine), it starts past
+        their draws: its t-th token is still the t-th draw of its seed's stream."""
         if params.seed is None:
             return None
         gen = self.generators.get(seq_id)
         if gen is None:
             gen = self.generators[seq_id] = make_generator(params.seed + offset, self.device.torch_device)
+            if num_sampled and not is_greedy(params):
+                self.sampler.skip_draws(gen, num_sampled)
         return gen

@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -102,6 +103,7 @@ class PoolingModel:
             encoder = encoder.to_empty(device=self.device)
             encoder.load_weights(iter_safetensors(names, lambda _: WHOLE))   # never sharded
             self.encoder = encoder.to(dtype).eval().requires_grad_(False)
+            self.encoder.use_kernels(device.kernel_choice(dtype))
             self.model_config = _encoder_model_config(ecfg)
             return
         # the lm_head is not used: tied, so that a checkpoint without one (``Qwen3Model``) loads
@@ -268,6 +270,13 @@ class PoolingExecutor:
 
     def check_health(self) -> None:
         """The one rank is this process."""
+
+    def encoder_cache_stats(self) -> tuple[int, int]:
+        """No vision tower."""
+        return 0, 0
+
+    def image_tokens(self, tensors: Mapping[str, Any]) -> int:
+        raise ValueError("a pooling model takes no images")
 
     def shutdown(self) -> None:
         """Nothing to stop."""

@@ -311,6 +311,14 @@ class Sampler:
                 row.states.append(generator.get_state())
         return noise.log_().neg_()
 
+    def skip_draws(self, generator: torch.Generator, num_steps: int) -> None:
+        """Advance a seeded generator past ``num_steps`` sampled steps, as :meth:`_noise` draws them (V float32
+        numbers each): a request resumed after that many outputs (request migration) then draws what it would have
+        drawn had it sampled them here."""
+        draw = torch.empty(self.vocab_size, dtype=torch.float32, device=generator.device)
+        for _ in range(num_steps):
+            draw.uniform_(generator=generator)
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared_generators.get(device)
         if generator is None:

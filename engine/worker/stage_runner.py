@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata, StepLayout
+from engine.worker.multimodal import EncoderRunner
 from engine.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class StageRunner:
         # Every token's final hidden states of the last step, kept for a proposer that reads them (MTP; one stage)
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        # A vision-language model's vision tower and encoder cache (None: a text-only model)
+        self.encoder = EncoderRunner(model) if model.config.image_token_id is not None else None  # type: ignore[arg-type]
 
     def prepare(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor) -> StepTensors:
@@ -64,7 +67,12 @@ class StageRunner:
             return None, needed
         input_ids, positions, metas = tensors
         if self.parallel.pp_size == 1:
-            hidden = self.graphs.forward(input_ids, positions, metas[0]) if self.graphs is not None else None
+            hidden = None
+            if inputs.mm_spans and self.encoder is not None:   # images: their rows' embeddings replace the ids'
+                hidden = self.model(input_ids, positions, self.kv_caches, metas[0],
+                                    mm_embeds=self.encoder.embeddings(inputs.mm_spans, input_ids.device))
+            elif self.graphs is not None:
+                hidden = self.graphs.forward(input_ids, positions, metas[0])
             if hidden is None:   # not a captured decode step
                 hidden = self.model(input_ids, positions, self.kv_caches, metas[0])
             if self.keep_hidden:

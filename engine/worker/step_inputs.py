@@ -9,8 +9,12 @@ it, and take part in the same collectives in the same order: one tensor-parallel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engine.worker.multimodal import MultiModalSpan
 
 
 @dataclass
@@ -41,6 +45,9 @@ class StepInputs:
     # Flat hidden-state rows of each ``compute_logits`` call the driver makes, in order (prompt-logprob chunks,
     # then the sampled rows): the tensor ranks of stage 0 gather the vocab-parallel logits with it.
     logits_rows: list[np.ndarray] = field(default_factory=list)
+    # The image placeholder rows this step covers and their images (the driver's only: vision-language models run
+    # on one rank); the stage runner's encoder turns them into the rows' embeddings.
+    mm_spans: list[MultiModalSpan] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -208,12 +208,14 @@ class StructuredOutputs:
             self.matchers.pop(seq_id, None)
 
     # -- one step -------------------------------------------------------------------------------------
-    def start_masks(self, owners: Sequence[SequenceId],
-                    specs: Sequence[StructuredOutputsParams | None]) -> PendingMasks | None:
+    def start_masks(self, owners: Sequence[SequenceId], specs: Sequence[StructuredOutputsParams | None],
+                    histories: Sequence[Sequence[int]] | None = None) -> PendingMasks | None:
         """Begin filling the masks of sampler rows ``owners`` (``specs[j]``: row j's constraint or None); None,
         and nothing allocated, when no row is constrained. A sequence seen for the first time gets a fresh copy
         of its grammar's template: the n sequences of a request sample their first token together, so each
-        starts from the grammar's start (later forks, as beam search makes, go through ``fork``)."""
+        starts from the grammar's start (later forks, as beam search makes, go through ``fork``). ``histories[j]``:
+        the tokens row j's grammar has already taken, fed to a matcher made now (a request resumed from another
+        engine; empty for a new one)."""
         self._settle()
         rows: list[int] = []
         matchers: list[llguidance.LLMatcher] = []
@@ -223,6 +225,8 @@ class StructuredOutputs:
             matcher = self.matchers.get(seq_id)
             if matcher is None:
                 matcher = self.matchers[seq_id] = self.compile(spec).deep_copy()
+                if histories is not None and histories[j]:
+                    matcher.consume_tokens(list(histories[j]))
             rows.append(j)
             matchers.append(matcher)
         if not rows:

@@ -119,7 +119,8 @@ def _queue_delay(value: Any, ctx: Context) -> Outcome:
 
 def _first_token_wait(value: Any, ctx: Context) -> Outcome:
     integer(value, 0)
-    return no_effect("no waiting-time rule for preemption (under the priority policy a better priority preempts)")
+    return no_effect("no waiting-time rule for preemption (under the priority policy a better priority preempts); "
+                     "--max-expected-ttft-ms refuses a request early instead")
 
 
 def _time_per_request(value: Any, ctx: Context) -> Outcome:

@@ -7,12 +7,13 @@ import asyncio
 
 from common.auth import add_api_key_args, api_keys
 from common.observability import add_observability_args, observability_settings, set_up
-from common.procs import die_with_parent
+from common.procs import die_with_parent, port_number
 from common.tls import add_grpc_tls_args, grpc_tls_from_args
 from engine.text.chat import load_chat_template
 from engine.text.reasoning import REASONING_PARSERS
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.tokenizer.limits import InputLimits
+from services.tokenizer.migration import MigrationMetrics, add_migration_args, migration_settings
 from services.tokenizer.routing import ROUTING_POLICIES, RoutingSettings
 from services.tokenizer.tools import ToolSettings
 
@@ -68,6 +69,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="threads that tokenize and render prompts off the event loop")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
+    add_migration_args(parser)
+    parser.add_argument("--metrics-port", type=port_number, default=0,
+                        help="serve this service's sluice:* Prometheus metrics (requests migrated) at "
+                             "http://METRICS_HOST:PORT/metrics (0: off)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds to")
     add_api_key_args(parser)
     add_observability_args(parser)
     add_grpc_tls_args(parser)
@@ -83,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         keys = api_keys(ns)
         routing = RoutingSettings(ns.routing, ns.routing_balance_abs_threshold, ns.routing_balance_rel_threshold)
         engines = [a.strip() for a in ns.engine.split(",") if a.strip()]
+        migration = migration_settings(ns)
+        metrics = MigrationMetrics.serve(ns.metrics_host, ns.metrics_port) if ns.metrics_port else None
     except (ValueError, OSError) as e:
         parser.error(str(e))
     tracing = set_up(observability, log_level=ns.log_level, process="tokenizer")
@@ -99,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
                           served_model_name=ns.served_model_name, shm_tokens=ns.shm_tokens,
                           shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools,
                           limits=limits, tracing=tracing, log_requests=observability.log_requests,
-                          tls=tls, api_keys=keys, reasoning_parser=ns.reasoning_parser, routing=routing))
+                          tls=tls, api_keys=keys, reasoning_parser=ns.reasoning_parser, routing=routing,
+                          migration=migration, migration_metrics=metrics))
     finally:
         if tracing is not None:
             tracing.shutdown()

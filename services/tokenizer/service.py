@@ -36,6 +36,7 @@ from services.tokenizer.engine_stream import EngineStream, error_reason
 from services.tokenizer.engines import Engine
 from services.tokenizer.limits import InputLimits
 from services.tokenizer.lora import LoRAAdapter, adapters_from_pb, adapters_to_pb, model_not_found
+from services.tokenizer.migration import EngineCall, MigrationMetrics, MigrationSettings
 from services.tokenizer.multiplexer import Multiplexer
 from services.tokenizer.outputs import SequenceOutput, Usage
 from services.tokenizer.pooling import check_generate, classify, embed, score
@@ -93,10 +94,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                  shm_tokens: int = 0, tools: ToolSettings | None = None,
                  limits: InputLimits | None = None, tracing: Tracing | None = None,
                  log_requests: bool = False, engine_address: str | None = None,
-                 reasoning: Reasoning | None = None, routing: RoutingSettings | None = None) -> None:
+                 reasoning: Reasoning | None = None, routing: RoutingSettings | None = None,
+                 migration: MigrationSettings | None = None, migration_metrics: MigrationMetrics | None = None) -> None:
         """``engines``: the engines behind this service (a channel: the one engine there, at ``engine_address``,
         for the log); ``reasoning``: the reasoning parser that splits chat outputs (``--reasoning-parser``), None:
-        none; ``routing``: how a request's engine is chosen among several (``--routing``)."""
+        none; ``routing``: how a request's engine is chosen (``--routing``); ``migration``: see migration.py."""
         self.tokenizer = tokenizer
         self.reasoning = reasoning
         self.engines = ([Engine(engines, engine_address)] if isinstance(engines, grpc.aio.Channel)
@@ -116,6 +118,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._ring = ShmRing(shm_tokens) if shm_tokens > 0 else None
         self.draining = False
         self._streams: set[Multiplexer] = set()
+        self.migration = migration or MigrationSettings()
+        self.migration_metrics = migration_metrics or MigrationMetrics()
 
     # -- engine handshake ---------------------------------------------------------------------------------
     async def engine_info(self, refresh: bool = False, *, timeout: float | None = 10,
@@ -290,7 +294,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         echo = self._echo_text(request, prompt_ids) if request.response.echo else None
         # The engine's key for the request is Sluice's own, unique in this service's life: never the caller's id,
         # which two requests may share and a caller may reuse while an earlier abort is still on its way.
-        key = self._engine_key()
+        key = self.new_engine_key()
         options = engine_options(request, key, n, plan.guided, adapter)
         if request.bad_words:
             options.bad_words_token_ids.extend(
@@ -323,18 +327,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.log_requests:  # as vLLM's, once the prompt is ready: a refused request was answered with its error
             logger.info("Received request %s (engine key %s): %d prompt tokens, n=%d%s", request_id, key,
                         len(prompt_ids), n, f"; to {engine.name} ({route.describe()})" if len(self.engines) > 1 else "")
-        call = engine.stream.generate(engine_req, timeout=timeout, metadata=(("x-request-id", request_id),))
+        call = EngineCall(self, engine, engine_req, handoff, prompt_ids, request_id=request_id, timeout=timeout,
+                          deadline=deadline)
         try:
             async for msg in _with_deadline(call, deadline):
                 if msg is None:  # the time limit elapsed
-                    await engine.abort(key)
+                    await call.abort()
                     for seq in seqs.values():
                         if not seq.finished:
                             seq.finished = True
                             yield seq.final(request_id, usage, common_pb2.FINISH_REASON_TIME_LIMIT)
                     return
-                if msg.HasField("released_shm_slot"):
-                    handoff.release()
                 usage.cached = msg.cached_tokens or usage.cached
                 live = seqs.get(msg.index)
                 if live is None or live.finished:
@@ -348,18 +351,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     # A stop string ended it here while the engine still runs it.
                     if all(s.finished for s in seqs.values()):
                         return  # nothing left to read: leaving the call aborts the engine request
-                    asyncio.ensure_future(engine.abort(key, seq.index))  # its siblings go on
+                    asyncio.ensure_future(call.abort(seq.index))  # its siblings go on
             # The engine ended the call after the request's last message (request_done): it decides that.
         except grpc.aio.AioRpcError as e:
             if error_reason(e) == engine_pb2.ERROR_REASON_SHM_NOT_REGISTERED:
-                engine.shm_registered = False  # the engine restarted and forgot our ring; next call re-registers
+                call.engine.shm_registered = False  # it restarted and forgot our ring; next call re-registers
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, e.initial_metadata(),
                                            e.trailing_metadata(), "engine restarted; retry") from e
             raise
         finally:
-            engine.open_requests -= 1
-            handoff.release()
-            await call.aclose()  # unfinished: aborts the engine request
+            call.engine.open_requests -= 1   # where it ran last
+            await call.aclose()  # unfinished: aborts the engine request; gives back the prompt's slot
             if self.log_requests:
                 logger.info("Finished request %s", request_id)
 
@@ -369,7 +371,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return request.text
         return self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
 
-    def _engine_key(self) -> str:
+    def new_engine_key(self) -> str:
         self._keys_issued += 1
         return f"{self._key_prefix}-{self._keys_issued}"
 

@@ -16,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -95,6 +96,19 @@ def test_embeddings_through_the_openai_sdk_equal_sentence_transformers(embedder:
     tokenizer = AutoTokenizer.from_pretrained(str(embedder_dir))
     tokens = sum(len(tokenizer(t)["input_ids"]) for t in TEXTS)
     assert (default.usage.prompt_tokens, default.usage.total_tokens, default.model) == (tokens, tokens, EMBEDDER)
+
+
+def prompt_tokens_total(stack: ServeStack) -> float:
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    (sample,) = [s for family in text_string_to_metric_families(text) for s in family.samples
+                 if s.name == "vllm:prompt_tokens_total"]
+    return sample.value
+
+
+def test_embedded_prompts_count_in_the_prompt_tokens_counter(embedder: ServeStack) -> None:
+    before = prompt_tokens_total(embedder)
+    usage = post(embedder, "/v1/embeddings", {"input": TEXTS[:3]}).json()["usage"]["prompt_tokens"]
+    assert usage > 0 and prompt_tokens_total(embedder) - before == usage
 
 
 def test_base64_is_little_endian_float32_of_the_same_floats(embedder: ServeStack) -> None:

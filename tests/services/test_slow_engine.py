@@ -23,6 +23,7 @@ from common.grpc_server import bind
 from engine.config import default_model_path
 from engine.text import Tokenizer
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.tokenizer.migration import MigrationSettings
 from services.tokenizer.server import SERVICE_NAME, public_server, track_engines
 from services.tokenizer.service import GenerationServicer
 from tests.procs import free_port, grpc_serving, spawn, stop, tokenizer_process, wait_until
@@ -109,8 +110,10 @@ async def tokenizer_service(engine_port: int) -> AsyncIterator[tuple[generation_
     """The tokenizer service as ``serve`` wires it (shared memory on, the tracker running), and stubs to it."""
     engine_channel = grpc.aio.insecure_channel(f"127.0.0.1:{engine_port}")
     server, health_service = public_server(_tokenizer(), 4096, ())
+    # Migration off: these requests fail with their engine, as they do without a replica to move to
+    # (tests/services/test_migration.py has them wait for one).
     servicer = GenerationServicer(_tokenizer(), engine_channel, served_model_name="fake",
-                                  shm_tokens=1024)
+                                  shm_tokens=1024, migration=MigrationSettings(max_migrations=0))
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await health_service.set_serving(False)
     port = bind(server, "127.0.0.1", 0)

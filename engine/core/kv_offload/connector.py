@@ -127,7 +127,7 @@ class OffloadConnector:
         slots: list[int] = []
         for i in range(first, max_blocks):
             key = (hashes[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs].tolist()),
-                   block_extra_keys(request, i == 0), lora_id)
+                   block_extra_keys(request, i, bs), lora_id)
             slot = self.index.lookup(hashes[i], key)
             if slot is None:
                 break

@@ -31,6 +31,13 @@ if TYPE_CHECKING:
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)   # what _weight_int4pack_mm_for_cpu takes, largest first
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIDPOINT = 8   # the kernel's codes are centred on 8
+_BLOCK_N = 64   # rows per block of the kernel's packed layout (``dequantize_packed``)
+_HALF = _BLOCK_N // 2
+# Steps of at least this many rows dequantize the weight into the dense GEMM instead of running the int4 kernel
+# (docs/benchmarks.md, "Weight-only 4-bit linears": measured crossover).
+DENSE_MIN_ROWS = 64
+# Weights dequantized per tile of the dense path (a multiple of 64 output features): 4 MiB of bfloat16.
+TILE_ELEMENTS = 1 << 21
 
 
 def kernel_group_size(weight: Int4Weight) -> int | None:
@@ -44,30 +51,103 @@ def kernel_group_size(weight: Int4Weight) -> int | None:
 
 class Int4PackLinearMethod(LinearMethod):
     """PyTorch's int4 CPU kernel on a packed copy of the codes (half a byte per weight) with per-group scales and
-    offsets in the activations' dtype (made once per dtype); an act-order weight reads ``x[:, perm]``."""
+    offsets in the model's dtype (``Int4Weight.dtype``; another dtype's table is made on first use); an act-order
+    weight reads ``x[:, perm]``.
 
-    def __init__(self, weight: Int4Weight, group_size: int) -> None:
+    The kernel is a per-row one (its time grows with the rows like a matrix-vector product's): from
+    ``dense_min_rows`` rows on, a step dequantizes the packed weight tile by tile (``TILE_ELEMENTS`` weights at a
+    time, so the transient stays a few MiB) into the activations' dtype and multiplies each tile with the dense GEMM
+    (oneDNN), which is faster there (docs/benchmarks.md, "Weight-only 4-bit linears"). Both paths compute
+    ``x @ ((q - 8) * scale + zero).T`` from the same packed codes and table."""
+
+    def __init__(self, weight: Int4Weight, group_size: int, dense_min_rows: int | None = DENSE_MIN_ROWS) -> None:
         self.group_size = group_size
+        self.dense_min_rows = dense_min_rows
         self.perm = weight.perm
+        self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
         repeat = weight.group_size // group_size
         scales = weight.scales.repeat_interleave(repeat, dim=1)               # [out, groups]
         additive = ((_MIDPOINT - weight.zeros) * weight.scales if weight.offsets is None
                     else _MIDPOINT * weight.scales + weight.offsets)
         offsets = additive.repeat_interleave(repeat, dim=1)
-        self.scale_and_zero = torch.stack([scales.t(), offsets.t()], dim=-1).contiguous()   # float32 [groups, out, 2]
-        self._by_dtype: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale_and_zero}
+        dtype = weight.dtype if weight.dtype in KERNEL_DTYPES else torch.float32
+        # [groups, out, 2] in the model's dtype: a bfloat16 model keeps no float32 copy
+        self.scale_and_zero = torch.stack([scales.t(), offsets.t()], dim=-1).to(dtype).contiguous()
+        self._by_dtype: dict[torch.dtype, torch.Tensor] = {dtype: self.scale_and_zero}
+
+    def _table(self, dtype: torch.dtype) -> torch.Tensor:
+        sz = self._by_dtype.get(dtype)
+        if sz is None:
+            sz = self._by_dtype[dtype] = self.scale_and_zero.to(dtype)
+        return sz
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in KERNEL_DTYPES:
             raise TypeError(f"the int4 CPU kernel runs bfloat16, float16 or float32 activations, not {x.dtype}")
-        sz = self._by_dtype.get(x.dtype)
-        if sz is None:
-            sz = self._by_dtype[x.dtype] = self.scale_and_zero.to(x.dtype)
+        sz = self._table(x.dtype)
         rows = x.index_select(1, self.perm) if self.perm is not None else x.contiguous()
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, sz)
         bias = layer.method_bias
+        if self.dense_min_rows is not None and rows.shape[0] >= self.dense_min_rows:
+            return self._dense(rows, sz, bias)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, sz)
         return out if bias is None else out.add_(bias)
+
+    def _dense(self, x: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` with ``W`` dequantized tile by tile (output features ``n0:n1``) into ``x``'s
+        dtype, each tile's product written into its columns of the output."""
+        n, k = self.out_features, self.in_features
+        step = max(_BLOCK_N, TILE_ELEMENTS // k // _BLOCK_N * _BLOCK_N)
+        buf = torch.empty(k * min(step, n), dtype=x.dtype)
+        if step >= n:
+            out = x @ dequantize_packed(self.packed, sz, n, k, 0, n, buf.view(k, n))
+        else:
+            out = torch.empty(x.shape[0], n, dtype=x.dtype)
+            for n0 in range(0, n, step):
+                n1 = min(n, n0 + step)
+                tile = buf[:k * (n1 - n0)].view(k, n1 - n0)
+                out[:, n0:n1] = x @ dequantize_packed(self.packed, sz, n, k, n0, n1, tile)
+        return out if bias is None else out.add_(bias)
+
+
+def _centred(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 as int8 ``codes - 8`` (exact, and cheaper to subtract here than in the float tile)."""
+    return codes.view(torch.int8).sub_(_MIDPOINT)
+
+
+def dequantize_packed(packed: torch.Tensor, sz: torch.Tensor, n: int, k: int, n0: int, n1: int,
+                      out: torch.Tensor) -> torch.Tensor:
+    """Writes ``W[n0:n1].T`` ([k, n1 - n0], ``out``'s dtype) from the kernel's packed weight (``packed``, from
+    ``_convert_weight_to_int4pack_for_cpu``: uint8 [n, k / 2]) and its table ``sz`` ([groups, n, 2]):
+    ``(q - 8) * scale + zero``; ``n0`` a multiple of 64. Returns ``out``.
+
+    The packed layout (torch 2.13's CPU kernel, checked in tests/engine/models/test_int4_linear.py): the first
+    ``n // 64 * 64`` rows in blocks of 64, each block ``k`` runs of 32 bytes, byte ``j`` of run ``c`` holding row
+    ``j``'s column ``c`` in its low nibble and row ``32 + j``'s in its high one; the last ``n % 64`` rows (``t``)
+    one block of ``k`` runs of ``t / 2`` bytes, byte ``j`` holding rows ``2j`` (low) and ``2j + 1`` (high)."""
+    groups = sz.shape[0]
+    g = k // groups
+    flat = packed.view(-1)
+    full = n // _BLOCK_N * _BLOCK_N
+    end = min(n1, full)
+    if end > n0:
+        nb = (end - n0) // _BLOCK_N
+        codes = flat[n0 * k // 2:end * k // 2].view(nb, groups, g, _HALF)
+        o = out[:, :end - n0].view(groups, g, nb, 2, _HALF).permute(2, 0, 1, 3, 4)    # [nb, groups, g, 2, 32]
+        o[..., 0, :].copy_(_centred(codes & 0xF))
+        o[..., 1, :].copy_(_centred(codes >> 4))
+        scale, zero = (sz[:, n0:end, i].contiguous().view(groups, nb, 2, _HALF).permute(1, 0, 2, 3).unsqueeze(2)
+                       for i in (0, 1))
+        torch.addcmul(zero, o, scale, out=o)
+    if n1 > full:
+        t = n - full
+        codes = flat[full * k // 2:].view(groups, g, t // 2)
+        o = out[:, full - n0:].view(groups, g, t // 2, 2)
+        o[..., 0].copy_(_centred(codes & 0xF))
+        o[..., 1].copy_(_centred(codes >> 4))
+        scale, zero = (sz[:, full:, i].contiguous().view(groups, 1, t // 2, 2) for i in (0, 1))
+        torch.addcmul(zero, o, scale, out=o)
+    return out
 
 
 class Int4DequantLinearMethod(LinearMethod):

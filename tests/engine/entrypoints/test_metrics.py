@@ -16,6 +16,7 @@ from prometheus_client.samples import Sample
 
 from common.procs import free_port
 from engine.config import EngineConfig, LoRAConfig, SpeculativeConfig
+from engine.core.admission import AdmissionControl
 from engine.core.finish_reason import FinishReason
 from engine.core.lora_request import LoRARequest
 from engine.core.outputs import EngineCoreOutput
@@ -43,7 +44,8 @@ class FakeCore:
                       "prompt_tokens": 30, "generation_tokens": 2, "steps": 3}   # the warm-up's, left out
         self.usage = 0.25
         self.scheduler = SimpleNamespace(num_running=3, num_waiting=2, running=[], waiting=[],
-                                         block_manager=SimpleNamespace(usage=lambda: self.usage))
+                                         block_manager=SimpleNamespace(usage=lambda: self.usage),
+                                         admission=AdmissionControl(None))
 
     def scheduler_stats(self) -> dict[str, int]:
         spec = self.spec_stats
@@ -286,3 +288,11 @@ def test_a_pooling_request_counts_its_prompt_tokens_once() -> None:
                                              request_finished=True, times=times(3.0, None, None, 3.5))])
     got = scrape(metrics)
     assert value(got["vllm:prompt_tokens"], "vllm:prompt_tokens_total") == 9
+
+
+def test_refusals_are_counted_by_reason() -> None:
+    core = FakeCore()
+    core.scheduler.admission.refused.update(queue_full=2, first_token_wait=5)
+    samples = scrape(EngineMetrics(core))["sluice:requests_refused"]   # type: ignore[arg-type]
+    assert value(samples, "sluice:requests_refused_total", reason="queue_full") == 2
+    assert value(samples, "sluice:requests_refused_total", reason="first_token_wait") == 5

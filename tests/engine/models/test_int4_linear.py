@@ -1,19 +1,26 @@
 """The 4-bit linear methods against the dequantize-then-matmul reference (``Int4Weight.dequantize``, float32):
-PyTorch's int4 CPU kernel (``Int4PackLinearMethod``) and the dequantize-per-call fallback, at 1 to 2048 rows, odd
-shapes, act-order permutations and per-channel groups; the NPU method on the test-only torch-npu operator twin; and
+PyTorch's int4 CPU kernel (``Int4PackLinearMethod``: its kernel below ``DENSE_MIN_ROWS`` rows, its tiles dequantized
+into the dense GEMM from there on) and the dequantize-per-call fallback, at 1 to 2048 rows, odd shapes, act-order
+permutations and per-channel groups; the NPU method on the test-only torch-npu operator twin; and
 ``Int4Weight``'s tensor-parallel cuts."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine.device.kernel_choice import KernelChoice
 from engine.models.int4 import Int4Weight, from_groups, pack_int32, unpack_int32
+from engine.models.layers import int4_linear
 from engine.models.layers.int4_linear import (
+    DENSE_MIN_ROWS,
     Int4DequantLinearMethod,
     Int4PackLinearMethod,
     NpuInt4LinearMethod,
+    dequantize_packed,
     int4_method,
+    kernel_group_size,
 )
 from engine.models.layers.linear import Linear
 from engine.models.sharding import Shard
@@ -53,10 +60,14 @@ def _err(got: torch.Tensor, expected: torch.Tensor) -> float:
     (80, 512, 256, False),
 ])
 @pytest.mark.parametrize("rows", [1, 7, 64, 2048])
-def test_the_cpu_kernel_equals_the_reference(out: int, cols: int, group: int, act_order: bool, rows: int) -> None:
+@pytest.mark.parametrize("dense_min_rows", [None, DENSE_MIN_ROWS], ids=["kernel", "engine"])
+def test_the_cpu_kernel_equals_the_reference(out: int, cols: int, group: int, act_order: bool, rows: int,
+                                             dense_min_rows: int | None) -> None:
+    # "kernel": torch's int4 kernel at every row count; "engine": the engine's method (the dense path from 64 rows).
     weight = _weight(out, cols, group, act_order, seed=rows + out)
-    method = int4_method(weight, KernelChoice())
-    assert isinstance(method, Int4PackLinearMethod)
+    chosen = int4_method(weight, KernelChoice())
+    assert isinstance(chosen, Int4PackLinearMethod) and chosen.dense_min_rows == DENSE_MIN_ROWS
+    method = Int4PackLinearMethod(weight, chosen.group_size, dense_min_rows)
     layer = Linear(cols, out, bias=True).requires_grad_(False)
     torch.nn.init.normal_(layer.bias)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
@@ -65,6 +76,67 @@ def test_the_cpu_kernel_equals_the_reference(out: int, cols: int, group: int, ac
     got = method.apply(layer, x.bfloat16())
     assert got.dtype == torch.bfloat16
     assert _err(got, _reference(x.bfloat16(), weight) + layer.bias.detach()) < BFLOAT16_BOUND
+
+
+@pytest.mark.parametrize("out, cols, group, act_order", [
+    (64, 256, 32, False), (208, 128, 64, True), (48, 192, 64, False), (80, 512, 256, True), (16, 96, 32, False),
+])
+def test_steps_from_the_row_threshold_dequantize_into_the_dense_gemm(out: int, cols: int, group: int,
+                                                                      act_order: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tiles of 64 features (TILE_ELEMENTS forced small) so that several tiles and the tail block are crossed.
+    monkeypatch.setattr(int4_linear, "TILE_ELEMENTS", 64 * cols)
+    weight = _weight(out, cols, group, act_order, seed=out + cols)
+    kernel_group = kernel_group_size(weight)
+    assert kernel_group is not None
+    method = Int4PackLinearMethod(weight, kernel_group)
+    assert method.dense_min_rows == DENSE_MIN_ROWS
+    layer = Linear(cols, out, bias=True).requires_grad_(False)
+    torch.nn.init.normal_(layer.bias)
+    for rows in (1, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 300):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        expected = _reference(x, weight) + layer.bias
+        assert _err(method.apply(layer, x), expected) < FLOAT32_BOUND
+        got = method.apply(layer, x.bfloat16())
+        assert got.dtype == torch.bfloat16
+        assert _err(got, _reference(x.bfloat16(), weight) + layer.bias) < BFLOAT16_BOUND
+
+
+def test_the_dense_path_runs_from_the_threshold_and_tiles_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = _weight(208, 128, 32, False, seed=5)
+    layer = Linear(128, 208, bias=False)
+    x = torch.randn(DENSE_MIN_ROWS, 128, generator=torch.Generator().manual_seed(0))
+    whole = Int4PackLinearMethod(weight, 32, dense_min_rows=DENSE_MIN_ROWS).apply(layer, x)
+    monkeypatch.setattr(int4_linear, "TILE_ELEMENTS", 64 * 128)     # one block of 64 features per tile
+    tiled = Int4PackLinearMethod(weight, 32, dense_min_rows=DENSE_MIN_ROWS).apply(layer, x)
+    assert torch.equal(tiled, whole)
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+    Int4PackLinearMethod(weight, 32).apply(layer, x)   # the kernel is not called from the threshold on
+    with pytest.raises(TypeError):
+        Int4PackLinearMethod(weight, 32).apply(layer, x[:DENSE_MIN_ROWS - 1])
+
+
+@pytest.mark.parametrize("out, cols", [(64, 32), (16, 64), (112, 96), (2064, 64), (208, 256)])
+def test_the_packed_layout_unpacks_to_the_codes(out: int, cols: int) -> None:
+    # Scale 1 and offset 8 make W = q: the unpacking alone, every code, against torch's own packing of it.
+    codes = torch.randint(0, 16, (out, cols), generator=torch.Generator().manual_seed(out))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    sz = torch.stack([torch.ones(1, out), torch.full((1, out), 8.0)], dim=-1)
+    w_t = dequantize_packed(packed, sz, out, cols, 0, out, torch.empty(cols, out))
+    assert torch.equal(w_t.t(), codes.float())
+    if out > 64:   # from a later block to the end, tail included
+        part = dequantize_packed(packed, sz, out, cols, 64, out, torch.empty(cols, out - 64))
+        assert torch.equal(part.t(), codes[64:].float())
+
+
+def test_a_bfloat16_model_keeps_its_scale_table_in_bfloat16_only() -> None:
+    weight = _weight(64, 256, 32, False, seed=3)
+    method = Int4PackLinearMethod(replace(weight, dtype=torch.bfloat16), 32)
+    assert method.scale_and_zero.dtype == torch.bfloat16
+    layer = Linear(256, 64, bias=False)
+    method.apply(layer, torch.randn(2, 256).bfloat16())
+    assert [t.dtype for t in method._by_dtype.values()] == [torch.bfloat16]
+    assert Int4PackLinearMethod(weight, 32).scale_and_zero.dtype == torch.float32   # no dtype given: float32
 
 
 @pytest.mark.parametrize("out, cols, group", [(40, 96, 32), (24, 48, 16), (8, 64, 64)])

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from common.errors import FailedPreconditionError, InvalidRequestError
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KernelSettings
 from engine.core.engine_core import EngineCore
 from engine.core.pooling_params import PoolingParams
+from engine.models.encoder_linear import EncoderLinear
 from engine.models.pooling_config import parse_pooler_config, read_pooling_info, resolve_runner
 from tests.engine.models import pooling_factory as factory
 
@@ -84,6 +85,22 @@ def test_embeddings_equal_sentence_transformers(checkpoints: Callable[[str], Pat
     info = core.info()
     assert core.runner == "pooling" and info["total_kv_blocks"] > 0
     assert core.scheduler.block_manager.num_free_blocks == core.num_blocks   # nothing held after
+
+
+@pytest.mark.parametrize("name", ["bert_embedder", "modernbert_embedder"])
+def test_encoder_linears_on_onednn_and_on_f_linear_equal_sentence_transformers(
+        checkpoints: Callable[[str], Path], name: str) -> None:
+    """The CPU packs an encoder's linears for oneDNN (activation and residual add fused); with the compiled kernels
+    switched off they stay ``nn.Linear`` weights through ``F.linear``: both equal the reference."""
+    path = checkpoints(name)
+    ref = _st_encode(path, TEXTS)
+    for cpu_kernels in (True, False):
+        core = _core(path, kernels=KernelSettings(cpu_kernels=cpu_kernels))
+        encoder = core.executor.model.encoder
+        linears = [m for m in encoder.layers.modules() if isinstance(m, EncoderLinear)]
+        assert linears and all((m.packed is not None) == cpu_kernels for m in linears)
+        got = _run(core, [(ids, PoolingParams(), None) for ids in _ids(path, TEXTS)])
+        np.testing.assert_allclose(np.concatenate(got), ref, atol=1e-4)
 
 
 def test_normalize_off_and_token_embed(checkpoints: Callable[[str], Path]) -> None:

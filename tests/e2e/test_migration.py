@@ -1,0 +1,182 @@
+"""Request migration end to end: `sluice serve -dp 2 -tp 2` (two replicas of a tiny random Llama, each engine with a
+second tensor-parallel rank in a process of its own). 12 greedy and 4 seeded sampled streams of 120 tokens run
+undisturbed, then again while one replica dies mid-stream — its engine SIGKILLed, then (once it is back) the other
+replica's rank 1 SIGKILLed. Every stream ends with all its tokens, text byte-identical to the undisturbed run's, one
+finish reason and the same usage; the tokenizer services counted the moves (``sluice:requests_migrated_total``), and
+the replica that took them ends with every KV block free."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.procs import grpc_serving
+from engine.config import default_model_path
+from proto.sluice.v1 import engine_pb2, engine_pb2_grpc
+from services.replicas import consecutive_free_ports
+from tests.engine.core.tiny_llama import save_tiny_llama
+from tests.procs import ServeStack, wait_until
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 120
+GREEDY, SEEDED = 12, 4
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
+    tmp = tmp_path_factory.mktemp("migration")
+    save_tiny_llama(tmp / "tiny", vocab_size=49152)   # the default model's vocabulary, for its tokenizer
+    s = ServeStack(tmp, "--model", str(tmp / "tiny"), "--tokenizer", default_model_path(), "--data-parallel-size",
+                   "2", "--tensor-parallel-size", "2", "--kv-cache-memory", "32MiB", "--max-num-seqs", "16",
+                   "--num-threads", "1", "--shutdown-timeout", "2", "--routing", "round_robin", "--dtype", "float32")
+    base = consecutive_free_ports(8)   # 2 engines, 2 tokenizer services, their metrics pages, the engines'
+    s.engine_port, s.tokenizer_port = base, base + 2
+    s.flags += ["--tokenizer-metrics-port", str(base + 4), "--engine-metrics-port", str(base + 6)]
+    s.start()
+    yield s
+    s.stop()
+
+
+@dataclass
+class Stream:
+    text: str = ""
+    events: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    usage: dict[str, int] | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+def body(i: int) -> dict[str, object]:
+    sampling = {"temperature": 0} if i < GREEDY else {"temperature": 1.0, "top_p": 0.9, "seed": 1000 + i}
+    return {"prompt": f"Story {i}:", "max_tokens": TOKENS, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **sampling}
+
+
+def run_streams(stack: ServeStack, during: threading.Event | None = None) -> list[Stream]:
+    """The 16 streams at once; ``during`` is set once each has delivered 15 tokens and none has ended."""
+    streams = [Stream() for _ in range(GREEDY + SEEDED)]
+
+    def read(i: int) -> None:
+        s = streams[i]
+        with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body(i), timeout=120) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    s.errors.append(line)
+                    continue
+                for choice in chunk["choices"]:
+                    s.text += choice["text"]
+                    s.events += 1
+                    if choice["finish_reason"] is not None:
+                        s.finish_reasons.append(choice["finish_reason"])
+                if chunk.get("usage"):
+                    s.usage = chunk["usage"]
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    if during is not None:
+        wait_until(lambda: all(s.events >= 15 for s in streams), 120, what="every stream under way")
+        assert not any(s.finish_reasons for s in streams)
+        during.set()
+    for t in threads:
+        t.join(180)
+    return streams
+
+
+def engine_pid(stack: ServeStack, port: int) -> int:
+    for pid in stack.child_pids():
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        if argv[1:3] == ["-m", "engine"] and argv[argv.index("--port") + 1] == str(port):
+            return pid
+    raise LookupError(f"no engine on port {port}")
+
+
+def rank_pids(engine: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(engine)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()
+            if b"engine.executor.worker_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def migrated(stack: ServeStack) -> float:
+    """``sluice:requests_migrated_total`` of both tokenizer services."""
+    total = 0.0
+    for port in (stack.engine_port + 4, stack.engine_port + 5):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            for family in text_string_to_metric_families(r.read().decode()):
+                total += sum(s.value for s in family.samples if s.name == "sluice:requests_migrated_total")
+    return total
+
+
+def idle_info(port: int) -> engine_pb2.GetInfoResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        deadline = time.monotonic() + 15
+        while True:
+            info = stub.GetInfo(engine_pb2.GetInfoRequest(), timeout=5)
+            if (info.num_running == info.num_waiting == 0 and info.free_kv_blocks == info.total_kv_blocks) \
+                    or time.monotonic() > deadline:
+                return info
+            time.sleep(0.1)
+
+
+def assert_same_as(streams: list[Stream], reference: list[Stream]) -> None:
+    for i, (s, ref) in enumerate(zip(streams, reference, strict=True)):
+        assert not s.errors, (i, s.errors)
+        assert s.finish_reasons == ["length"], (i, s.finish_reasons)
+        assert s.usage is not None and s.usage["completion_tokens"] == TOKENS, (i, s.usage)
+        assert s.usage["prompt_tokens"] == ref.usage["prompt_tokens"], i   # type: ignore[index]
+        assert s.text.encode() == ref.text.encode(), i
+
+
+def kill_mid_stream(stack: ServeStack, victim: int) -> list[Stream]:
+    """Run the streams and SIGKILL process ``victim`` once they are all under way."""
+    under_way = threading.Event()
+    killer = threading.Thread(target=lambda: (under_way.wait(120), os.kill(victim, signal.SIGKILL)))
+    killer.start()
+    streams = run_streams(stack, under_way)
+    killer.join()
+    return streams
+
+
+def test_streams_survive_an_engine_then_a_tensor_parallel_rank_dying(stack: ServeStack) -> None:
+    reference = run_streams(stack)
+    for ref in reference:
+        assert not ref.errors and ref.finish_reasons == ["length"] and ref.usage is not None
+    assert len({ref.text for ref in reference}) > 1
+
+    # The engine of replica 0 dies: its streams move to replica 1.
+    streams = kill_mid_stream(stack, engine_pid(stack, stack.engine_port))
+    assert_same_as(streams, reference)
+    moved = migrated(stack)
+    assert 1 <= moved <= GREEDY + SEEDED
+    info = idle_info(stack.engine_port + 1)
+    assert info.free_kv_blocks == info.total_kv_blocks and info.total_kv_blocks > 0
+
+    # Replica 0 restarted; now rank 1 of replica 1 dies, which ends that replica: its streams move to replica 0.
+    wait_until(lambda: grpc_serving(f"127.0.0.1:{stack.engine_port}", "sluice.v1.Engine"), 120,
+               what="replica 0 restarted")
+    time.sleep(1.5)   # the tokenizer services see it up (GetInfo each second)
+    ranks = rank_pids(engine_pid(stack, stack.engine_port + 1))
+    assert len(ranks) == 1
+    streams = kill_mid_stream(stack, ranks[0])
+    assert_same_as(streams, reference)
+    assert migrated(stack) > moved
+    info = idle_info(stack.engine_port)
+    assert info.free_kv_blocks == info.total_kv_blocks

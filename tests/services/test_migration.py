@@ -1,0 +1,203 @@
+"""Request migration in the tokenizer service (services/tokenizer/migration.py), against fake engines in process:
+a request whose engine dies mid-stream goes on from a live one, sent as prompt + delivered tokens with
+``resumed_output_tokens``, and its client sees every token once and one end; with no live replica it fails once with
+UNAVAILABLE after its wait; with migration off it fails as it did before; each move is counted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+import pytest
+
+from common.grpc_server import bind
+from proto.sluice.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
+from services.tokenizer.engines import Engine
+from services.tokenizer.migration import MigrationMetrics, MigrationSettings
+from services.tokenizer.server import public_server, track_engines
+from services.tokenizer.service import GenerationServicer
+from tests.procs import free_port
+from tests.services.test_slow_engine import TOKENS, StallingEngine, _tokenizer, _until, fake_engine
+
+
+class ResumingEngine(StallingEngine):
+    """Streams ``TOKENS`` as the engine contract says: a request resumed after K of them gets the rest. With
+    ``stall_after``, a request stops there and waits (the test then kills the engine)."""
+
+    def __init__(self, stall_after: int | None = None) -> None:
+        super().__init__(step=0.01)
+        self.stall_after = stall_after
+        self.received: list[engine_pb2.EngineGenerateRequest] = []
+        self.stalled = asyncio.Event()
+
+    async def Stream(self, request_iterator: AsyncIterator[engine_pb2.EngineStreamRequest],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineStreamResponse]:
+        await context.send_initial_metadata(())
+        out: asyncio.Queue[engine_pb2.EngineStreamResponse] = asyncio.Queue()
+
+        async def run(request: engine_pb2.EngineGenerateRequest) -> None:
+            self.received.append(request)
+            for i in range(request.resumed_output_tokens, len(TOKENS)):
+                if i == self.stall_after:
+                    self.stalled.set()
+                    await asyncio.Event().wait()
+                await asyncio.sleep(self.step)
+                last = i == len(TOKENS) - 1
+                out.put_nowait(engine_pb2.EngineStreamResponse(outputs=[engine_pb2.EngineGenerateResponse(
+                    request_id=request.request_id, token_ids=[TOKENS[i]], request_done=last,
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0)]))
+
+        async def read() -> None:
+            async for msg in request_iterator:
+                if msg.HasField("generate"):
+                    runs.append(asyncio.ensure_future(run(msg.generate)))
+
+        runs: list[asyncio.Future[None]] = []
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                yield await out.get()
+        finally:
+            reader.cancel()
+            for r in runs:
+                r.cancel()
+
+
+@asynccontextmanager
+async def service(ports: list[int], settings: MigrationSettings
+                  ) -> AsyncIterator[tuple[generation_pb2_grpc.GenerationStub, GenerationServicer]]:
+    """A tokenizer service over engines at ``ports`` (inline prompt ids: the fake engines read them)."""
+    engines = [Engine(grpc.aio.insecure_channel(f"127.0.0.1:{p}"), f"127.0.0.1:{p}") for p in ports]
+    server, health = public_server(_tokenizer(), 4096, ())
+    servicer = GenerationServicer(_tokenizer(), engines, served_model_name="fake", shm_tokens=0,
+                                  migration=settings, migration_metrics=MigrationMetrics())
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = bind(server, "127.0.0.1", 0)
+    await server.start()
+    tracker = asyncio.ensure_future(track_engines(servicer, health, asyncio.Event()))
+    client = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield generation_pb2_grpc.GenerationStub(client), servicer
+    finally:
+        tracker.cancel()
+        await client.close()
+        await server.stop(0)
+        servicer.close()
+        for e in engines:
+            await e.channel.close()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def read(stub: generation_pb2_grpc.GenerationStub, out: list[generation_pb2.GenerateResponse],
+               n: int = 1) -> None:
+    async for r in stub.Generate(generation_pb2.GenerateRequest(text="hi", request_id="moving", n=n)):
+        out.append(r)
+
+
+def moved(servicer: GenerationServicer) -> float:
+    value: Any = servicer.migration_metrics.registry.get_sample_value("sluice:requests_migrated_total")
+    return float(value)
+
+
+def test_a_request_whose_engine_dies_goes_on_from_a_live_one() -> None:
+    async def main() -> None:
+        a, b = ResumingEngine(stall_after=3), ResumingEngine()
+        ports = [free_port(), free_port()]
+        async with service(ports, MigrationSettings()) as (stub, servicer):
+            async with fake_engine(a, ports[0]) as server_a:
+                await _until(lambda: _true(servicer.engines[0].up), 10, "engine a up")
+                got: list[generation_pb2.GenerateResponse] = []
+                reading = asyncio.ensure_future(read(stub, got))   # to a: b is not up yet
+                async with fake_engine(b, ports[1]):
+                    await _until(lambda: _true(servicer.engines[1].up), 10, "engine b up")
+                    await asyncio.wait_for(a.stalled.wait(), 10)
+                    await server_a.stop(0)   # a dies after 3 tokens
+                    await asyncio.wait_for(reading, 10)
+                    first, resumed = a.received[0], b.received[0]
+                    prompt = list(first.prompt_token_ids.ids)
+                    assert resumed.resumed_output_tokens == 3
+                    assert list(resumed.prompt_token_ids.ids) == prompt + TOKENS[:3]
+                    assert resumed.request_id != first.request_id and resumed.sampling == first.sampling
+                    assert resumed.client_request_id == "moving"
+        assert [t for r in got for t in r.token_ids] == TOKENS
+        assert [r.finish_reason for r in got if r.finish_reason] == [common_pb2.FINISH_REASON_LENGTH]
+        assert got[-1].usage.completion_tokens == len(TOKENS) and got[-1].usage.prompt_tokens == len(prompt)
+        assert moved(servicer) == 1.0
+        assert [e.open_requests for e in servicer.engines] == [0, 0]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("max_migrations", [2, 0])
+def test_with_no_live_replica_or_migration_off_the_request_fails_once(max_migrations: int) -> None:
+    async def main() -> None:
+        a = ResumingEngine(stall_after=2)
+        port = free_port()
+        async with service([port], MigrationSettings(max_migrations=max_migrations, wait_s=0.5)) as (stub, servicer):
+            async with fake_engine(a, port) as server_a:
+                await _until(lambda: _true(servicer.engines[0].up), 10, "engine a up")
+                got: list[generation_pb2.GenerateResponse] = []
+                reading = asyncio.ensure_future(read(stub, got))
+                await asyncio.wait_for(a.stalled.wait(), 10)
+                await server_a.stop(0)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await asyncio.wait_for(reading, 10)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        if max_migrations:
+            assert "no live replica took the request within" in (e.value.details() or "")
+        assert [t for r in got for t in r.token_ids] == TOKENS[:2]
+        assert not any(r.finish_reason for r in got)
+        assert moved(servicer) == 0.0 and len(a.received) == 1
+
+    asyncio.run(main())
+
+
+def test_with_no_live_replica_the_request_waits_for_its_engine_to_restart() -> None:
+    async def main() -> None:
+        a, restarted = ResumingEngine(stall_after=4), ResumingEngine()
+        port = free_port()
+        async with service([port], MigrationSettings(wait_s=10)) as (stub, servicer):
+            async with fake_engine(a, port) as server_a:
+                await _until(lambda: _true(servicer.engines[0].up), 10, "engine a up")
+                got: list[generation_pb2.GenerateResponse] = []
+                reading = asyncio.ensure_future(read(stub, got))
+                await asyncio.wait_for(a.stalled.wait(), 10)
+                await server_a.stop(0)
+            await asyncio.sleep(0.3)   # down for a while: the request waits
+            assert not reading.done()
+            async with fake_engine(restarted, port):   # a new process on the same address
+                await asyncio.wait_for(reading, 10)
+        assert [t for r in got for t in r.token_ids] == TOKENS
+        assert restarted.received[0].resumed_output_tokens == 4
+        assert moved(servicer) == 1.0
+
+    asyncio.run(main())
+
+
+def test_a_request_with_n_2_and_tokens_delivered_is_not_moved_and_says_so() -> None:
+    async def main() -> None:
+        a, b = ResumingEngine(stall_after=2), ResumingEngine()
+        ports = [free_port(), free_port()]
+        async with service(ports, MigrationSettings()) as (stub, servicer):
+            async with fake_engine(a, ports[0]) as server_a:
+                await _until(lambda: _true(servicer.engines[0].up), 10, "engine a up")
+                got: list[generation_pb2.GenerateResponse] = []
+                reading = asyncio.ensure_future(read(stub, got, n=2))   # to a: b is not up yet
+                async with fake_engine(b, ports[1]):
+                    await _until(lambda: _true(servicer.engines[1].up), 10, "engine b up")
+                    await asyncio.wait_for(a.stalled.wait(), 10)
+                    await server_a.stop(0)
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await asyncio.wait_for(reading, 10)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "n > 1 is not moved" in (e.value.details() or "")
+        assert [t for r in got for t in r.token_ids] == TOKENS[:2] and not b.received
+        assert moved(servicer) == 0.0
+
+    asyncio.run(main())
