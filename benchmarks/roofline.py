@@ -124,9 +124,14 @@ def linear_bytes(model: torch.nn.Module) -> int:
                for m in model.modules() if isinstance(m, Linear))
 
 
+def _prompt(core: EngineCore, salt: int) -> list[int]:
+    """A fresh prompt per call (no prefix-cache hit from an earlier round)."""
+    return [3 + (salt * 7919 + j * 131) % (core.vocab_size - 3) for j in range(PROMPT)]
+
+
 def _decode(core: EngineCore, tokens: int, salt: int) -> list[float]:
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    core.add_request(f"r{salt}", [100 + (salt * 7919 + j * 131) % 30000 for j in range(PROMPT)], sp)
+    core.add_request(f"r{salt}", _prompt(core, salt), sp)
     steps: list[float] = []
     while core.has_unfinished_requests():
         core.step()
@@ -160,7 +165,7 @@ def breakdown(core: EngineCore, tokens: int, salt: int) -> dict[str, float]:
     runner.sampler = _timed(runner.sampler, sampler)
     per_step: list[tuple[float, float, float, float]] = []
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    core.add_request(f"b{salt}", [100 + (salt * 7919 + j * 131) % 30000 for j in range(PROMPT)], sp)
+    core.add_request(f"b{salt}", _prompt(core, salt), sp)
     first = True
     while core.has_unfinished_requests():
         for bucket in (linears, head, sampler):

@@ -9,7 +9,10 @@ and where a request is counted once however many gateways front it (engine/entry
 page after its own, so one scrape of ``:8000/metrics`` shows everything; in Kubernetes each process is scraped
 on its own instead and the gateways are not told to federate (docs/metrics.md). With several targets (the
 engines of ``sluice serve --data-parallel-size`` replicas, in replica order) their pages are merged, each family
-once, and the i-th target's ``engine`` label reads i, as vLLM labels its data-parallel engines.
+once, and the i-th target's ``engine`` label reads i, as vLLM labels its data-parallel engines. The tokenizer
+services' pages (``--metrics-federate-tokenizer URL``; ``sluice serve`` passes each service's) are merged alike,
+the i-th labelled ``tokenizer="i"``: their series (``sluice:requests_migrated_total``) are counted where the event
+happens, once, and every gateway relays the same values, never a count of its own.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 
 
 class GatewayMetrics:
-    """``federate``: the metrics pages (URLs) appended to this one's, fetched at each scrape."""
+    """``federate``: the engines' metrics pages (URLs) appended to this one's, fetched at each scrape;
+    ``federate_tokenizers``: the tokenizer services' pages, appended the same way."""
 
     def __init__(self, registry: CollectorRegistry | None = None, federate: Sequence[str] = (),
-                 federate_timeout: float = FEDERATE_TIMEOUT_S) -> None:
+                 federate_timeout: float = FEDERATE_TIMEOUT_S, federate_tokenizers: Sequence[str] = ()) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.federate = tuple(federate)
+        self.federate_tokenizers = tuple(federate_tokenizers)
         self.federate_timeout = federate_timeout
         r = self.registry
         self.http_requests = Counter("sluice:http_requests_total", "HTTP requests by route, method and status.",
@@ -72,13 +77,15 @@ class GatewayMetrics:
     async def render(self) -> tuple[bytes, str]:
         """This gateway's page, then the federated targets' (fetched concurrently) as one; a target that fails
         adds nothing and reads 0 in ``sluice:metrics_federate_up``."""
-        pages = await asyncio.gather(*(asyncio.to_thread(self._fetch, url) for url in self.federate))
-        for url, page in zip(self.federate, pages):
+        urls = (*self.federate, *self.federate_tokenizers)
+        pages = await asyncio.gather(*(asyncio.to_thread(self._fetch, url) for url in urls))
+        for url, page in zip(urls, pages):
             self.federate_up.labels(url).set(page is not None)
         body = generate_latest(self.registry)
         if any(page is not None for page in pages):
+            engines, tokenizers = pages[:len(self.federate)], pages[len(self.federate):]
             try:
-                body += generate_latest(_Merged(pages))   # type: ignore[arg-type]  # any object with collect()
+                body += generate_latest(_Merged(engines, tokenizers))   # type: ignore[arg-type]  # has collect()
             except ValueError as e:   # targets whose families disagree (one mid-restart): this page stays whole
                 logger.warning("federated metrics left out of this scrape: %s", e)
         return body, CONTENT_TYPE_LATEST
@@ -98,24 +105,28 @@ class GatewayMetrics:
 
 
 class _Merged:
-    """The federated targets' families, each once with the samples of every target; the i-th target's ``engine``
-    label set to i (two replicas' engines would otherwise give the same series). With several targets, a series
-    that has no ``engine`` label of its own (``vllm:lora_requests_info``, ``vllm:cache_config_info``) gets one too:
-    else the replicas' series would be one, and a reader would see only the last."""
+    """The federated targets' families, each once with the samples of every target; the i-th engine target's
+    ``engine`` label set to i (two replicas' engines would otherwise give the same series). With several engine
+    targets, a series that has no ``engine`` label of its own (``vllm:lora_requests_info``,
+    ``vllm:cache_config_info``) gets one too: else the replicas' series would be one, and a reader would see only
+    the last. The i-th tokenizer service's series get ``tokenizer="i"`` (they have no label telling them apart)."""
 
-    def __init__(self, pages: Iterable[list[Metric] | None]) -> None:
-        self._pages = list(pages)
+    def __init__(self, engines: Iterable[list[Metric] | None], tokenizers: Iterable[list[Metric] | None] = ()) -> None:
+        self._engines = list(engines)
+        self._tokenizers = list(tokenizers)
 
     def collect(self) -> Iterable[Metric]:
         merged: dict[str, Metric] = {}
-        several = len(self._pages) > 1
-        for index, page in enumerate(self._pages):
+        several = len(self._engines) > 1
+        targets = [("engine", i, page, several) for i, page in enumerate(self._engines)]
+        targets += [("tokenizer", i, page, True) for i, page in enumerate(self._tokenizers)]
+        for label, index, page, always in targets:
             for family in page or ():
                 into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
                                                              family.unit))
                 for sample in family.samples:
-                    if several or "engine" in sample.labels:
-                        sample = sample._replace(labels={**sample.labels, "engine": str(index)})
+                    if always or label in sample.labels:
+                        sample = sample._replace(labels={**sample.labels, label: str(index)})
                     into.samples.append(sample)
         return merged.values()
 
@@ -189,11 +200,14 @@ def add_metrics_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-federate", action="append", default=None, metavar="URL",
                         help="a Prometheus metrics page (e.g. the engine's http://HOST:PORT/metrics) appended to "
                              "this gateway's /metrics (repeatable; `sluice serve` passes its engine's)")
+    parser.add_argument("--metrics-federate-tokenizer", action="append", default=None, metavar="URL",
+                        help="a tokenizer service's metrics page appended to this gateway's /metrics, its series "
+                             "labelled tokenizer=\"i\" for the i-th (repeatable; `sluice serve` passes each service's)")
 
 
-def federate_targets(urls: Sequence[str] | None) -> tuple[str, ...]:
-    """``--metrics-federate``'s URLs, checked: http(s) only."""
+def federate_targets(urls: Sequence[str] | None, flag: str = "--metrics-federate") -> tuple[str, ...]:
+    """``flag``'s URLs (``--metrics-federate``, ``--metrics-federate-tokenizer``), checked: http(s) only."""
     for url in urls or ():
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--metrics-federate: {url!r} is not an http:// or https:// URL")
+            raise ValueError(f"{flag}: {url!r} is not an http:// or https:// URL")
     return tuple(urls or ())

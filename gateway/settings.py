@@ -66,8 +66,10 @@ class GatewaySettings:
     server_dev_mode: bool = False
     # One INFO line per request received and finished (--enable-log-requests, vLLM's; off by default as there).
     log_requests: bool = False
-    # Metrics pages appended to this gateway's /metrics (`sluice serve`: its engine's vllm:* page).
+    # Metrics pages appended to this gateway's /metrics (`sluice serve`: its engines' vllm:* pages, labelled engine="i";
+    # its tokenizer services' pages, labelled tokenizer="i").
     metrics_federate: tuple[str, ...] = ()
+    metrics_federate_tokenizers: tuple[str, ...] = ()
     # HTTPS on the REST port (uvicorn's --ssl-* settings); None: plain HTTP.
     rest_tls: RestTls | None = None
     # TLS (and mTLS with a CA) on the channels to the tokenizer services; None: plaintext.

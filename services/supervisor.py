@@ -36,7 +36,7 @@ from common.observability import (
     observability_flags,
     observability_settings,
 )
-from common.procs import ENV_PARENT_PID, grpc_serving, port_number
+from common.procs import ENV_PARENT_PID, free_port, grpc_serving, port_number
 from common.tls import (
     GrpcTls,
     RestTls,
@@ -195,9 +195,10 @@ def add_metrics_args(parser: argparse.ArgumentParser) -> None:
                    help="port of the engine's vllm:* metrics on 127.0.0.1, which each gateway's /metrics appends "
                         "to its own (replicas' engines use consecutive ports; default: free ports; 0: no engine "
                         "metrics)")
-    g.add_argument("--tokenizer-metrics-port", type=port_number, default=0,
-                   help="first port of the tokenizer services' sluice:* metrics on 127.0.0.1 (requests migrated; "
-                        "the services of all replicas use consecutive ports; 0: off)")
+    g.add_argument("--tokenizer-metrics-port", type=port_number, default=None,
+                   help="first port of the tokenizer services' sluice:* metrics on 127.0.0.1 (requests migrated), "
+                        "which each gateway's /metrics appends labelled tokenizer=\"i\" (the services of all "
+                        "replicas use consecutive ports; default: free ports; 0: off)")
 
 
 def resolve_settings(argv: list[str], notes: list[str] | None = None) -> argparse.Namespace:
@@ -248,6 +249,7 @@ class Replica:
     engine: Child
     tokenizers: list[Child]
     metrics_url: str | None   # the engine's vllm:* page, None when off
+    tokenizer_metrics_urls: list[str] = field(default_factory=list)   # the tokenizer services' pages, in order
 
 
 class Supervisor:
@@ -308,11 +310,14 @@ class Supervisor:
                        ready_timeout=_ENGINE_READY_TIMEOUT, env=self.child_env)
         model_flags = (["--model", config.model] if config.model else []) + (
             ["--tokenizer", config.tokenizer] if config.tokenizer else []) + tokenizer_flags(ns)
-        tokenizers = []
+        tokenizers, tok_urls = [], []
         for i in range(ns.tokenizers):
             tok_port = ns.tokenizer_port + r * ns.tokenizers + i
             addr = f"127.0.0.1:{tok_port}"
-            tok_metrics = ns.tokenizer_metrics_port + r * ns.tokenizers + i if ns.tokenizer_metrics_port else 0
+            first = ns.tokenizer_metrics_port
+            tok_metrics = free_port() if first is None else first + r * ns.tokenizers + i if first else 0
+            if tok_metrics:
+                tok_urls.append(f"http://127.0.0.1:{tok_metrics}/metrics")
             tokenizers.append(Child(
                 f"tokenizer{suffix}-{i}",
                 [py, "-m", "services.tokenizer", "--engine", ",".join(self.engine_addrs), "--host", "127.0.0.1",
@@ -323,7 +328,7 @@ class Supervisor:
                  *self._child_flags(log_requests=ns.data_parallel_size > 1)],
                 ready=(lambda a=addr: grpc_serving(a, "sluice.v1.Generation", tls)), env=self.child_env))
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
-        return Replica(engine, tokenizers, metrics_url)
+        return Replica(engine, tokenizers, metrics_url, tok_urls)
 
     def _gateway(self, i: int, tok_addrs: list[str], rest_tls: RestTls | None) -> Child:
         ns, config = self.ns, self.config
@@ -352,6 +357,9 @@ class Supervisor:
         for replica in self.replicas:
             if replica.metrics_url is not None:
                 argv += ["--metrics-federate", replica.metrics_url]
+        for replica in self.replicas:   # the i-th overall is labelled tokenizer="i": replica r's j-th is r x T + j
+            for url in replica.tokenizer_metrics_urls:
+                argv += ["--metrics-federate-tokenizer", url]
         argv += rest_tls_flags(rest_tls)
         if self.shared_port:
             argv.append("--reuse-port")

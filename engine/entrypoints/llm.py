@@ -268,10 +268,9 @@ class LLM:
             if offline_multimodal.has_image_parts(conv):   # image_url parts: through the model's processor
                 if self.mm_processor is None:
                     raise offline_multimodal.text_only_refusal(self.config.model_name)
-                text, images = self.mm_processor.render_chat(conv, add_generation_prompt=add_generation_prompt,
-                                                             chat_template=chat_template)
-                processed = self.mm_processor.process(text, images)
-                items.append((text, processed.prompt_token_ids))
+                processed = self.mm_processor.process_chat(conv, add_generation_prompt=add_generation_prompt,
+                                                           chat_template=chat_template)
+                items.append((processed.prompt, processed.prompt_token_ids))
                 mm.append(offline_multimodal.engine_items(processed))
                 continue
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,

@@ -143,24 +143,28 @@ class MultiModalProcessor:
             raise InvalidRequestError(FIELD, f"{count} {modality} items in one prompt; at most {limit} are allowed "
                                              "(--limit-mm-per-prompt)")
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> tuple[str, list[Any]]:
-        """(the prompt text the processor's chat template makes of ``messages``, their images in order)."""
+    def process_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                     chat_template: str | None = None) -> ProcessedPrompt:
+        """OpenAI chat messages with ``image_url`` parts through the processor's chat template (or
+        ``chat_template``) and the processor, as transformers' ``processor.apply_chat_template(tokenize=True)``:
+        special tokens added unless the rendered prompt starts with the BOS token."""
         conversation, images = chat_parts(messages)
         template = chat_template or getattr(self.processor, "chat_template", None)
         if not template:
             raise InvalidRequestError("chat_template", "the model's processor has no chat template: pass one")
-        text = self.processor.apply_chat_template(conversation, chat_template=template,
-                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
-        return str(text), images
+        text = str(self.processor.apply_chat_template(conversation, chat_template=template,
+                                                      add_generation_prompt=add_generation_prompt, tokenize=False))
+        bos = self.processor.tokenizer.bos_token
+        return self.process(text, images, add_special_tokens=not (bos and text.startswith(bos)))
 
-    def process(self, prompt: str, images: Sequence[Any]) -> ProcessedPrompt:
+    def process(self, prompt: str, images: Sequence[Any], *, add_special_tokens: bool = True) -> ProcessedPrompt:
         """Runs the processor over the prompt (one ``<image>`` placeholder per image, as the model's processor
         takes it) and its images. InvalidRequestError naming ``multi_modal_data``: over the limit, or placeholders
         that do not match the images."""
         self.check_count("image", len(images))
         try:
-            out = self.processor(text=prompt, images=list(images) or None, return_tensors="np")
+            out = self.processor(text=prompt, images=list(images) or None, return_tensors="np",
+                                 add_special_tokens=add_special_tokens)
         except (ValueError, TypeError, OSError) as e:
             raise InvalidRequestError(FIELD, f"the model's processor refused the prompt and its images: {e}") from None
         ids = np.asarray(out["input_ids"]).reshape(-1)

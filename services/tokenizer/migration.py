@@ -6,12 +6,13 @@ tensor-parallel rank of it, which ends the replica) it sends the prompt plus tho
 produced them (penalties, limits, grammar, a seeded request's draws), so greedy and seeded requests continue with
 exactly the tokens they would have had, and detokenization and stop strings here never notice.
 
-What moves: a request with n = 1, at any point; a request with nothing delivered yet (best_of and beam search
-deliver nothing before their end; n > 1 before its first tokens), sent again as it was. A request with n > 1 that
-has delivered tokens is not moved: it ends with UNAVAILABLE saying so (its sequences' seeds would continue, seed +
-index each as n = 1 requests, but one stream would then be several engine requests to follow). A request
-moves at most ``--max-request-migrations`` times. With no live replica it waits for one (a restart) within its
-deadline and at most ``--request-migration-wait``, then ends with one UNAVAILABLE error.
+What moves: any request with n >= 1, at any point; a request with nothing delivered yet is sent again as it was.
+Once tokens were delivered, each unfinished sequence i of it moves as its own n = 1 resumed request seeded seed + i
+(as the engine forks a seeded request's sequences), and their outputs come back into the one stream under their
+index; finished sequences stay finished. best_of and beam search deliver nothing before their end, so they are sent
+again as they were until then. A request moves at most ``--max-request-migrations`` times. With no live replica it
+waits for one (a restart) within its deadline and at most ``--request-migration-wait``, then ends with one
+UNAVAILABLE error.
 """
 
 from __future__ import annotations
@@ -112,12 +113,24 @@ class Resubmitter(Protocol):
                              ) -> tuple[engine_pb2.EngineGenerateRequest, _Handoff]: ...
 
 
+@dataclass
+class _Leg:
+    """One engine request carrying (part of) the client's request: the request as a whole (``index`` None), or,
+    once a request with n > 1 has moved, the n = 1 request continuing its sequence ``index``."""
+
+    request: engine_pb2.EngineGenerateRequest
+    handoff: _Handoff
+    index: int | None = None
+
+
 class EngineCall:
     """One request's engine outputs, from the engine it was sent to and then from each one it moves to: the
     messages a single engine call would give (``EngineStream.generate``), with the same errors when it cannot move.
 
-    It owns where the request is: ``engine`` (counted in its ``open_requests``), the engine request's ``key`` and
-    the prompt's shared-memory handoff. ``abort`` reaches wherever it runs now; ``aclose`` ends it there."""
+    It owns where the request is: ``engine`` (counted in its ``open_requests``), the engine requests (``_legs``:
+    the request itself, or after a move of a request with n > 1 one n = 1 request per unfinished sequence, whose
+    outputs are merged back under their sequence's index) and their prompts' shared-memory handoffs. ``abort``
+    reaches wherever it runs now; ``aclose`` ends it there."""
 
     def __init__(self, owner: Resubmitter, engine: Engine, request: engine_pb2.EngineGenerateRequest,
                  handoff: _Handoff, prompt_ids: list[int] | np.ndarray, *, request_id: str,
@@ -126,9 +139,9 @@ class EngineCall:
         caller's seconds left; ``deadline``: the request's time limit (monotonic), when it has one."""
         self._owner = owner
         self.engine = engine
-        self.key = request.request_id
-        self._request = request
-        self._handoff = handoff
+        self._request = request   # the request as first sent: what each move's engine requests are made from
+        self._n = request.n or 1
+        self._legs = [_Leg(request, handoff)]
         self._prompt_ids = prompt_ids
         self._request_id = request_id
         now = time.monotonic()
@@ -137,7 +150,7 @@ class EngineCall:
         self._instance = engine.instance_id   # the engine process the request runs on
         self._dead: dict[Engine, str | None] = {}   # engines found dead, by the process that died
         self._delivered: dict[int, list[int]] = {}   # tokens of each sequence, as the engines sent them
-        self._finished: set[int] = set()
+        self._finished: set[int] = set()   # sequences ended by the engine, or aborted by the caller
         self.moves = 0
         self._messages: AsyncGenerator[engine_pb2.EngineGenerateResponse, None] | None = None
 
@@ -148,26 +161,37 @@ class EngineCall:
 
     async def abort(self, index: int | None = None) -> None:
         """Abort the request (or its sequence ``index``) on the engine it runs on now."""
-        await self.engine.abort(self.key, index)
+        if index is None:
+            for leg in self._legs:
+                await self.engine.abort(leg.request.request_id)
+            return
+        self._finished.add(index)   # not moved, whatever the engine still sends
+        for leg in self._legs:
+            if leg.index is None:
+                await self.engine.abort(leg.request.request_id, index)
+            elif leg.index == index:
+                await self.engine.abort(leg.request.request_id)
 
     async def aclose(self) -> None:
-        """End the iteration (an unfinished engine request is aborted there) and give back the prompt's slot."""
+        """End the iteration (an unfinished engine request is aborted there) and give back the prompts' slots."""
         if self._messages is not None:
             await self._messages.aclose()
-        self._handoff.release()
+        for leg in self._legs:
+            leg.handoff.release()
 
     async def _run(self) -> AsyncGenerator[engine_pb2.EngineGenerateResponse, None]:
         while True:
             failure: BaseException
             engine = self.engine
-            call = engine.stream.generate(self._request, timeout=self._remaining(),
-                                          metadata=(("x-request-id", self._request_id),))
+            outputs = self._outputs(engine)
             try:
-                async for msg in call:
+                async for leg, msg in outputs:
                     if msg.HasField("released_shm_slot"):
-                        self._handoff.release()
+                        leg.handoff.release()
                     if self.moves:   # its cache hits on this engine say nothing of the client's prompt
                         msg.cached_tokens = 0
+                    if leg.index is not None:
+                        msg.index = leg.index
                     if msg.finish_reason == common_pb2.FINISH_REASON_ERROR and await self._may_move(engine):
                         # A rank of the replica died: every sequence of it ends so. Tokens it carries were sampled.
                         failure = RuntimeError(msg.error_message or "the engine failed")
@@ -179,6 +203,8 @@ class EngineCall:
                             yield msg
                         break
                     self._record(msg)
+                    if leg.index is not None:
+                        msg.request_done = len(self._finished) == self._n
                     yield msg
                 else:
                     return
@@ -187,8 +213,48 @@ class EngineCall:
                     raise
                 failure = error
             finally:
-                await call.aclose()
+                await outputs.aclose()
             await self._move(failure)
+
+    async def _outputs(self, engine: Engine) -> AsyncGenerator[tuple[_Leg, engine_pb2.EngineGenerateResponse], None]:
+        """The messages of every engine request of the request on ``engine``, as they come; a leg's error is
+        raised. With several legs it ends once every sequence has finished (an aborted leg need not answer)."""
+        metadata = (("x-request-id", self._request_id),)
+        if len(self._legs) == 1:
+            leg = self._legs[0]
+            call = engine.stream.generate(leg.request, timeout=self._remaining(), metadata=metadata)
+            try:
+                async for msg in call:
+                    yield leg, msg
+            finally:
+                await call.aclose()
+            return
+        queue: asyncio.Queue[tuple[_Leg, engine_pb2.EngineGenerateResponse | None] | Exception] = asyncio.Queue()
+
+        async def pump(leg: _Leg) -> None:
+            try:
+                async for msg in engine.stream.generate(leg.request, timeout=self._remaining(), metadata=metadata):
+                    queue.put_nowait((leg, msg))
+                queue.put_nowait((leg, None))
+            except Exception as error:   # noqa: BLE001 - raised where the messages are read
+                queue.put_nowait(error)
+
+        pumps = [asyncio.ensure_future(pump(leg)) for leg in self._legs]
+        running = len(pumps)
+        try:
+            while running and len(self._finished) < self._n:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                leg, out = item
+                if out is None:
+                    running -= 1
+                else:
+                    yield leg, out
+        finally:
+            for p in pumps:
+                p.cancel()   # leaving a leg's call early aborts it on the engine
+            await asyncio.gather(*pumps, return_exceptions=True)
 
     def _record(self, msg: engine_pb2.EngineGenerateResponse) -> None:
         self._delivered.setdefault(msg.index, []).extend(msg.token_ids)
@@ -199,15 +265,19 @@ class EngineCall:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     @property
-    def _movable(self) -> bool:
-        """Whether this request can continue elsewhere: n = 1, or nothing delivered yet (sent again as it was)."""
-        delivered = any(self._delivered.values())
-        return not delivered or ((self._request.n or 1) == 1 and not self._finished)
+    def _unmovable(self) -> str | None:
+        """Why the request cannot continue elsewhere, or None: best_of and beam search keep their candidates on
+        the engine (they deliver nothing before their end, and are sent again as they were until then)."""
+        if not any(self._delivered.values()):
+            return None
+        if self._request.HasField("beam_search") or self._request.best_of > self._n:
+            return "a request with best_of or beam search is not moved once it has delivered tokens"
+        return None
 
     async def _may_move(self, engine: Engine) -> bool:
         """Whether the request should move: migration is on and its engine process is gone — it does not answer
         GetInfo, or another process does (a refusal from an engine that lives is the request's own). One that
-        cannot move (n > 1 with tokens delivered) ends with UNAVAILABLE saying so."""
+        cannot move ends with UNAVAILABLE saying why."""
         if self._owner.migration.max_migrations == 0:
             return False
         try:
@@ -218,11 +288,9 @@ class EngineCall:
             died = r.instance_id != self._instance
         if died:
             self._dead[engine] = self._instance
-            if not self._movable:
-                logger.warning("request %s not moved: %s died, and a request with n > 1 is not moved once it has "
-                               "delivered tokens", self._request_id, engine.name)
-                raise self._unavailable(f"{engine.name} died; a request with n > 1 is not moved to another engine "
-                                        "once it has delivered tokens")
+            if (why := self._unmovable) is not None:
+                logger.warning("request %s not moved: %s died, and %s", self._request_id, engine.name, why)
+                raise self._unavailable(f"{engine.name} died; {why}")
         return died
 
     def _live(self) -> list[Engine]:
@@ -249,28 +317,45 @@ class EngineCall:
                                         f"{time.monotonic() - start:.1f} s")
             await asyncio.sleep(_POLL_S)
         target = min(live, key=lambda e: e.load)
-        request = engine_pb2.EngineGenerateRequest()
-        request.CopyFrom(self._request)
-        request.ClearField("prompt")
-        request.request_id = self.key = self._owner.new_engine_key()
-        delivered = self._delivered.get(0, []) if any(self._delivered.values()) else []
-        prompt: list[int] | np.ndarray = self._prompt_ids
-        if delivered:
-            base = self._prompt_ids.tolist() if isinstance(self._prompt_ids, np.ndarray) else list(self._prompt_ids)
-            prompt = base + delivered
-            request.resumed_output_tokens = len(delivered)
-            request.ClearField("prompt_logprobs")   # sent with the first tokens: the client has them
-        self._handoff.release()
+        for leg in self._legs:
+            leg.handoff.release()
         old.open_requests -= 1
         target.open_requests += 1
         self.engine = target
         self._instance = target.instance_id
-        self._request, self._handoff = await self._owner.engine_request(request, prompt, engine=target)
+        self._legs = []
+        if not any(self._delivered.values()):
+            self._legs.append(await self._leg(target, None, []))   # sent again as it was
+        else:
+            for i in range(self._n):
+                if i not in self._finished:
+                    self._legs.append(await self._leg(target, i, self._delivered.get(i, [])))
         self.moves += 1
         self._owner.migration_metrics.migrated.inc()
         logger.warning("request %s moved from %s to %s after %d delivered tokens (move %d of at most %d): %s",
-                       self._request_id, old.name, target.name, len(delivered), self.moves,
+                       self._request_id, old.name, target.name, sum(map(len, self._delivered.values())), self.moves,
                        settings.max_migrations, _describe(failure))
+
+    async def _leg(self, target: Engine, index: int | None, delivered: list[int]) -> _Leg:
+        """A new engine request on ``target``: the request as it was (``index`` None), or sequence ``index`` as an
+        n = 1 request resumed from its ``delivered`` tokens, seeded as the engine forks sequence ``index`` of a
+        seeded request (seed + index; ``engine.worker.model_runner``), so its t-th token is the same draw."""
+        request = engine_pb2.EngineGenerateRequest()
+        request.CopyFrom(self._request)
+        request.ClearField("prompt")
+        request.request_id = self._owner.new_engine_key()
+        prompt: list[int] | np.ndarray = self._prompt_ids
+        if index is not None:
+            base = self._prompt_ids.tolist() if isinstance(self._prompt_ids, np.ndarray) else list(self._prompt_ids)
+            prompt = base + delivered
+            request.resumed_output_tokens = len(delivered)
+            request.ClearField("prompt_logprobs")   # sent with the first tokens: the client has them
+            request.n = 1
+            request.best_of = 0
+            if request.sampling.HasField("seed"):   # int64 on the wire; the engine seeds with it modulo 2**64
+                request.sampling.seed = (request.sampling.seed + index + 2**63) % 2**64 - 2**63
+        sent, handoff = await self._owner.engine_request(request, prompt, engine=target)
+        return _Leg(sent, handoff, index)
 
     def _unavailable(self, details: str) -> grpc.aio.AioRpcError:
         return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),

@@ -94,8 +94,13 @@ def test_every_vllm_name_is_on_the_gateway_page_with_model_name(
         assert all(s.labels.get("model_name") == SERVED and s.labels.get("engine") == "0" for s in found), name
     # The gateway's own series are still there, and it got the engine's page.
     assert any(s.name == "sluice:http_requests_total" for s in samples)
-    (up,) = [s for s in samples if s.name == "sluice:metrics_federate_up"]
-    assert up.value == 1 and re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", up.labels["target"])
+    # The engine's page and the tokenizer service's (its own port, `sluice serve`'s default), both fetched.
+    ups = [s for s in samples if s.name == "sluice:metrics_federate_up"]
+    assert len(ups) == 2 and all(up.value == 1 for up in ups)
+    assert all(re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", up.labels["target"]) for up in ups)
+    # The tokenizer service's series, labelled as a tokenizer service, not as an engine: nothing moved here.
+    (moved,) = [s for s in samples if s.name == "sluice:requests_migrated_total"]
+    assert moved.labels == {"tokenizer": "0"} and moved.value == 0
 
 
 def test_counters_agree_with_what_the_client_received(

@@ -1,20 +1,24 @@
 """Request migration end to end: `sluice serve -dp 2 -tp 2` (two replicas of a tiny random Llama, each engine with a
-second tensor-parallel rank in a process of its own). 12 greedy and 4 seeded sampled streams of 120 tokens run
-undisturbed, then again while one replica dies mid-stream — its engine SIGKILLed, then (once it is back) the other
-replica's rank 1 SIGKILLed. Every stream ends with all its tokens, text byte-identical to the undisturbed run's, one
-finish reason and the same usage; the tokenizer services counted the moves (``sluice:requests_migrated_total``), and
-the replica that took them ends with every KV block free."""
+second tensor-parallel rank in a process of its own). 12 greedy and 4 seeded sampled streams of 120 tokens, and one
+seeded stream with n = 2, run undisturbed, then again while one replica dies mid-stream — its engine (the one the n = 2
+stream runs on, so that its sequences move as n = 1 requests) SIGKILLed, then (once it is back) the other replica's
+rank 1 SIGKILLed. Every stream ends with all its tokens, text byte-identical to the undisturbed run's, one
+finish reason per sequence and the same usage; the tokenizer services counted the moves
+(``sluice:requests_migrated_total``, read from the gateway's /metrics), and the replica that took them ends with
+every KV block free. float32: in bfloat16 a recomputed prefill may round differently from the decoded KV
+(docs/serving.md#request-migration)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +38,7 @@ pytestmark = pytest.mark.slow
 
 TOKENS = 120
 GREEDY, SEEDED = 12, 4
+PAIR = GREEDY + SEEDED   # the n = 2 stream's number
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +47,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
     save_tiny_llama(tmp / "tiny", vocab_size=49152)   # the default model's vocabulary, for its tokenizer
     s = ServeStack(tmp, "--model", str(tmp / "tiny"), "--tokenizer", default_model_path(), "--data-parallel-size",
                    "2", "--tensor-parallel-size", "2", "--kv-cache-memory", "32MiB", "--max-num-seqs", "16",
-                   "--num-threads", "1", "--shutdown-timeout", "2", "--routing", "round_robin", "--dtype", "float32")
-    base = consecutive_free_ports(8)   # 2 engines, 2 tokenizer services, their metrics pages, the engines'
+                   "--num-threads", "1", "--shutdown-timeout", "2", "--routing", "round_robin", "--dtype", "float32",
+                   "--enable-log-requests")   # the tokenizer services name the engine each request went to
+    base = consecutive_free_ports(6)   # 2 engines, 2 tokenizer services, the engines' metrics pages
     s.engine_port, s.tokenizer_port = base, base + 2
-    s.flags += ["--tokenizer-metrics-port", str(base + 4), "--engine-metrics-port", str(base + 6)]
+    s.flags += ["--engine-metrics-port", str(base + 4)]   # the tokenizer services' pages: free ports (the default)
     s.start()
     yield s
     s.stop()
@@ -53,7 +59,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
 
 @dataclass
 class Stream:
-    text: str = ""
+    texts: dict[int, str] = field(default_factory=dict)   # by choice index
     events: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     usage: dict[str, int] | None = None
@@ -63,16 +69,18 @@ class Stream:
 def body(i: int) -> dict[str, object]:
     sampling = {"temperature": 0} if i < GREEDY else {"temperature": 1.0, "top_p": 0.9, "seed": 1000 + i}
     return {"prompt": f"Story {i}:", "max_tokens": TOKENS, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, **sampling}
+            "stream_options": {"include_usage": True}, "n": 2 if i == PAIR else 1, **sampling}
 
 
-def run_streams(stack: ServeStack, during: threading.Event | None = None) -> list[Stream]:
-    """The 16 streams at once; ``during`` is set once each has delivered 15 tokens and none has ended."""
-    streams = [Stream() for _ in range(GREEDY + SEEDED)]
+def run_streams(stack: ServeStack, tag: str, during: threading.Event | None = None) -> list[Stream]:
+    """The 17 streams at once, request ids ``{tag}-{i}``; ``during`` is set once each has delivered 15 tokens
+    and none has ended."""
+    streams = [Stream() for _ in range(PAIR + 1)]
 
     def read(i: int) -> None:
         s = streams[i]
-        with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body(i), timeout=120) as r:
+        with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body(i), timeout=120,
+                          headers={"x-request-id": f"{tag}-{i}"}) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -81,7 +89,7 @@ def run_streams(stack: ServeStack, during: threading.Event | None = None) -> lis
                     s.errors.append(line)
                     continue
                 for choice in chunk["choices"]:
-                    s.text += choice["text"]
+                    s.texts[choice["index"]] = s.texts.get(choice["index"], "") + choice["text"]
                     s.events += 1
                     if choice["finish_reason"] is not None:
                         s.finish_reasons.append(choice["finish_reason"])
@@ -115,13 +123,12 @@ def rank_pids(engine: int) -> list[int]:
 
 
 def migrated(stack: ServeStack) -> float:
-    """``sluice:requests_migrated_total`` of both tokenizer services."""
-    total = 0.0
-    for port in (stack.engine_port + 4, stack.engine_port + 5):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            for family in text_string_to_metric_families(r.read().decode()):
-                total += sum(s.value for s in family.samples if s.name == "sluice:requests_migrated_total")
-    return total
+    """``sluice:requests_migrated_total`` of both tokenizer services, as the gateway's /metrics federates them."""
+    with urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=10) as r:
+        samples = [s for family in text_string_to_metric_families(r.read().decode()) for s in family.samples
+                   if s.name == "sluice:requests_migrated_total"]
+    assert sorted(tuple(s.labels.items()) for s in samples) == [(("tokenizer", "0"),), (("tokenizer", "1"),)], samples
+    return sum(s.value for s in samples)
 
 
 def idle_info(port: int) -> engine_pb2.GetInfoResponse:
@@ -138,45 +145,74 @@ def idle_info(port: int) -> engine_pb2.GetInfoResponse:
 
 def assert_same_as(streams: list[Stream], reference: list[Stream]) -> None:
     for i, (s, ref) in enumerate(zip(streams, reference, strict=True)):
+        n = 2 if i == PAIR else 1
         assert not s.errors, (i, s.errors)
-        assert s.finish_reasons == ["length"], (i, s.finish_reasons)
-        assert s.usage is not None and s.usage["completion_tokens"] == TOKENS, (i, s.usage)
+        assert s.finish_reasons == ["length"] * n, (i, s.finish_reasons)
+        assert s.usage is not None and s.usage["completion_tokens"] == n * TOKENS, (i, s.usage)
         assert s.usage["prompt_tokens"] == ref.usage["prompt_tokens"], i   # type: ignore[index]
-        assert s.text.encode() == ref.text.encode(), i
+        assert sorted(s.texts) == list(range(n)), (i, sorted(s.texts))
+        assert {k: t.encode() for k, t in s.texts.items()} == {k: t.encode() for k, t in ref.texts.items()}, i
 
 
-def kill_mid_stream(stack: ServeStack, victim: int) -> list[Stream]:
-    """Run the streams and SIGKILL process ``victim`` once they are all under way."""
+def engine_port_of(stack: ServeStack, request_id: str) -> int:
+    """The engine port a tokenizer service sent request ``request_id`` to (its log line on receiving it)."""
+    found = re.findall(rf"Received request {re.escape(request_id)} .*; to the engine at 127\.0\.0\.1:(\d+)",
+                       stack.log.read_text(errors="replace"))
+    assert len(found) == 1, found
+    return int(found[0])
+
+
+def kill_mid_stream(stack: ServeStack, tag: str, victim: Callable[[], int]) -> list[Stream]:
+    """Run the streams and SIGKILL process ``victim()`` once they are all under way."""
     under_way = threading.Event()
-    killer = threading.Thread(target=lambda: (under_way.wait(120), os.kill(victim, signal.SIGKILL)))
+    failed: list[BaseException] = []
+
+    def kill() -> None:
+        under_way.wait(120)
+        try:
+            os.kill(victim(), signal.SIGKILL)
+        except BaseException as e:   # noqa: BLE001 - raised below, in the test's thread
+            failed.append(e)
+
+    killer = threading.Thread(target=kill)
     killer.start()
-    streams = run_streams(stack, under_way)
+    streams = run_streams(stack, tag, under_way)
     killer.join()
+    if failed:
+        raise failed[0]
     return streams
 
 
 def test_streams_survive_an_engine_then_a_tensor_parallel_rank_dying(stack: ServeStack) -> None:
-    reference = run_streams(stack)
-    for ref in reference:
-        assert not ref.errors and ref.finish_reasons == ["length"] and ref.usage is not None
-    assert len({ref.text for ref in reference}) > 1
+    reference = run_streams(stack, "reference")
+    for i, ref in enumerate(reference):
+        assert not ref.errors and ref.finish_reasons == ["length"] * (2 if i == PAIR else 1) and ref.usage is not None
+    assert len({ref.texts[0] for ref in reference}) > 1 and reference[PAIR].texts[0] != reference[PAIR].texts[1]
 
-    # The engine of replica 0 dies: its streams move to replica 1.
-    streams = kill_mid_stream(stack, engine_pid(stack, stack.engine_port))
+    # The engine of the replica the n = 2 stream runs on dies: its streams move to the other replica.
+    ports: list[int] = []
+
+    def pair_engine() -> int:
+        ports.append(engine_port_of(stack, f"first-{PAIR}"))
+        return engine_pid(stack, ports[0])
+
+    streams = kill_mid_stream(stack, "first", pair_engine)
     assert_same_as(streams, reference)
+    assert re.search(rf"request first-{PAIR} moved from the engine at 127\.0\.0\.1:{ports[0]} to .* after "
+                     r"(?!0 )\d+ delivered tokens", stack.log.read_text(errors="replace"))
     moved = migrated(stack)
-    assert 1 <= moved <= GREEDY + SEEDED
-    info = idle_info(stack.engine_port + 1)
+    assert 1 <= moved <= PAIR + 1
+    dead, survivor = ports[0], 2 * stack.engine_port + 1 - ports[0]
+    info = idle_info(survivor)
     assert info.free_kv_blocks == info.total_kv_blocks and info.total_kv_blocks > 0
 
-    # Replica 0 restarted; now rank 1 of replica 1 dies, which ends that replica: its streams move to replica 0.
-    wait_until(lambda: grpc_serving(f"127.0.0.1:{stack.engine_port}", "sluice.v1.Engine"), 120,
-               what="replica 0 restarted")
+    # The dead replica restarted; now rank 1 of the other dies, which ends that replica: its streams move back.
+    wait_until(lambda: grpc_serving(f"127.0.0.1:{dead}", "sluice.v1.Engine"), 120, what="the replica restarted")
     time.sleep(1.5)   # the tokenizer services see it up (GetInfo each second)
-    ranks = rank_pids(engine_pid(stack, stack.engine_port + 1))
+    ranks = rank_pids(engine_pid(stack, survivor))
     assert len(ranks) == 1
-    streams = kill_mid_stream(stack, ranks[0])
+    streams = kill_mid_stream(stack, "second", lambda: ranks[0])
     assert_same_as(streams, reference)
     assert migrated(stack) > moved
-    info = idle_info(stack.engine_port)
+    info = idle_info(dead)
     assert info.free_kv_blocks == info.total_kv_blocks

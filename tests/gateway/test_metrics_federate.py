@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.procs import free_port
@@ -17,6 +18,7 @@ from gateway.__main__ import build_parser, settings_from_args
 from gateway.app import create_app
 from gateway.client import GrpcBackend
 from gateway.metrics import GatewayMetrics
+from services.tokenizer.migration import MigrationMetrics
 
 pytestmark = pytest.mark.anyio
 
@@ -28,8 +30,21 @@ ENGINE_PAGE = (b'# HELP vllm:num_requests_waiting Number of requests waiting to 
                b'vllm:lora_requests_info{max_lora="1",running_lora_adapters="a",waiting_lora_adapters=""} 1.5e9\n')
 
 
+
+
+def _tokenizer_page() -> bytes:
+    """A tokenizer service's page (services/tokenizer/migration.py) after two moves, as prometheus_client writes it."""
+    metrics = MigrationMetrics()
+    metrics.migrated.inc(2)
+    return generate_latest(metrics.registry)
+
+
+TOKENIZER_PAGE = _tokenizer_page()
+
+
 class _Target(BaseHTTPRequestHandler):
     delay_s = 0.0
+    page = ENGINE_PAGE
 
     def do_GET(self) -> None:  # noqa: N802 — http.server's name
         time.sleep(self.delay_s)
@@ -37,7 +52,7 @@ class _Target(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.end_headers()
-            self.wfile.write(ENGINE_PAGE)
+            self.wfile.write(self.page)
         except BrokenPipeError:   # the slow one: the gateway gave up on it
             pass
 
@@ -45,8 +60,8 @@ class _Target(BaseHTTPRequestHandler):
         pass
 
 
-def _serve(delay_s: float) -> Iterator[str]:
-    handler = type("Handler", (_Target,), {"delay_s": delay_s})
+def _serve(delay_s: float, page: bytes = ENGINE_PAGE) -> Iterator[str]:
+    handler = type("Handler", (_Target,), {"delay_s": delay_s, "page": page})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -158,3 +173,28 @@ async def test_a_target_that_dies_mid_answer_is_left_out(engine_url: str) -> Non
     got = families(body.decode())
     assert got["vllm:num_requests_waiting"] == [({"engine": "1", "model_name": "m"}, 3.0)]
     assert dict((s[0]["target"], s[1]) for s in got["sluice:metrics_federate_up"]) == {cut: 0.0, engine_url: 1.0}
+
+
+async def test_tokenizer_services_pages_are_labelled_by_tokenizer_not_engine(engine_url: str) -> None:
+    """``--metrics-federate-tokenizer``: each tokenizer service's series once, labelled tokenizer="i" by its
+    position (not as an engine: the engine label still counts engines only), after the engines' families."""
+    pages = [_serve(0.0, TOKENIZER_PAGE) for _ in range(2)]
+    first, second = (next(p) for p in pages)
+    ns = build_parser().parse_args(["--metrics-federate", engine_url, "--metrics-federate-tokenizer", first,
+                                    "--metrics-federate-tokenizer", second])
+    settings = settings_from_args(ns, {})
+    assert settings.metrics_federate_tokenizers == (first, second)
+    try:
+        body, _ = await GatewayMetrics(federate=settings.metrics_federate,
+                                       federate_tokenizers=settings.metrics_federate_tokenizers).render()
+    finally:
+        for p in pages:
+            p.close()
+    got = families(body.decode())
+    assert got["sluice:requests_migrated"] == [({"tokenizer": "0"}, 2.0), ({"tokenizer": "1"}, 2.0)]
+    assert got["vllm:num_requests_waiting"] == [({"engine": "0", "model_name": "m"}, 3.0)]
+    assert dict((s[0]["target"], s[1]) for s in got["sluice:metrics_federate_up"]) == {
+        engine_url: 1.0, first: 1.0, second: 1.0}
+    ns = build_parser().parse_args(["--metrics-federate-tokenizer", "127.0.0.1:9100/metrics"])
+    with pytest.raises(ValueError, match="--metrics-federate-tokenizer: '127.0.0.1:9100/metrics' is not an http"):
+        settings_from_args(ns, {})

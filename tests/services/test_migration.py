@@ -23,9 +23,16 @@ from tests.procs import free_port
 from tests.services.test_slow_engine import TOKENS, StallingEngine, _tokenizer, _until, fake_engine
 
 
+def sequence(seed: int) -> list[int]:
+    """What the fake engine streams for a sequence seeded ``seed`` (0 when unseeded): ``TOKENS`` shifted by the
+    seed, ending after 2 tokens when the seed is odd."""
+    return [t + 10 * seed for t in TOKENS][:2 if seed % 2 else None]
+
+
 class ResumingEngine(StallingEngine):
-    """Streams ``TOKENS`` as the engine contract says: a request resumed after K of them gets the rest. With
-    ``stall_after``, a request stops there and waits (the test then kills the engine)."""
+    """Streams ``sequence(seed + i)`` for each sequence i of a request as the engine contract says: a request
+    resumed after K tokens gets the rest. With ``stall_after``, a request stops there and waits (the test then
+    kills the engine)."""
 
     def __init__(self, stall_after: int | None = None) -> None:
         super().__init__(step=0.01)
@@ -40,15 +47,20 @@ class ResumingEngine(StallingEngine):
 
         async def run(request: engine_pb2.EngineGenerateRequest) -> None:
             self.received.append(request)
-            for i in range(request.resumed_output_tokens, len(TOKENS)):
-                if i == self.stall_after:
+            seed = request.sampling.seed if request.sampling.HasField("seed") else 0
+            seqs = [sequence(seed + i) for i in range(request.n or 1)]
+            for k in range(request.resumed_output_tokens, len(TOKENS)):
+                if k == self.stall_after:
                     self.stalled.set()
                     await asyncio.Event().wait()
                 await asyncio.sleep(self.step)
-                last = i == len(TOKENS) - 1
+                done = all(k >= len(s) - 1 for s in seqs)
                 out.put_nowait(engine_pb2.EngineStreamResponse(outputs=[engine_pb2.EngineGenerateResponse(
-                    request_id=request.request_id, token_ids=[TOKENS[i]], request_done=last,
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0)]))
+                    request_id=request.request_id, index=i, token_ids=[s[k]], request_done=done and i == len(seqs) - 1,
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if k == len(s) - 1 else 0)
+                    for i, s in enumerate(seqs) if k < len(s)]))
+                if done:
+                    return
 
         async def read() -> None:
             async for msg in request_iterator:
@@ -95,8 +107,10 @@ async def _true(value: bool) -> bool:
 
 
 async def read(stub: generation_pb2_grpc.GenerationStub, out: list[generation_pb2.GenerateResponse],
-               n: int = 1) -> None:
-    async for r in stub.Generate(generation_pb2.GenerateRequest(text="hi", request_id="moving", n=n)):
+               n: int = 1, seed: int | None = None) -> None:
+    request = generation_pb2.GenerateRequest(text="hi", request_id="moving", n=n,
+                                             sampling=common_pb2.SamplingParameters(temperature=1.0, seed=seed))
+    async for r in stub.Generate(request):
         out.append(r)
 
 
@@ -180,24 +194,41 @@ def test_with_no_live_replica_the_request_waits_for_its_engine_to_restart() -> N
     asyncio.run(main())
 
 
-def test_a_request_with_n_2_and_tokens_delivered_is_not_moved_and_says_so() -> None:
+@pytest.mark.parametrize("seed", [10, None])
+def test_a_request_with_n_3_moves_each_unfinished_sequence_as_its_own_resumed_request(seed: int | None) -> None:
     async def main() -> None:
-        a, b = ResumingEngine(stall_after=2), ResumingEngine()
+        a, b = ResumingEngine(stall_after=3), ResumingEngine()
         ports = [free_port(), free_port()]
         async with service(ports, MigrationSettings()) as (stub, servicer):
             async with fake_engine(a, ports[0]) as server_a:
                 await _until(lambda: _true(servicer.engines[0].up), 10, "engine a up")
                 got: list[generation_pb2.GenerateResponse] = []
-                reading = asyncio.ensure_future(read(stub, got, n=2))   # to a: b is not up yet
+                reading = asyncio.ensure_future(read(stub, got, n=3, seed=seed))   # to a: b is not up yet
                 async with fake_engine(b, ports[1]):
                     await _until(lambda: _true(servicer.engines[1].up), 10, "engine b up")
                     await asyncio.wait_for(a.stalled.wait(), 10)
-                    await server_a.stop(0)
-                    with pytest.raises(grpc.aio.AioRpcError) as e:
-                        await asyncio.wait_for(reading, 10)
-        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert "n > 1 is not moved" in (e.value.details() or "")
-        assert [t for r in got for t in r.token_ids] == TOKENS[:2] and not b.received
-        assert moved(servicer) == 0.0
+                    await server_a.stop(0)   # a dies after 3 tokens of each sequence
+                    await asyncio.wait_for(reading, 10)
+        first, base = a.received[0], seed or 0
+        prompt = list(first.prompt_token_ids.ids)
+        if seed is None:   # unseeded: it goes on, with no promise of the same tokens (here: seed 0's)
+            assert first.n == 3 and not first.sampling.HasField("seed")
+            assert [(r.n, r.sampling.HasField("seed"), r.resumed_output_tokens) for r in b.received] == [
+                (1, False, 3)] * 2
+            assert [len([t for r in got if r.index == i for t in r.token_ids]) for i in range(3)] == [6, 2, 6]
+            return
+        # Sequence 1 (seed 11) ended after 2 tokens on a; sequences 0 and 2 went on from b as n = 1 requests.
+        assert [(r.n, r.best_of, r.sampling.seed, r.resumed_output_tokens, list(r.prompt_token_ids.ids))
+                for r in b.received] == [(1, 0, seed, 3, prompt + sequence(seed)[:3]),
+                                         (1, 0, seed + 2, 3, prompt + sequence(seed + 2)[:3])]
+        assert len({r.request_id for r in [first, *b.received]}) == 3
+        assert all(r.client_request_id == "moving" and r.sampling.temperature == 1.0 for r in b.received)
+        for i in range(3):
+            assert [t for r in got if r.index == i for t in r.token_ids] == sequence(base + i), i
+            assert [r.finish_reason for r in got if r.index == i and r.finish_reason] == [
+                common_pb2.FINISH_REASON_LENGTH]
+        assert got[-1].usage.completion_tokens == 6 + 2 + 6 and got[-1].usage.prompt_tokens == len(prompt)
+        assert moved(servicer) == 1.0
+        assert [e.open_requests for e in servicer.engines] == [0, 0]
 
     asyncio.run(main())

@@ -139,6 +139,25 @@ def test_data_parallel_replicas_each_have_their_engine_tokenizers_and_ports() ->
         assert federated == ["http://127.0.0.1:7200/metrics", "http://127.0.0.1:7201/metrics"]
 
 
+@pytest.mark.parametrize("flags", [[], ["--tokenizer-metrics-port", "7300"], ["--tokenizer-metrics-port", "0"]])
+def test_each_tokenizer_service_has_a_metrics_page_the_gateways_federate(flags: list[str]) -> None:
+    """By default every tokenizer service serves its page on a free port, consecutive ports from
+    ``--tokenizer-metrics-port`` (replica r's i-th on P + r x T + i), none with 0; each gateway appends them in that
+    order (``--metrics-federate-tokenizer``: the i-th labelled tokenizer="i" on its page)."""
+    ns = supervisor.resolve_settings(["-dp", "2", "--tokenizers", "2", "--gateways", "2", *flags])
+    stack = supervisor.Supervisor(ns, supervisor.config_from_args(ns))
+    ports = [t.argv[t.argv.index("--metrics-port") + 1] for t in stack.tokenizers]
+    if flags == ["--tokenizer-metrics-port", "0"]:
+        assert ports == ["0"] * 4
+    elif flags:
+        assert ports == ["7300", "7301", "7302", "7303"]
+    else:
+        assert len(set(ports)) == 4 and "0" not in ports
+    for gateway in stack.gateways:
+        federated = [gateway.argv[i + 1] for i, a in enumerate(gateway.argv) if a == "--metrics-federate-tokenizer"]
+        assert federated == [f"http://127.0.0.1:{p}/metrics" for p in ports if p != "0"]
+
+
 def test_each_replica_gets_its_own_devices() -> None:
     """On an accelerator replica r runs on the r-th block of world-size devices (of --device-ids, else of 0, 1,
     ...); on the CPU no ids are passed; too few ids for every replica's ranks stop `sluice serve` naming both."""

@@ -27,7 +27,10 @@ from tests.engine.executor.checkpoints import write_checkpoint
 from tests.engine.models.llava_factory import IMAGE_TOKEN_ID, IMAGE_TOKENS, save_tiny_llava
 
 MAX_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+# Each sampled token's logprob too: the tiny model's greedy tokens can survive a wrong image embedding (they
+# did with each chunk given the first rows of its image), its logprobs cannot.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
+Reference = tuple[list[int], list[float]]
 
 
 def _image(width: int, height: int, seed: int) -> Image.Image:
@@ -51,13 +54,22 @@ def llm(checkpoint: tuple[Path, Any, Any]) -> LLM:
     return LLM(str(checkpoint[0]), dtype="float32", num_kv_blocks=96, block_size=16)
 
 
-def _reference(checkpoint: tuple[Path, Any, Any], prompt: str, images: list[Image.Image]) -> list[int]:
-    """transformers' greedy tokens for the prompt and its images, through the model's processor."""
+def _reference(checkpoint: tuple[Path, Any, Any], prompt: str, images: list[Image.Image]) -> Reference:
+    """transformers' greedy tokens for the prompt and its images, through the model's processor, and each one's
+    logprob."""
     _, model, processor = checkpoint
     inputs = processor(text=prompt, images=images, return_tensors="pt")
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return tokens, [torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(out.scores, tokens)]
+
+
+def _assert_matches(completion: Any, reference: Reference) -> None:
+    assert completion.token_ids == reference[0]
+    got = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+    np.testing.assert_allclose(got, reference[1], atol=1e-3)
 
 
 CASES = [
@@ -85,10 +97,10 @@ def test_greedy_matches_transformers(checkpoint: tuple[Path, Any, Any], llm: LLM
     outputs = llm.generate(prompts, GREEDY)
     for (prompt, keys), out in zip(CASES, outputs):
         assert out.prompt_token_ids.count(IMAGE_TOKEN_ID) == IMAGE_TOKENS * len(keys)
-        assert out.outputs[0].token_ids == _reference(checkpoint, prompt, [IMAGES[k] for k in keys]), (prompt, keys)
+        _assert_matches(out.outputs[0], _reference(checkpoint, prompt, [IMAGES[k] for k in keys]))
     # One image given alone (not a list), as vLLM takes it.
     single = llm.generate({"prompt": CASES[0][0], "multi_modal_data": {"image": IMAGES["square"]}}, GREEDY)
-    assert single[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    _assert_matches(single[0].outputs[0], _reference(checkpoint, CASES[0][0], [IMAGES["square"]]))
 
 
 def test_chunked_prefill_through_images(checkpoint: tuple[Path, Any, Any]) -> None:
@@ -99,7 +111,7 @@ def test_chunked_prefill_through_images(checkpoint: tuple[Path, Any, Any]) -> No
     prompt, keys = CASES[2]
     images = [IMAGES[k] for k in keys]
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, GREEDY)
-    assert out[0].outputs[0].token_ids == _reference(checkpoint, prompt, images)
+    _assert_matches(out[0].outputs[0], _reference(checkpoint, prompt, images))
     queries, hits = llm.engine.executor.encoder_cache_stats()
     # 41 prompt tokens in chunks of 8: image 0 (at 3) over 3 chunks, image 1 (at 21) over 3; each encoded once
     assert (queries, hits) == (6, 4)
@@ -111,19 +123,20 @@ def test_prefix_cache_keys_blocks_by_image(checkpoint: tuple[Path, Any, Any], ll
     prompt = "USER: <image>\nw20 w21 w22 w23 w24 w25 w26 w27 w28 w29 w30 w31 w32 w33 w34 w35 w36 ASSISTANT:"
     stats = llm.engine.scheduler_stats
 
-    def run(image: Image.Image) -> tuple[list[int], int]:
+    def run(image: Image.Image) -> tuple[Any, int]:
         before = stats()["prefix_cache_hits"]
         out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, GREEDY)
-        return out[0].outputs[0].token_ids, stats()["prefix_cache_hits"] - before
+        return out[0].outputs[0], stats()["prefix_cache_hits"] - before
 
     first, _ = run(_image(50, 40, 11))
     again, hits = run(_image(50, 40, 11))
-    assert again == first
+    assert again.token_ids == first.token_ids
     assert hits == 32   # the prompt's 38 tokens fill two 16-token blocks, both over the image
     other, hits = run(_image(50, 40, 12))
     assert hits == 0
-    assert other == _reference(checkpoint, prompt, [_image(50, 40, 12)])
-    assert first == _reference(checkpoint, prompt, [_image(50, 40, 11)])
+    _assert_matches(other, _reference(checkpoint, prompt, [_image(50, 40, 12)]))
+    _assert_matches(first, _reference(checkpoint, prompt, [_image(50, 40, 11)]))
+    _assert_matches(again, _reference(checkpoint, prompt, [_image(50, 40, 11)]))
 
 
 def test_encoder_cache_hits_counted(llm: LLM) -> None:
@@ -149,13 +162,19 @@ def test_chat_with_image_url_parts(checkpoint: tuple[Path, Any, Any], llm: LLM) 
                                              {"type": "image_url", "image_url": {"url": _data_url(images[1])}},
                                              {"type": "text", "text": "w4 w5 w6"}]}]
     out = llm.chat(messages, GREEDY)
-    processor = checkpoint[2]
-    prompt = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "image"},
-                                                                         {"type": "text", "text": "w4 w5 w6"}]}],
-                                           add_generation_prompt=True, tokenize=False)
-    assert out[0].prompt == prompt
-    # PNG round trip is lossless: the same pixels as the PIL images
-    assert out[0].outputs[0].token_ids == _reference(checkpoint, prompt, images)
+    _, model, processor = checkpoint
+    # transformers' own chat path over the same images (a PNG round trip is lossless)
+    inputs = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image", "image": images[0]}, {"type": "image", "image": images[1]},
+                                      {"type": "text", "text": "w4 w5 w6"}]}],
+        add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt")
+    assert out[0].prompt_token_ids == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True)
+    tokens = expected.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    _assert_matches(out[0].outputs[0], (tokens, [torch.log_softmax(score[0], -1)[t].item()
+                                                 for score, t in zip(expected.scores, tokens)]))
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[0\].*does not decode"):
         llm.chat([{"role": "user", "content": [{"type": "image_url",
                                                 "image_url": {"url": "data:image/png;base64,AAAA"}}]}], GREEDY)
@@ -214,7 +233,7 @@ def test_items_from_the_proto_run_as_the_offline_ones(checkpoint: tuple[Path, An
     assert llm.mm_processor is not None
     processed = llm.mm_processor.process(prompt, images)
     items = items_from_pb(_proto_request(processed).multi_modal_items)
-    assert _run_core(llm, "proto", processed.prompt_token_ids, items) == _reference(checkpoint, prompt, images)
+    assert _run_core(llm, "proto", processed.prompt_token_ids, items) == _reference(checkpoint, prompt, images)[0]
 
 
 def test_the_core_refuses_items_that_do_not_fit_the_prompt(llm: LLM) -> None:
@@ -252,3 +271,24 @@ def test_the_core_refuses_images_the_tower_cannot_take(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match=r"pixel_values must be a float tensor of shape \[1, 3, 32, 32\]"):
         llm.engine.add_request("small", ids, GREEDY, mm_items=(small,))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_prefix_hit_that_ends_inside_an_image(checkpoint: tuple[Path, Any, Any], llm: LLM) -> None:
+    """The image's placeholders start inside the first 16-token block and end in the second: a second prompt
+    sharing only the first block (same image, other text after it) is served tokens [0, 16) from the cache and
+    computes the rest of the image from the middle of its embeddings, taken from the encoder cache."""
+    image = _image(45, 60, 31)
+    head = "USER: w3 w4 w5 w6 w7 w8 w9 w10 <image>\n"
+    stats = llm.engine.scheduler_stats
+    first = head + "w20 w21 w22 w23 w24 w25 w26 w27 w28 ASSISTANT:"
+    llm.generate({"prompt": first, "multi_modal_data": {"image": image}}, GREEDY)
+    before = stats()
+    second = head + "w40 w41 w42 w43 w44 w45 w46 w47 w48 ASSISTANT:"
+    out = llm.generate({"prompt": second, "multi_modal_data": {"image": image}}, GREEDY)
+    after = stats()
+    offset = out[0].prompt_token_ids.index(IMAGE_TOKEN_ID)
+    assert 0 < offset < 16 < offset + IMAGE_TOKENS
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 16
+    assert (after["encoder_cache_queries"] - before["encoder_cache_queries"],
+            after["encoder_cache_hits"] - before["encoder_cache_hits"]) == (1, 1)
+    _assert_matches(out[0].outputs[0], _reference(checkpoint, second, [image]))
