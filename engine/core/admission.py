@@ -17,11 +17,13 @@ seconds of busy time (each measurement weighed by ``exp(-busy seconds since / RA
   was full (the service rate the batch gives when it is the bottleneck), then its own prefill.
 
 The expected wait is the larger of the two (``expected_wait_s``). A part whose rate has too few measurements yet
-(``MIN_STEPS``, ``MIN_DEPARTURES``) is left out, and with neither part measured every request is admitted:
-requests are never refused on a guess. KV blocks are not modelled: a queue held back by blocks alone shows in the
-prefill part only. A refusal's retry hint is the expected wait beyond the bound (whole seconds, 1 to 60): by then
-the backlog ahead has drained by that much. The bound holds the estimate at admission, a mean: some admitted
-requests wait longer (docs/serving.md has the measured spread).
+(``MIN_STEPS``, ``MIN_DEPARTURES``) is left out, and with neither part measured every request is admitted: requests
+are never refused on a guess. KV blocks are not modelled: a queue held back by blocks alone shows in the prefill
+part only. A request with nothing ahead of it (a free seat, no prompt tokens to compute before its own) is admitted
+whatever its own prefill costs: refusing it would not shorten its wait, and rates measured under a load now gone
+must not keep an idle engine refusing. A refusal's retry hint is the expected wait beyond the bound (whole seconds,
+1 to 60): by then the backlog ahead has drained by that much. The bound holds the estimate at admission, a mean:
+some admitted requests wait longer (docs/serving.md has the measured spread).
 
 **Protection**. A request that was preempted is not chosen as a victim again before it has made progress, i.e.
 sampled a token after its re-admission (which is where its recomputed prefill ends): otherwise a long prompt,
@@ -177,7 +179,10 @@ class AdmissionControl:
         ``num_prompt_tokens`` behind ``waiting`` and ``running`` (``queue_state``) exceeds the bound."""
         if self.max_wait_s is None:
             return
-        wait = self.expected_wait_s(num_prompt_tokens, queue_state(waiting, running, free_seats))
+        state = queue_state(waiting, running, free_seats)
+        if state.prefill_tokens_ahead == 0 and state.seats_short == 0:
+            return   # nothing ahead of it: refusing would not shorten its wait (and an idle engine measures nothing)
+        wait = self.expected_wait_s(num_prompt_tokens, state)
         if wait is None or wait <= self.max_wait_s:
             return
         self.refused[FIRST_TOKEN_WAIT] += 1

@@ -24,9 +24,9 @@ from tests.services.test_slow_engine import TOKENS, StallingEngine, _tokenizer, 
 
 
 def sequence(seed: int) -> list[int]:
-    """What the fake engine streams for a sequence seeded ``seed`` (0 when unseeded): ``TOKENS`` shifted by the
-    seed, ending after 2 tokens when the seed is odd."""
-    return [t + 10 * seed for t in TOKENS][:2 if seed % 2 else None]
+    """What the fake engine streams for a sequence seeded ``seed`` (0 when unseeded): ``TOKENS`` (the letters
+    t..y) shifted by the seed's last digit, ending after 2 tokens when the seed is odd."""
+    return [t + seed % 10 for t in TOKENS][:2 if seed % 2 else None]
 
 
 class ResumingEngine(StallingEngine):
@@ -38,7 +38,13 @@ class ResumingEngine(StallingEngine):
         super().__init__(step=0.01)
         self.stall_after = stall_after
         self.received: list[engine_pb2.EngineGenerateRequest] = []
+        self.aborted: list[engine_pb2.AbortRequest] = []
         self.stalled = asyncio.Event()
+
+    async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> engine_pb2.AbortResponse:
+        self.aborted.append(request)
+        return engine_pb2.AbortResponse()
 
     async def Stream(self, request_iterator: AsyncIterator[engine_pb2.EngineStreamRequest],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineStreamResponse]:
@@ -107,9 +113,10 @@ async def _true(value: bool) -> bool:
 
 
 async def read(stub: generation_pb2_grpc.GenerationStub, out: list[generation_pb2.GenerateResponse],
-               n: int = 1, seed: int | None = None) -> None:
+               n: int = 1, seed: int | None = None, stop: tuple[str, ...] = ()) -> None:
     request = generation_pb2.GenerateRequest(text="hi", request_id="moving", n=n,
-                                             sampling=common_pb2.SamplingParameters(temperature=1.0, seed=seed))
+                                             sampling=common_pb2.SamplingParameters(temperature=1.0, seed=seed),
+                                             stopping=generation_pb2.StoppingCriteria(stop=stop))
     async for r in stub.Generate(request):
         out.append(r)
 
@@ -229,6 +236,33 @@ def test_a_request_with_n_3_moves_each_unfinished_sequence_as_its_own_resumed_re
                 common_pb2.FINISH_REASON_LENGTH]
         assert got[-1].usage.completion_tokens == 6 + 2 + 6 and got[-1].usage.prompt_tokens == len(prompt)
         assert moved(servicer) == 1.0
+        assert [e.open_requests for e in servicer.engines] == [0, 0]
+
+    asyncio.run(main())
+
+
+def test_a_stop_string_after_the_move_ends_its_sequence_and_aborts_only_its_request() -> None:
+    """n = 3 moved as two n = 1 requests (sequences 0 and 2); a stop string then ends sequence 2 here: its own
+    engine request is aborted, sequence 0 goes on to its end, and the stream ends (no wait for the aborted one)."""
+    async def main() -> None:
+        a, b = ResumingEngine(stall_after=3), ResumingEngine()
+        ports = [free_port(), free_port()]
+        async with service(ports, MigrationSettings()) as (stub, servicer):
+            async with fake_engine(a, ports[0]) as server_a:
+                await _until(lambda: _true(servicer.engines[0].up), 10, "engine a up")
+                got: list[generation_pb2.GenerateResponse] = []
+                # Sequence 2 (seed 12) is "vwxyz{": "z", its 5th token, comes from b; sequences 0 and 1 have none.
+                reading = asyncio.ensure_future(read(stub, got, n=3, seed=10, stop=("z",)))
+                async with fake_engine(b, ports[1]):
+                    await _until(lambda: _true(servicer.engines[1].up), 10, "engine b up")
+                    await asyncio.wait_for(a.stalled.wait(), 10)
+                    await server_a.stop(0)
+                    await asyncio.wait_for(reading, 10)
+                    await _until(lambda: _true(bool(b.aborted)), 10, "the abort at b")
+        assert [r.request_ids for r in b.aborted] == [[b.received[1].request_id]]   # sequence 2's, whole
+        assert ["".join(r.text for r in got if r.index == i) for i in range(3)] == ["tuvwxy", "uv", "vwxy"]
+        assert [[r.finish_reason for r in got if r.index == i and r.finish_reason] for i in range(3)] == [
+            [common_pb2.FINISH_REASON_LENGTH], [common_pb2.FINISH_REASON_LENGTH], [common_pb2.FINISH_REASON_STOP]]
         assert [e.open_requests for e in servicer.engines] == [0, 0]
 
     asyncio.run(main())

@@ -33,12 +33,11 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIDPOINT = 8   # the kernel's codes are centred on 8
 _BLOCK_N = 64   # rows per block of the kernel's packed layout (``dequantize_packed``)
 _HALF = _BLOCK_N // 2
-_SHIFTS = torch.tensor([0, 4], dtype=torch.uint8)   # the low and the high nibble of a packed byte
 # Steps of at least this many rows dequantize the weight into the dense GEMM instead of running the int4 kernel
 # (docs/benchmarks.md, "Weight-only 4-bit linears": measured crossover).
 DENSE_MIN_ROWS = 64
-# Weights dequantized per tile of the dense path (a multiple of 64 output features): 16 MiB of bfloat16.
-TILE_ELEMENTS = 1 << 23
+# Weights dequantized per tile of the dense path (a multiple of 64 output features): 4 MiB of bfloat16.
+TILE_ELEMENTS = 1 << 21
 
 
 def kernel_group_size(weight: Int4Weight) -> int | None:
@@ -111,25 +110,16 @@ class Int4PackLinearMethod(LinearMethod):
         return out if bias is None else out.add_(bias)
 
 
-def _nibbles(codes: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    """The low and high nibbles of uint8 ``codes`` side by side along the dimension ``shifts`` spans (two whole-tile
-    operations, few parallel regions: each one costs a busy machine a wait for its threads)."""
-    return (codes >> shifts) & 0xF
-
-
-def _table(sz: torch.Tensor, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scales and the offsets of codes 0..15 (``zero - 8 * scale``, in float32 then rounded once to the table's
-    dtype) of output features ``n0:n1``, each [groups, n1 - n0] contiguous."""
-    part = sz[:, n0:n1].float()
-    return part[..., 0].to(sz.dtype), (part[..., 1] - _MIDPOINT * part[..., 0]).to(sz.dtype)
+def _centred(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 as int8 ``codes - 8`` (exact, and cheaper to subtract here than in the float tile)."""
+    return codes.view(torch.int8).sub_(_MIDPOINT)
 
 
 def dequantize_packed(packed: torch.Tensor, sz: torch.Tensor, n: int, k: int, n0: int, n1: int,
                       out: torch.Tensor) -> torch.Tensor:
     """Writes ``W[n0:n1].T`` ([k, n1 - n0], ``out``'s dtype) from the kernel's packed weight (``packed``, from
     ``_convert_weight_to_int4pack_for_cpu``: uint8 [n, k / 2]) and its table ``sz`` ([groups, n, 2]):
-    ``q * scale + (zero - 8 * scale)``, the offset rounded once to ``sz``'s dtype; ``n0`` a multiple of 64. Returns
-    ``out``.
+    ``(q - 8) * scale + zero``; ``n0`` a multiple of 64. Returns ``out``.
 
     The packed layout (torch 2.13's CPU kernel, checked in tests/engine/models/test_int4_linear.py): the first
     ``n // 64 * 64`` rows in blocks of 64, each block ``k`` runs of 32 bytes, byte ``j`` of run ``c`` holding row
@@ -142,17 +132,20 @@ def dequantize_packed(packed: torch.Tensor, sz: torch.Tensor, n: int, k: int, n0
     end = min(n1, full)
     if end > n0:
         nb = (end - n0) // _BLOCK_N
-        codes = flat[n0 * k // 2:end * k // 2].view(nb, groups, g, 1, _HALF)
+        codes = flat[n0 * k // 2:end * k // 2].view(nb, groups, g, _HALF)
         o = out[:, :end - n0].view(groups, g, nb, 2, _HALF).permute(2, 0, 1, 3, 4)    # [nb, groups, g, 2, 32]
-        o.copy_(_nibbles(codes, _SHIFTS.view(2, 1)))
-        scale, zero = (t.view(groups, nb, 2, _HALF).permute(1, 0, 2, 3).unsqueeze(2) for t in _table(sz, n0, end))
+        o[..., 0, :].copy_(_centred(codes & 0xF))
+        o[..., 1, :].copy_(_centred(codes >> 4))
+        scale, zero = (sz[:, n0:end, i].contiguous().view(groups, nb, 2, _HALF).permute(1, 0, 2, 3).unsqueeze(2)
+                       for i in (0, 1))
         torch.addcmul(zero, o, scale, out=o)
     if n1 > full:
         t = n - full
-        codes = flat[full * k // 2:].view(groups, g, t // 2, 1)
+        codes = flat[full * k // 2:].view(groups, g, t // 2)
         o = out[:, full - n0:].view(groups, g, t // 2, 2)
-        o.copy_(_nibbles(codes, _SHIFTS))
-        scale, zero = (v.view(groups, 1, t // 2, 2) for v in _table(sz, full, n))
+        o[..., 0].copy_(_centred(codes & 0xF))
+        o[..., 1].copy_(_centred(codes >> 4))
+        scale, zero = (sz[:, full:, i].contiguous().view(groups, 1, t // 2, 2) for i in (0, 1))
         torch.addcmul(zero, o, scale, out=o)
     return out
 

@@ -143,6 +143,12 @@ def test_a_request_over_the_bound_is_refused_with_a_retry_hint_and_counted() -> 
         adm.check(100, waiting, [], 10)
     assert err.value.retry_after_s == 3   # ceil(3.1 - 1.0)
     assert adm.refused == {QUEUE_FULL: 0, FIRST_TOKEN_WAIT: 1}
+    # Nothing ahead (a free seat, nothing to prefill before it): admitted whatever its own prompt costs.
+    decoding = make_request("d", 4)
+    decoding.num_computed_tokens = 3
+    adm.check(5000, [], [decoding], 1)
+    with pytest.raises(QueueFullError):
+        adm.check(5000, [], [decoding], 0)   # no seat: it waits for one, and its prefill after
 
 
 def test_without_a_bound_it_measures_and_never_refuses() -> None:
@@ -201,6 +207,13 @@ def test_the_scheduler_refuses_through_it_and_queues_nothing() -> None:
     for _ in range(8):   # the backlog drains: admitted again
         step()
     add()
+    while sched.has_unfinished_requests():
+        step()
+    for _ in range(MIN_STEPS):
+        sched.admission.steps.add(0, 100.0)   # measured under a load now gone: 100 s a step
+    add()   # an idle engine admits whatever it measured: nothing is ahead
+    with pytest.raises(QueueFullError):
+        add()   # (while one behind a prefill of 100 s is refused)
 
 
 def test_the_flag_reaches_the_config_and_sluice_serves_engine_command_line() -> None:
