@@ -23,12 +23,21 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class ContentPart:
+    """One part of a message's content: text, or an image by URL (``data:`` or http(s)); exactly one is set."""
+
+    text: str | None = None
+    image_url: str | None = None
+
+
+@dataclass(frozen=True)
 class ChatTurn:
     role: str
     content: str
     name: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None  # on a "tool" turn: the call it answers
+    parts: tuple[ContentPart, ...] = ()  # a content array with images, in order (then ``content`` is "")
 
 
 @dataclass(frozen=True)

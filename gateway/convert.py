@@ -55,6 +55,11 @@ def chat_to_pb(prompt: Prompt) -> generation_pb2.Chat:
             msg.tool_call_id = turn.tool_call_id
         for call in turn.tool_calls:
             msg.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
+        for part in turn.parts:
+            if part.image_url is not None:
+                msg.parts.add(image=generation_pb2.Image(url=part.image_url))
+            else:
+                msg.parts.add(text=part.text or "")
     for tool in prompt.tools:
         chat.tools.add(name=tool.name, description=tool.description, parameters=tool.parameters)
     return chat

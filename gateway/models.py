@@ -207,11 +207,34 @@ class TextPart(_Model):
     text: str
 
 
-def _only_text(value: object, handler: ValidatorFunctionWrapHandler) -> object:
-    if not isinstance(value, dict) or value.get("type") != "text":
-        raise PydanticCustomError("content_part", 'must be a text part ({"type": "text", "text": ...}); only text '
-                                                  "content is supported")
+class ImageURL(_Model):
+    url: Text
+    # OpenAI's resolution hint; vLLM ignores it, and so does Sluice: the model's processor decides the resolution.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+_PART_TYPES = ("text", "image_url")
+
+
+def _known_part(value: object, handler: ValidatorFunctionWrapHandler) -> object:
+    if not isinstance(value, dict) or value.get("type") not in _PART_TYPES:
+        kind = value.get("type") if isinstance(value, dict) else None
+        raise PydanticCustomError("content_part", "content part type {kind} is not supported: text and image_url "
+                                                  "are", {"kind": repr(kind)})
     return handler(value)
+
+
+def _part_tag(value: object) -> str:
+    return f"@{value.get('type') if isinstance(value, dict) else getattr(value, 'type', None)}"
+
+
+ContentPartArg = Annotated[Annotated[TextPart, Tag("@text")] | Annotated[ImageURLPart, Tag("@image_url")],
+                           Discriminator(_part_tag), WrapValidator(_known_part)]
 
 
 class FunctionCall(_Model):
@@ -228,8 +251,9 @@ class ToolCall(_Model):
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[Annotated[str, Tag("@text")]
-                       | Annotated[list[Annotated[TextPart, WrapValidator(_only_text)]], Tag("@parts")],
-                       _tagged({str: "@text", list: "@parts"}, "must be a string or an array of text parts")] | None \
+                       | Annotated[list[ContentPartArg], Tag("@parts")],
+                       _tagged({str: "@text", list: "@parts"}, "must be a string or an array of content parts")] \
+        | None \
         = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None

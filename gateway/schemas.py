@@ -25,6 +25,7 @@ from gateway.models import (
     SamplingFields,
     TokenizeRequest,
 )
+from gateway.multimodal import content_parts
 from gateway.request_fields import CHAT_REFUSED, COMPLETION_REFUSED, declared, log_unknown, refuse
 from gateway.tools import to_tool_calls, to_tool_choice, to_tools
 
@@ -170,7 +171,7 @@ def _turn(msg: ChatMessage, name: str) -> ChatTurn:
     if msg.content is None and msg.role != "assistant":  # only an assistant turn may just call tools
         raise bad_request(f"{name}.content", f"`{name}.content` is required for a {msg.role} message.")
     content = msg.content or ""
-    text = content if isinstance(content, str) else "\n".join(part.text for part in content)
+    text, parts = content_parts(content)
     if msg.tool_calls and msg.role != "assistant":
         raise bad_request(f"{name}.tool_calls", f"`{name}.tool_calls` is only for assistant messages.")
     if msg.role == "tool" and not msg.tool_call_id:
@@ -179,7 +180,7 @@ def _turn(msg: ChatMessage, name: str) -> ChatTurn:
         raise bad_request(f"{name}.tool_call_id", f"`{name}.tool_call_id` is only for tool messages.")
     # "developer" is OpenAI's newer name for the system role; templates know "system".
     return ChatTurn("system" if msg.role == "developer" else msg.role, text, msg.name,
-                    to_tool_calls(msg.tool_calls, name), msg.tool_call_id)
+                    to_tool_calls(msg.tool_calls, name), msg.tool_call_id, parts)
 
 
 def _stop(value: str | list[str] | None) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from engine.config import EngineConfig, LoRAConfig, default_max_queued_requests
 from services.tokenizer.migration import migration_flags
+from services.tokenizer.multimodal import media_flags
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -37,6 +38,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
         elif name == "kv_offloading_config":   # vLLM's three flags
             flags += ["--kv-offloading-size", repr(value.size_gib), "--kv-offloading-backend", value.backend]
             flags += ["--kv-offloading-path", value.path] if value.path is not None else []
+        elif name == "limit_mm_per_prompt":   # vLLM's JSON
+            flags += ["--limit-mm-per-prompt", json.dumps(value)]
         elif name == "speculative_config":   # its keys as vLLM's JSON, the normalized n-gram window included
             flags += ["--speculative-config", json.dumps({k: v for k, v in asdict(value).items() if v is not None})]
         else:
@@ -71,4 +74,4 @@ def tokenizer_flags(ns: argparse.Namespace) -> list[str]:
         flags.append("--trust-request-chat-template")
     if ns.routing is not None:
         flags += ["--routing", ns.routing]
-    return flags + migration_flags(ns)
+    return flags + migration_flags(ns) + media_flags(ns)

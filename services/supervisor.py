@@ -63,6 +63,7 @@ from services.replicas import (
 )
 from services.serve_args import add_vllm_serve_args, check_vllm_serve_args
 from services.tokenizer.migration import add_migration_args
+from services.tokenizer.multimodal import add_media_args
 from services.tokenizer.reasoning import Reasoning
 from services.tokenizer.routing import ROUTING_POLICIES
 
@@ -184,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_observability_args(p)
     add_metrics_args(p)
     add_migration_args(p)
+    add_media_args(p, limit=False)   # --limit-mm-per-prompt is among the engine's flags
     add_rest_tls_args(p)
     add_grpc_tls_args(p)
     return p

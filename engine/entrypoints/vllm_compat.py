@@ -160,9 +160,9 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
                refuse_unless(lambda v: v in ("auto", "generate"),
                              "vLLM's older flag; a pooling model runs with --runner pooling (and --convert embed "
                              "or classify)")),
-    CompatFlag(("--limit-mm-per-prompt",), None, refuse_always(
-        "serving images is not wired yet (the offline LLM runs LLaVA-1.5 and takes limit_mm_per_prompt; "
-        "docs/models.md)")),
+    CompatFlag(("--limit-mm-per-prompt",), None,
+               help='the most images one prompt may carry, as JSON: \'{"image": 2}\' (default: no limit); '
+                    "the engine and the tokenizer services refuse more"),
     CompatFlag(("--kv-transfer-config",), None, refuse_always("disaggregated prefill is not implemented")),
     CompatFlag(("--enable-sleep-mode",), None, refuse_always("sleep mode is not implemented"), kind="switch"),
     CompatFlag(("--skip-tokenizer-init",), None, refuse_always("the tokenizer service needs the tokenizer"),

@@ -14,6 +14,7 @@ from engine.text.reasoning import REASONING_PARSERS
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.tokenizer.limits import InputLimits
 from services.tokenizer.migration import MigrationMetrics, add_migration_args, migration_settings
+from services.tokenizer.multimodal import add_media_args, media_settings
 from services.tokenizer.routing import ROUTING_POLICIES, RoutingSettings
 from services.tokenizer.tools import ToolSettings
 
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
     add_migration_args(parser)
+    add_media_args(parser)
     parser.add_argument("--metrics-port", type=port_number, default=0,
                         help="serve this service's sluice:* Prometheus metrics (requests migrated) at "
                              "http://METRICS_HOST:PORT/metrics (0: off)")
@@ -90,8 +92,9 @@ def main(argv: list[str] | None = None) -> None:
         routing = RoutingSettings(ns.routing, ns.routing_balance_abs_threshold, ns.routing_balance_rel_threshold)
         engines = [a.strip() for a in ns.engine.split(",") if a.strip()]
         migration = migration_settings(ns)
+        media = media_settings(ns)
         metrics = MigrationMetrics.serve(ns.metrics_host, ns.metrics_port) if ns.metrics_port else None
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:   # InvalidRequestError (a bad --limit-mm-per-prompt) too
         parser.error(str(e))
     tracing = set_up(observability, log_level=ns.log_level, process="tokenizer")
     from services.tokenizer.server import serve
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
                           shutdown_grace=ns.shutdown_timeout, chat_template=chat_template, tools=tools,
                           limits=limits, tracing=tracing, log_requests=observability.log_requests,
                           tls=tls, api_keys=keys, reasoning_parser=ns.reasoning_parser, routing=routing,
-                          migration=migration, migration_metrics=metrics))
+                          migration=migration, migration_metrics=metrics, media=media))
     finally:
         if tracing is not None:
             tracing.shutdown()

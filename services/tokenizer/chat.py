@@ -62,9 +62,16 @@ class ChatInputs:
     kwargs: dict[str, Any]  # the template's variables: ``tools`` and chat_template_kwargs
 
 
-def chat_inputs(chat: generation_pb2.Chat) -> ChatInputs:
+def chat_inputs(chat: generation_pb2.Chat, *, with_parts: bool = False) -> ChatInputs:
+    """``with_parts``: the caller renders messages' ``parts`` itself (services/tokenizer/multimodal.py); else a
+    message with parts is refused naming them (this path renders ``content`` only)."""
     if not chat.messages:
         raise InvalidRequestError("messages", "at least one message is required")
+    if not with_parts:
+        for i, m in enumerate(chat.messages):
+            if m.parts:
+                raise InvalidRequestError(f"messages[{i}].parts", "content parts are only taken by generation "
+                                                                  "requests to a vision-language model")
     tools = [s.template_dict() for s in tool_specs(chat)] or None
     return ChatInputs([_message(m) for m in chat.messages],
                       chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,

@@ -9,6 +9,7 @@ Every refusal is an InvalidRequestError naming the part (``messages[i].parts[j]`
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import json
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import InvalidRequestError
+from engine.config import parse_mm_limits
 from engine.text.multimodal import MultiModalProcessor, ProcessedPrompt, is_multimodal, load_image_url
 from proto.sluice.v1 import engine_pb2, generation_pb2
 from services.tokenizer.chat import chat_inputs
@@ -48,6 +50,39 @@ class MediaSettings:
             raise ValueError("image size and fetch time limits must be positive")
         object.__setattr__(self, "domains", frozenset(d.strip().lower() for d in self.allowed_media_domains
                                                       if d.strip()))
+
+
+def add_media_args(parser: argparse.ArgumentParser, *, limit: bool = True) -> None:
+    """The image flags (vLLM's names where it has them); ``limit``: with ``--limit-mm-per-prompt`` (``sluice
+    serve`` has it among the engine's flags)."""
+    g = parser.add_argument_group("images (a vision-language model)")
+    if limit:
+        g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                       help='the most images one prompt may carry, e.g. \'{"image": 2}\' (default: no limit)')
+    g.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="DOMAIN",
+                   help="hosts whose http(s) image URLs are fetched (default none: every such URL is refused)")
+    g.add_argument("--max-image-bytes", type=int, default=MediaSettings.max_image_bytes, metavar="N",
+                   help="one image's encoded size, given or fetched")
+    g.add_argument("--media-fetch-timeout", type=float, default=MediaSettings.fetch_timeout_s, metavar="SECONDS",
+                   help="how long fetching one image URL may take")
+
+
+def media_settings(ns: argparse.Namespace) -> MediaSettings:
+    """The flags' settings; ValueError (InvalidRequestError naming the flag) for a bad value."""
+    return MediaSettings(parse_mm_limits(ns.limit_mm_per_prompt), tuple(ns.allowed_media_domains),
+                         ns.max_image_bytes, ns.media_fetch_timeout)
+
+
+def media_flags(ns: argparse.Namespace) -> list[str]:
+    """The tokenizer service's image flags for ``sluice serve``'s ``ns`` (only those given)."""
+    flags = ["--limit-mm-per-prompt", ns.limit_mm_per_prompt] if ns.limit_mm_per_prompt is not None else []
+    if ns.allowed_media_domains:
+        flags += ["--allowed-media-domains", *ns.allowed_media_domains]
+    if ns.max_image_bytes != MediaSettings.max_image_bytes:
+        flags += ["--max-image-bytes", str(ns.max_image_bytes)]
+    if ns.media_fetch_timeout != MediaSettings.fetch_timeout_s:
+        flags += ["--media-fetch-timeout", repr(ns.media_fetch_timeout)]
+    return flags
 
 
 def image_token_id(model_path: str) -> int:
@@ -78,14 +113,18 @@ class ChatImages:
                      if is_multimodal(model_path) else None)
         return cls(processor, settings, model_name, chat_template)
 
-    async def prompt(self, chat: generation_pb2.Chat, max_model_len: int, max_chars: int, run: Any
+    async def prompt(self, request: generation_pb2.GenerateRequest, max_model_len: int, max_chars: int, run: Any
                      ) -> tuple[list[int], list[engine_pb2.MultiModalItem]]:
         """The chat's prompt ids (placeholders expanded) and its images as the engine takes them. ``run``: calls a
         function off the event loop (the service's pool)."""
+        if request.HasField("truncate_prompt_tokens"):
+            raise InvalidRequestError("truncate_prompt_tokens", "is not taken with image parts (it could cut an "
+                                                                "image's placeholders)")
+        chat = request.chat
         conversation, sources = self.conversation(chat, max_chars)
         assert self.processor is not None  # conversation() refused parts on a text-only model
         images = [await self._image(where, image, run) for where, image in sources]
-        inputs = chat_inputs(chat)
+        inputs = chat_inputs(chat, with_parts=True)
         processed: ProcessedPrompt = await run(self._process, conversation, images, inputs.add_generation_prompt,
                                                inputs.kwargs)
         if len(processed.prompt_token_ids) > max_model_len:
@@ -100,7 +139,7 @@ class ChatImages:
         if chat.HasField("chat_template"):
             raise InvalidRequestError("chat_template", "a request's own chat template is not taken with image parts")
         limit = (self.settings.limit_mm_per_prompt or {}).get("image")
-        messages = chat_inputs(chat).messages
+        messages = chat_inputs(chat, with_parts=True).messages
         images: list[tuple[str, generation_pb2.Image]] = []
         chars = 0
         for i, (message, pb) in enumerate(zip(messages, chat.messages)):
@@ -112,14 +151,15 @@ class ChatImages:
             for j, part in enumerate(pb.parts):
                 where = f"messages[{i}].parts[{j}]"
                 kind = part.WhichOneof("kind")
+                if self.processor is None:
+                    raise InvalidRequestError(where, f"{self.model_name} is a text-only model: it takes no content "
+                                                     "parts (send the text as content)")
                 if kind == "text":
                     chars += len(part.text)
                     parts.append({"type": "text", "text": part.text})
                     continue
                 if kind != "image":
                     raise InvalidRequestError(where, "one of text or image is required")
-                if self.processor is None:
-                    raise InvalidRequestError(where, f"{self.model_name} is a text-only model: it takes no images")
                 if limit is not None and len(images) >= limit:
                     raise InvalidRequestError(where, f"more than {limit} images in one prompt "
                                                      "(--limit-mm-per-prompt)")

@@ -20,6 +20,7 @@ from proto.sluice.v1 import generation_pb2_grpc
 from services.tokenizer.engines import Engine
 from services.tokenizer.limits import InputLimits, max_message_bytes
 from services.tokenizer.migration import MigrationMetrics, MigrationSettings
+from services.tokenizer.multimodal import ChatImages, MediaSettings
 from services.tokenizer.reasoning import Reasoning
 from services.tokenizer.routing import RoutingSettings
 from services.tokenizer.service import GenerationServicer
@@ -36,7 +37,7 @@ async def serve(*, engine_addrs: Sequence[str], host: str, port: int, model: str
                 limits: InputLimits | None = None, tracing: Tracing | None = None, log_requests: bool = False,
                 tls: GrpcTls | None = None, api_keys: Sequence[str] = (), reasoning_parser: str | None = None,
                 routing: RoutingSettings | None = None, migration: MigrationSettings | None = None,
-                migration_metrics: MigrationMetrics | None = None) -> None:
+                migration_metrics: MigrationMetrics | None = None, media: MediaSettings | None = None) -> None:
     """``engine_addrs``: the engines this service sends requests to (several: the replicas of ``sluice serve -dp``,
     chosen per request by ``routing``); ``tls``: TLS on this service's port and on its channels to the engines
     (None: plaintext);
@@ -45,7 +46,8 @@ async def serve(*, engine_addrs: Sequence[str], host: str, port: int, model: str
     ``api_keys``: the keys every call but health and reflection must carry (none: no key asked for);
     ``reasoning_parser``: splits chat outputs into thinking and answer (``--reasoning-parser``); exits 2 when the
     model's vocabulary lacks its tags; ``migration``: how requests move off an engine that died
-    (services/tokenizer/migration.py), counted in ``migration_metrics``."""
+    (services/tokenizer/migration.py), counted in ``migration_metrics``; ``media``: image inputs' limits (a
+    vision-language model's processor is loaded from ``model``'s directory)."""
     model_path = model or default_model_path()
     tok = Tokenizer.from_pretrained(tokenizer or model_path)
     if chat_template is not None:
@@ -65,7 +67,8 @@ async def serve(*, engine_addrs: Sequence[str], host: str, port: int, model: str
     servicer = GenerationServicer(tok, engines, served_model_name=name,
                                   shm_tokens=shm_tokens, tools=tools, limits=limits, tracing=tracing,
                                   log_requests=log_requests, reasoning=reasoning, routing=routing,
-                                  migration=migration, migration_metrics=migration_metrics)
+                                  migration=migration, migration_metrics=migration_metrics,
+                                  images=ChatImages.load(model_path, media or MediaSettings(), name, chat_template))
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await health_service.set_serving(False)
     bind_port = bind(server, host, port, tls)

@@ -37,6 +37,7 @@ from services.tokenizer.engines import Engine
 from services.tokenizer.limits import InputLimits
 from services.tokenizer.lora import LoRAAdapter, adapters_from_pb, adapters_to_pb, model_not_found
 from services.tokenizer.migration import EngineCall, MigrationMetrics, MigrationSettings
+from services.tokenizer.multimodal import ChatImages, MediaSettings, has_parts
 from services.tokenizer.multiplexer import Multiplexer
 from services.tokenizer.outputs import SequenceOutput, Usage
 from services.tokenizer.pooling import check_generate, classify, embed, score
@@ -95,8 +96,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                  limits: InputLimits | None = None, tracing: Tracing | None = None,
                  log_requests: bool = False, engine_address: str | None = None,
                  reasoning: Reasoning | None = None, routing: RoutingSettings | None = None,
-                 migration: MigrationSettings | None = None, migration_metrics: MigrationMetrics | None = None) -> None:
-        """``engines``: the engines behind this service (a channel: the one engine there, at ``engine_address``,
+                 migration: MigrationSettings | None = None, migration_metrics: MigrationMetrics | None = None,
+                 images: ChatImages | None = None) -> None:
+        """``images``: a vision-language model's processor (None: text only, requests with parts refused);
+        ``engines``: the engines behind this service (a channel: the one engine there, at ``engine_address``,
         for the log); ``reasoning``: the reasoning parser that splits chat outputs (``--reasoning-parser``), None:
         none; ``routing``: how a request's engine is chosen (``--routing``); ``migration``: see migration.py."""
         self.tokenizer = tokenizer
@@ -120,6 +123,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._streams: set[Multiplexer] = set()
         self.migration = migration or MigrationSettings()
         self.migration_metrics = migration_metrics or MigrationMetrics()
+        self.images = images or ChatImages(None, MediaSettings(), served_model_name)
 
     # -- engine handshake ---------------------------------------------------------------------------------
     async def engine_info(self, refresh: bool = False, *, timeout: float | None = 10,
@@ -284,7 +288,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         check_options(request)
         adapter = await self.lora_adapter(request.model, engine_resolves=True)
         plan = plan_tools(request, self.tools)
-        prompt_ids = await self.prompt_ids(request)  # its exact length against max_model_len: the engine's check
+        prompt_ids, images = await self.prompt_inputs(request)  # exact length against max_model_len: the engine's
         n = request.n or 1
         # A tool parser whose call markers are special tokens (Mistral's [TOOL_CALLS]) needs them in the text, as
         # vLLM's does: then the default keeps special tokens, and the special token that ends the output is left out.
@@ -312,6 +316,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         engine, route = await self._route(prompt_ids, adapter, request.cache_salt)   # counted there until the end
         try:
             engine_req, handoff = await self.engine_request(options, prompt_ids, source=source, engine=engine)
+            engine_req.multi_modal_items.extend(images)
         except BaseException:
             engine.open_requests -= 1
             raise
@@ -394,6 +399,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         else:
             req.prompt_token_ids.ids.extend(prompt_ids.tolist() if isinstance(prompt_ids, np.ndarray) else prompt_ids)
         return req, handoff
+
+    async def prompt_inputs(self, request: generation_pb2.GenerateRequest
+                            ) -> tuple[list[int] | np.ndarray, list[engine_pb2.MultiModalItem]]:
+        """The prompt's ids and its images: a chat with content parts through the model's processor."""
+        if request.WhichOneof("input") != "chat" or not has_parts(request.chat):
+            return await self.prompt_ids(request), []
+        max_model_len = (await self.engine_info()).max_model_len
+        return await self.images.prompt(request, max_model_len, self.prompts.max_chars(max_model_len),
+                                        self.prompts.off_loop)
 
     async def prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int] | np.ndarray:
         """The prompt's token ids (``PromptBuilder.prompt_ids``): refused unread when too long to fit."""

@@ -81,8 +81,11 @@ REJECTED = [
     Case("messages-empty", CHAT, chat(messages=[]), param="messages"),
     Case("messages-missing", CHAT, {"model": SERVED}, param="messages"),
     Case("message-bad-role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), param="messages[0].role"),
-    Case("message-image-part", CHAT, chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), param="messages[0].content[0]"),
+    Case("message-audio-part", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]), param="messages[0].content[0]"),
+    Case("message-image-detail", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x", "detail": "ultra"}}]}]),
+         param="messages[0].content[0].image_url.detail"),
     Case("stream-options-without-stream", COMP, comp(stream_options={"include_usage": True}),
          param="stream_options"),
     Case("stream-not-bool", COMP, comp(stream="yes"), param="stream"),

@@ -261,8 +261,9 @@ def test_a_stop_string_after_the_move_ends_its_sequence_and_aborts_only_its_requ
                     await _until(lambda: _true(bool(b.aborted)), 10, "the abort at b")
         assert [r.request_ids for r in b.aborted] == [[b.received[1].request_id]]   # sequence 2's, whole
         assert ["".join(r.text for r in got if r.index == i) for i in range(3)] == ["tuvwxy", "uv", "vwxy"]
+        length, stop = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP_STRING
         assert [[r.finish_reason for r in got if r.index == i and r.finish_reason] for i in range(3)] == [
-            [common_pb2.FINISH_REASON_LENGTH], [common_pb2.FINISH_REASON_LENGTH], [common_pb2.FINISH_REASON_STOP]]
+            [length], [length], [stop]]
         assert [e.open_requests for e in servicer.engines] == [0, 0]
 
     asyncio.run(main())
