@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import io
 import json
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +25,20 @@ import numpy as np
 
 from common.errors import InvalidRequestError
 from engine.config import parse_mm_limits
-from engine.text.multimodal import MultiModalProcessor, ProcessedPrompt, is_multimodal, load_image_url
+from engine.text.multimodal import MultiModalProcessor, ProcessedPrompt, is_multimodal
 from proto.sluice.v1 import engine_pb2, generation_pb2
 from services.tokenizer.chat import chat_inputs
+from services.tokenizer.limits import check_chat
 
 # TensorData.dtype's names of the numpy dtypes a processor returns.
 _DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int64): "int64",
            np.dtype(np.int32): "int32"}
+
+
+# Runs a function off the event loop (the service's pool: PromptBuilder.off_loop).
+OffLoop = Callable[..., Awaitable[Any]]
+# Images a message has room for when --limit-mm-per-prompt sets no limit (more must come as URLs).
+_UNLIMITED_IMAGES_ROOM = 4
 
 
 @dataclass(frozen=True)
@@ -113,8 +122,16 @@ class ChatImages:
                      if is_multimodal(model_path) else None)
         return cls(processor, settings, model_name, chat_template)
 
-    async def prompt(self, request: generation_pb2.GenerateRequest, max_model_len: int, max_chars: int, run: Any
-                     ) -> tuple[list[int], list[engine_pb2.MultiModalItem]]:
+    def message_bytes(self) -> int:
+        """Room for a request's images in a public API message: --limit-mm-per-prompt images (4 without a limit)
+        of --max-image-bytes each, as data: URLs (base64, 4/3); 0 for a text-only model."""
+        if self.processor is None:
+            return 0
+        count = (self.settings.limit_mm_per_prompt or {}).get("image", _UNLIMITED_IMAGES_ROOM)
+        return count * (self.settings.max_image_bytes * 4 // 3 + 256)
+
+    async def prompt(self, request: generation_pb2.GenerateRequest, max_model_len: int, max_chars: int,
+                     run: OffLoop) -> tuple[list[int], list[engine_pb2.MultiModalItem]]:
         """The chat's prompt ids (placeholders expanded) and its images as the engine takes them. ``run``: calls a
         function off the event loop (the service's pool)."""
         if request.HasField("truncate_prompt_tokens"):
@@ -138,6 +155,7 @@ class ChatImages:
         image part with its name, in order; refuses what cannot be served before any image is read."""
         if chat.HasField("chat_template"):
             raise InvalidRequestError("chat_template", "a request's own chat template is not taken with image parts")
+        check_chat(chat, max_chars)   # the messages' other fields, tools and template variables
         limit = (self.settings.limit_mm_per_prompt or {}).get("image")
         messages = chat_inputs(chat, with_parts=True).messages
         images: list[tuple[str, generation_pb2.Image]] = []
@@ -188,7 +206,7 @@ class ChatImages:
         bos = hf.tokenizer.bos_token
         return self.processor.process(text, images, add_special_tokens=not (bos and text.startswith(bos)))
 
-    async def _image(self, where: str, image: generation_pb2.Image, run: Any) -> Any:
+    async def _image(self, where: str, image: generation_pb2.Image, run: OffLoop) -> Any:
         source = image.WhichOneof("source")
         if source == "data":
             data = image.data
@@ -201,9 +219,17 @@ class ChatImages:
         return await run(self._decode, where, data)
 
     def _decode_url(self, where: str, url: str) -> Any:
+        """A ``data:`` URL's image, its size checked before it decodes (as given bytes are)."""
         if len(url) > self.settings.max_image_bytes * 4 // 3 + 256:
             raise InvalidRequestError(where, f"the image is over {self.settings.max_image_bytes} bytes")
-        return self._checked(where, load_image_url(url, where))
+        header, sep, payload = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise InvalidRequestError(where, "a data: URL must be base64 encoded (data:image/png;base64,...)")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise InvalidRequestError(where, f"the image does not decode: {e}") from None
+        return self._decode(where, data)
 
     def _decode(self, where: str, data: bytes) -> Any:
         from PIL import Image, UnidentifiedImageError

@@ -58,17 +58,18 @@ async def serve(*, engine_addrs: Sequence[str], host: str, port: int, model: str
         logger.error("%s", e)
         raise SystemExit(2) from e
     engines = [Engine(aio_channel(addr, tls, options=CHANNEL_OPTIONS), addr) for addr in engine_addrs]
-    server, health_service = public_server(tok, model_context_length(model_path), api_keys)
     name = served_model_name or (DEFAULT_SERVED_NAME if model is None else None)
     if name is None:
         from engine.config import EngineConfig
 
         name = EngineConfig(model=model).model_name
+    images = ChatImages.load(model_path, media or MediaSettings(), name, chat_template)
+    server, health_service = public_server(tok, model_context_length(model_path), api_keys, images.message_bytes())
     servicer = GenerationServicer(tok, engines, served_model_name=name,
                                   shm_tokens=shm_tokens, tools=tools, limits=limits, tracing=tracing,
                                   log_requests=log_requests, reasoning=reasoning, routing=routing,
                                   migration=migration, migration_metrics=migration_metrics,
-                                  images=ChatImages.load(model_path, media or MediaSettings(), name, chat_template))
+                                  images=images)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await health_service.set_serving(False)
     bind_port = bind(server, host, port, tls)
@@ -94,13 +95,13 @@ async def serve(*, engine_addrs: Sequence[str], host: str, port: int, model: str
         await engine.channel.close()
 
 
-def public_server(tokenizer: Tokenizer, context_length: int, api_keys: Sequence[str]
+def public_server(tokenizer: Tokenizer, context_length: int, api_keys: Sequence[str], image_bytes: int = 0
                   ) -> tuple[grpc.aio.Server, Health]:
     """The public API's server: it asks for ``api_keys`` when there are any, and receives no message larger
     than the longest prompt the model can take (``context_length`` tokens, the model's: its engine may take
-    fewer) with room for the other fields."""
+    fewer) with room for the other fields, and ``image_bytes`` for a vision-language model's images."""
     limit = max_message_bytes(context_length, tokenizer.max_token_bytes,
-                              normalized=tokenizer.backend.normalizer is not None)
+                              normalized=tokenizer.backend.normalizer is not None) + image_bytes
     return new_server(SERVICE_NAME, max_receive_bytes=limit,
                       interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else [])
 

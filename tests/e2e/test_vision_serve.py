@@ -104,7 +104,7 @@ def test_prefix_cache_keys_by_image(stack: ServeStack) -> None:
     text = "w20 w21 w22 w23 w24 w25 w26 w27 w28 w29 w30 w31 w32 w33 w34 w35 w36"   # past the first blocks
     first = _chat(stack, _messages(IMAGES[0], text=text))
     again = _chat(stack, _messages(IMAGES[0], text=text))
-    other = _chat(stack, _messages(IMAGES[2], text=text))
+    other = _chat(stack, _messages(_image(32, 32, 7), text=text))   # an image no request here sent before
     assert again.usage.prompt_tokens_details.cached_tokens >= 16
     assert other.usage.prompt_tokens == first.usage.prompt_tokens
     assert other.usage.prompt_tokens_details.cached_tokens == 0   # the image sits in the first block

@@ -94,7 +94,7 @@ REFUSED = [
     "--speculative-model m",
     "--num-speculative-tokens 3", "--ngram-prompt-lookup-max 4", "--ngram-prompt-lookup-min 1",
     "--override-generation-config {}", "--hf-overrides {}", "--rope-scaling {}", "--rope-theta 1e6",
-    "--task embed", "--limit-mm-per-prompt image=2", "--kv-transfer-config {}", "--enable-sleep-mode",
+    "--task embed", "--kv-transfer-config {}", "--enable-sleep-mode",
     "--skip-tokenizer-init", "--root-path /api", "--middleware m.M", "--response-role bot",
     "--return-tokens-as-token-ids", "--api-server-count 2", "--enable-reasoning", "--reasoning-parser granite",
     "--headless",
@@ -109,7 +109,8 @@ NO_EFFECT = [
     "--task generate", "--response-role assistant", "--api-server-count 1",
     "--disable-frontend-multiprocessing", "--enable-reasoning --reasoning-parser deepseek_r1",
 ]
-IMPLEMENTED = ["--num-gpu-blocks-override", "--uvicorn-log-level", "--reasoning-parser"]   # effects tested below
+IMPLEMENTED = ["--num-gpu-blocks-override", "--uvicorn-log-level", "--reasoning-parser",
+               "--limit-mm-per-prompt"]   # effects tested below
 
 
 def resolve(command: str) -> tuple[argparse.Namespace, list[str]]:
@@ -223,6 +224,22 @@ def test_reasoning_parser_reaches_every_tokenizer_service(capsys: pytest.Capture
     assert "--reasoning-parser" not in supervisor.Supervisor(ns, config_from_args(ns)).tokenizers[0].argv
     err = refusal("--reasoning-parser granite", capsys)
     assert err.endswith("is not a reasoning parser Sluice has: it has deepseek_r1, qwen3")
+
+
+def test_image_flags_reach_the_engine_and_every_tokenizer_service(capsys: pytest.CaptureFixture[str]) -> None:
+    ns, notes = resolve("""--limit-mm-per-prompt '{"image": 2}' --allowed-media-domains a.example b.example """
+                        "--tokenizers 2")
+    assert notes == []
+    stack = supervisor.Supervisor(ns, config_from_args(ns))
+    assert stack.engine.argv[stack.engine.argv.index("--limit-mm-per-prompt") + 1] == '{"image": 2}'
+    for tokenizer in stack.tokenizers:
+        argv = tokenizer.argv
+        assert argv[argv.index("--limit-mm-per-prompt") + 1] == '{"image": 2}'
+        assert argv[argv.index("--allowed-media-domains") + 1:][:2] == ["a.example", "b.example"]
+    ns, _ = resolve("")
+    assert "--allowed-media-domains" not in supervisor.Supervisor(ns, config_from_args(ns)).tokenizers[0].argv
+    with pytest.raises(ValueError, match="limit_mm_per_prompt: must be a JSON object"):
+        config_from_args(resolve("--limit-mm-per-prompt image=2")[0])
 
 
 def test_keepalive_is_off_unless_asked_and_forwarded_when_asked() -> None:

@@ -82,20 +82,51 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_pretrained(default_model_path())
 
 
-@pytest.fixture()
-def fake(tmp_path: Path, tokenizer: Tokenizer) -> Iterator[tuple[ScriptedEngine, str]]:
-    engine = ScriptedEngine([])
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
+class CurrentEngine(engine_pb2_grpc.EngineServicer):
+    """Hands each call to the running test's own ScriptedEngine: one server and one tokenizer process serve the
+    module (a process takes ~1 s to start and stop), and a call still running from an earlier test keeps
+    updating its own test's engine, not the next one's."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.engine = ScriptedEngine([])
+
+    def GetInfo(self, request, context):  # noqa: N802
+        return self.engine.GetInfo(request, context)
+
+    def RegisterSharedMemory(self, request, context):  # noqa: N802
+        return self.engine.RegisterSharedMemory(request, context)
+
+    def Abort(self, request, context):  # noqa: N802
+        return self.engine.Abort(request, context)
+
+    def Generate(self, request, context):  # noqa: N802
+        return self.engine.Generate(request, context)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> Iterator[tuple[CurrentEngine, str]]:
     port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    current = CurrentEngine(f"127.0.0.1:{port}")
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    engine_pb2_grpc.add_EngineServicer_to_server(current, server)
+    server.add_insecure_port(current.address)
     server.start()
-    engine.address = f"127.0.0.1:{port}"
     try:
-        with tokenizer_process(tmp_path, engine.address) as addr:
-            yield engine, addr
+        with tokenizer_process(tmp_path_factory.mktemp("tokenizer"), current.address) as addr:
+            yield current, addr
     finally:
         server.stop(0)
+
+
+@pytest.fixture()
+def fake(served: tuple[CurrentEngine, str]) -> tuple[ScriptedEngine, str]:
+    """A fresh ScriptedEngine behind the module's engine address and tokenizer service."""
+    current, addr = served
+    engine = ScriptedEngine([])
+    engine.address = current.address
+    current.engine = engine
+    return engine, addr
 
 
 class ForgetfulEngine(ScriptedEngine):
