@@ -137,17 +137,22 @@ class ChatImages:
         if request.HasField("truncate_prompt_tokens"):
             raise InvalidRequestError("truncate_prompt_tokens", "is not taken with image parts (it could cut an "
                                                                 "image's placeholders)")
-        chat = request.chat
-        conversation, sources = self.conversation(chat, max_chars)
-        assert self.processor is not None  # conversation() refused parts on a text-only model
-        images = [await self._image(where, image, run) for where, image in sources]
-        inputs = chat_inputs(chat, with_parts=True)
-        processed: ProcessedPrompt = await run(self._process, conversation, images, inputs.add_generation_prompt,
-                                               inputs.kwargs)
+        processed = await self.processed(request.chat, max_chars, run)
         if len(processed.prompt_token_ids) > max_model_len:
             raise InvalidRequestError("prompt", f"has {len(processed.prompt_token_ids)} tokens with its images' "
                                                 f"placeholders, more than max_model_len ({max_model_len})")
         return processed.prompt_token_ids, [item_to_pb(item) for item in processed.items]
+
+    async def processed(self, chat: generation_pb2.Chat, max_chars: int, run: OffLoop) -> ProcessedPrompt:
+        """The chat rendered and run through the model's processor with its images (for ``prompt`` and
+        ``Tokenize``)."""
+        conversation, sources = self.conversation(chat, max_chars)
+        assert self.processor is not None  # conversation() refused parts on a text-only model
+        images = [await self._image(where, image, run) for where, image in sources]
+        inputs = chat_inputs(chat, with_parts=True)
+        result: ProcessedPrompt = await run(self._process, conversation, images, inputs.add_generation_prompt,
+                                            inputs.kwargs)
+        return result
 
     def conversation(self, chat: generation_pb2.Chat, max_chars: int
                      ) -> tuple[list[dict[str, Any]], list[tuple[str, generation_pb2.Image]]]:

@@ -433,7 +433,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                        ) -> generation_pb2.TokenizeResponse:
         await self.lora_adapter(request.model)
         info = await self.engine_info()
-        if request.WhichOneof("input") == "chat":
+        if request.WhichOneof("input") == "chat" and has_parts(request.chat):   # images: the processor's ids
+            processed = await self.images.processed(request.chat, self.prompts.max_chars(info.max_model_len),
+                                                    self.prompts.off_loop)
+            ids = processed.prompt_token_ids
+        elif request.WhichOneof("input") == "chat":
             add = request.add_special_tokens if request.HasField("add_special_tokens") else False
             text = await self.prompts.render(request.chat, info.max_model_len)
             ids = await self.prompts.off_loop(self.tokenizer.encode, text, add_special_tokens=add)
