@@ -26,7 +26,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
-from common.grpc_errors import status_for
+from common.grpc_errors import retry_after_s, status_for
 
 logger = logging.getLogger(__name__)
 
@@ -321,9 +321,11 @@ class TaskProtocol(Protocol[K_contra, Req_contra, P_contra, Item, Resp_co]):
     def item(self, key: K_contra, payload: P_contra) -> Item:
         """A payload of request ``key`` as it travels."""
 
-    def end_item(self, key: K_contra, code: grpc.StatusCode, message: str, last: Item | None) -> Item | None:
-        """The item ending request ``key`` with a status, or None once that end is set on ``last`` (the
-        last item not sent yet, when the protocol lets an end ride on it)."""
+    def end_item(self, key: K_contra, code: grpc.StatusCode, message: str, last: Item | None,
+                 retry_after_s: int | None = None) -> Item | None:
+        """The item ending request ``key`` with a status (and, for a refusal, the seconds after which to retry,
+        when said), or None once that end is set on ``last`` (the last item not sent yet, when the protocol lets
+        an end ride on it)."""
 
     def pack(self, items: list[Item]) -> Resp_co:
         """The items ready together, as one message."""
@@ -357,9 +359,9 @@ class TaskMux(_MuxServer[K, asyncio.Task[None], Req, Resp], Generic[K, Req, P, I
             self._cancelled.add(key)
             task.cancel()
 
-    def end(self, key: K, code: grpc.StatusCode, message: str) -> None:
+    def end(self, key: K, code: grpc.StatusCode, message: str, retry_after_s: int | None = None) -> None:
         """Send the end of request ``key``: on its last item when that has not left yet, else on its own."""
-        item = self._protocol.end_item(key, code, message, self._batch[-1] if self._batch else None)
+        item = self._protocol.end_item(key, code, message, self._batch[-1] if self._batch else None, retry_after_s)
         if item is not None:
             self._batch.append(item)
         self._ready.set()
@@ -381,10 +383,11 @@ class TaskMux(_MuxServer[K, asyncio.Task[None], Req, Resp], Generic[K, Req, P, I
             code, message = status_for(e)
             if code is grpc.StatusCode.INTERNAL:
                 logger.exception("unexpected error in multiplexed request %s", name, exc_info=e)
+            retry = retry_after_s(e)
         else:
-            code, message = grpc.StatusCode.OK, ""
+            code, message, retry = grpc.StatusCode.OK, "", None
         # Here, not in _handled: the end then rides on the last payload if that has not left yet.
-        self.end(key, code, message)
+        self.end(key, code, message, retry)
 
     def _handled(self, key: K, task: asyncio.Task[None]) -> None:
         del self.requests[key]

@@ -110,7 +110,8 @@ def from_backend(err: BackendError, retry_after_default: int) -> ApiError:
                         code="not_found")
     if kind is BackendErrorKind.RESOURCE_EXHAUSTED:
         retry_after = err.retry_after if err.retry_after is not None else retry_after_default
-        return ApiError(429, "The server is busy: its request queue is full. Retry later.", type="rate_limit_error",
+        why = err.message[:_MAX_BACKEND_MESSAGE].rstrip(".") or "its request queue is full"  # the engine's reason
+        return ApiError(429, f"The server is busy: {why}. Retry later.", type="rate_limit_error",
                         code="queue_full", headers={"Retry-After": str(retry_after)})
     if kind is BackendErrorKind.UNAVAILABLE:
         return ApiError(503, "The model backend is unavailable. Retry later.", type="service_unavailable_error",

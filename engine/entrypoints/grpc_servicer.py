@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from common.errors import EngineDeadError, InvalidRequestError
-from common.grpc_errors import ERROR_REASON_KEY, status_for
+from common.grpc_errors import ERROR_REASON_KEY, retry_after_s, status_for
 from common.grpc_server import bind, new_server, stop_event
 from common.logs import REQUEST_ID
 from common.stream_mux import SinkMux
@@ -353,11 +353,14 @@ class _StreamCall:
             self.mux.finish(rid)
 
     def _refuse(self, rid: str, error: BaseException) -> None:
-        code, message = status_for(wire_error(error))
+        wired = wire_error(error)
+        code, message = status_for(wired)
         if code is grpc.StatusCode.INTERNAL:
             logger.error("request %s refused: %r", rid, error, extra={"request_id": rid})
         msg = engine_pb2.EngineStreamResponse()
-        msg.errors.add(request_id=rid, code=code.value[0], message=message, reason=error_reason(error))
+        entry = msg.errors.add(request_id=rid, code=code.value[0], message=message, reason=error_reason(error))
+        if (retry := retry_after_s(wired)) is not None:
+            entry.retry_after_s = retry
         self.mux.send(msg)
 
     def deliver(self, outputs: list[EngineCoreOutput]) -> None:

@@ -19,7 +19,7 @@ from typing import TypeAlias
 
 import grpc
 
-from common.grpc_errors import ERROR_REASON_KEY
+from common.grpc_errors import ERROR_REASON_KEY, RETRY_AFTER_KEY
 from common.stream_mux import MuxClient
 from proto.sluice.v1 import engine_pb2, engine_pb2_grpc
 
@@ -30,10 +30,14 @@ _Entry: TypeAlias = tuple[str, engine_pb2.EngineGenerateResponse | None, bool, g
 _Outputs: TypeAlias = AsyncGenerator[engine_pb2.EngineGenerateResponse, None]
 
 
-def _rpc_error(code: grpc.StatusCode, details: str,
-               reason: int = engine_pb2.ERROR_REASON_UNSPECIFIED) -> grpc.aio.AioRpcError:
-    trailing = (grpc.aio.Metadata((ERROR_REASON_KEY, engine_pb2.ErrorReason.Name(reason))) if reason
-                else grpc.aio.Metadata())
+def _rpc_error(code: grpc.StatusCode, details: str, reason: int = engine_pb2.ERROR_REASON_UNSPECIFIED,
+               retry_after_s: int | None = None) -> grpc.aio.AioRpcError:
+    """The error a ``Generate`` call would have ended with, its reason and retry hint in the trailing metadata."""
+    trailing = grpc.aio.Metadata()
+    if reason:
+        trailing.add(ERROR_REASON_KEY, engine_pb2.ErrorReason.Name(reason))
+    if retry_after_s is not None:
+        trailing.add(RETRY_AFTER_KEY, str(retry_after_s))
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
 
@@ -52,8 +56,9 @@ class _EngineStreamProtocol:
 
     def entries(self, message: engine_pb2.EngineStreamResponse) -> Iterator[_Entry]:
         for err in message.errors:
+            retry = err.retry_after_s if err.HasField("retry_after_s") else None
             yield err.request_id, None, True, _rpc_error(_STATUS_BY_CODE.get(err.code, grpc.StatusCode.UNKNOWN),
-                                                         err.message, err.reason)
+                                                         err.message, err.reason, retry)
         for out in message.outputs:
             yield out.request_id, out, out.request_done, None
 

@@ -63,13 +63,15 @@ class Multiplexer:
     def item(self, id_: int, response: generation_pb2.GenerateResponse) -> generation_pb2.GenerateStreamItem:
         return generation_pb2.GenerateStreamItem(id=id_, response=response)
 
-    def end_item(self, id_: int, code: grpc.StatusCode, message: str, last: generation_pb2.GenerateStreamItem | None
-                 ) -> generation_pb2.GenerateStreamItem | None:
+    def end_item(self, id_: int, code: grpc.StatusCode, message: str, last: generation_pb2.GenerateStreamItem | None,
+                 retry_after_s: int | None = None) -> generation_pb2.GenerateStreamItem | None:
         item = last if last is not None and last.id == id_ and not last.end else generation_pb2.GenerateStreamItem(
             id=id_)
         item.end = True
         item.status_code = code.value[0]
         item.status_message = message
+        if retry_after_s:
+            item.retry_after_seconds = retry_after_s
         return None if item is last else item
 
     def pack(self, items: list[generation_pb2.GenerateStreamItem]) -> generation_pb2.GenerateStreamResponse:

@@ -280,7 +280,8 @@ class TaskProto:
     def item(self, key: int, payload: str) -> Item:
         return Item(key, payload)
 
-    def end_item(self, key: int, code: grpc.StatusCode, message: str, last: Item | None) -> Item | None:
+    def end_item(self, key: int, code: grpc.StatusCode, message: str, last: Item | None,
+                 retry_after_s: int | None = None) -> Item | None:
         item = last if last is not None and last.key == key and last.end is None else Item(key)
         item.end = (code, message)
         return None if item is last else item

@@ -11,6 +11,7 @@ the engine does not see (the gateway, the tokenizer service, the stream's first 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -49,6 +50,9 @@ def test_twice_the_sustainable_rate_keeps_admitted_ttft_bounded_and_refuses_with
     for o in refused:
         assert o.retry_after is not None and int(o.retry_after) >= 1, o
         assert o.error is not None and {"message", "type", "param", "code"} <= set(o.error), o
+        # The engine's own estimate reaches the header (through the tokenizer service), not the gateway's default.
+        said = re.search(r"retry in (\d+) s", o.error["message"])
+        assert said is not None and said.group(1) == o.retry_after, o
     assert s["ttft_p99_s"] is not None and s["ttft_p99_s"] < TTFT_SLACK * BOUND_MS / 1000, detail
     assert all(o.tokens == MAX_TOKENS for o in outcomes if o.status == 200), detail
     # Not collapsed: the admitted keep the stack near what it sustains (a loose floor, not a timing).

@@ -330,6 +330,7 @@ async def test_retry_after_comes_from_the_backend_when_it_says(gateway: Gateway)
     r = await gateway.client.post(COMP, json=comp(prompt="busy:7"))
     check_error_body(r, 429)
     assert r.headers["retry-after"] == "7"
+    assert r.json()["error"]["message"] == "The server is busy: queue full. Retry later."   # the backend's reason
 
 
 SIZES = [

@@ -10,8 +10,10 @@ from typing import Any
 import grpc
 import pytest
 
-from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from common.grpc_errors import retry_after_s
+from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2
 from services.tokenizer.engine_stream import EngineStream, error_reason
+from services.tokenizer.multiplexer import Multiplexer
 from tests.procs import free_port
 
 FINAL = common_pb2.FINISH_REASON_LENGTH
@@ -136,6 +138,51 @@ def test_a_refused_request_raises_the_status_generate_would_have() -> None:
     code, details, ok = run(ScriptedStreamEngine(script), scenario)
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and details == "the queue is full"
     assert ok == [5]  # the call is still good for the next request
+
+
+def test_an_overloaded_engines_retry_hint_survives_the_stream_and_the_multiplexer() -> None:
+    """The engine's estimate (EngineRequestError.retry_after_s) becomes the ``retry-after`` trailer a Generate
+    call would carry, and GenerateStream's end item carries it as retry_after_seconds (the gateway's
+    Retry-After, whichever way it talks to the service)."""
+    async def script(context: Any, eng: ScriptedStreamEngine) -> AsyncIterator[engine_pb2.EngineStreamResponse]:
+        while True:
+            rid = (await eng.incoming.get()).generate.request_id
+            error = engine_pb2.EngineRequestError(request_id=rid, message="overloaded",
+                                                  code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+            if rid.startswith("busy"):
+                error.retry_after_s = 7
+            yield engine_pb2.EngineStreamResponse(errors=[error])
+
+    class Service:
+        draining = False
+
+        def __init__(self, stream: EngineStream) -> None:
+            self.stream = stream
+
+        async def generate(self, request: Any, request_id: str, *, timeout: float | None
+                           ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+            async for _ in self.stream.generate(_req(request_id)):
+                yield generation_pb2.GenerateResponse()
+
+    async def scenario(stream: EngineStream) -> tuple[list[int | None], list[int]]:
+        hints = []
+        for rid in ("busy", "full"):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _tokens(stream, rid)
+            hints.append(retry_after_s(err.value))
+        mux = Multiplexer(Service(stream))  # type: ignore[arg-type]
+
+        async def requests() -> AsyncIterator[generation_pb2.GenerateStreamRequest]:
+            yield generation_pb2.GenerateStreamRequest(id=1, generate=generation_pb2.GenerateRequest(
+                request_id="busy-2"))
+
+        ends = [item.retry_after_seconds async for message in mux.run(requests()) for item in message.items
+                if item.end and item.status_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
+        return hints, ends
+
+    hints, ends = run(ScriptedStreamEngine(script), scenario)
+    assert hints == [7, None]
+    assert ends == [7]
 
 
 def test_a_refusal_keeps_its_typed_reason() -> None:

@@ -186,16 +186,18 @@ class EngineStreamRequest(_message.Message):
     def __init__(self, generate: _Optional[_Union[EngineGenerateRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
 
 class EngineRequestError(_message.Message):
-    __slots__ = ("request_id", "code", "message", "reason")
+    __slots__ = ("request_id", "code", "message", "reason", "retry_after_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     code: int
     message: str
     reason: ErrorReason
-    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ...) -> None: ...
+    retry_after_s: int
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., retry_after_s: _Optional[int] = ...) -> None: ...
 
 class EngineStreamResponse(_message.Message):
     __slots__ = ("outputs", "errors")
