@@ -70,8 +70,9 @@ def chat_inputs(chat: generation_pb2.Chat, *, with_parts: bool = False) -> ChatI
     if not with_parts:
         for i, m in enumerate(chat.messages):
             if m.parts:
-                raise InvalidRequestError(f"messages[{i}].parts", "content parts are only taken by generation "
-                                                                  "requests to a vision-language model")
+                raise InvalidRequestError(f"messages[{i}].parts", "content parts are not taken here (Generate and "
+                                                                  "Tokenize take them, for a vision-language "
+                                                                  "model)")
     tools = [s.template_dict() for s in tool_specs(chat)] or None
     return ChatInputs([_message(m) for m in chat.messages],
                       chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,

@@ -25,7 +25,7 @@ import numpy as np
 
 from common.errors import InvalidRequestError
 from engine.config import parse_mm_limits
-from engine.text.multimodal import MultiModalProcessor, ProcessedPrompt, is_multimodal
+from engine.text.multimodal import MultiModalProcessor, ProcessedItem, ProcessedPrompt, is_multimodal
 from proto.sluice.v1 import engine_pb2, generation_pb2
 from services.tokenizer.chat import chat_inputs
 from services.tokenizer.limits import check_chat
@@ -242,8 +242,11 @@ class ChatImages:
         if len(data) > self.settings.max_image_bytes:
             raise InvalidRequestError(where, f"the image is {len(data)} bytes; at most {self.settings.max_image_bytes}")
         try:
-            image = Image.open(io.BytesIO(data))
-            self._checked(where, image)
+            image = Image.open(io.BytesIO(data))   # reads the header only: the size is checked before the pixels
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+            raise InvalidRequestError(where, f"the image does not decode: {e}") from None
+        self._checked(where, image)
+        try:
             image.load()
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
             raise InvalidRequestError(where, f"the image does not decode: {e}") from None
@@ -288,7 +291,7 @@ class ChatImages:
             raise InvalidRequestError(where, f"fetching the image failed: {type(e).__name__}") from None
 
 
-def item_to_pb(item: Any) -> engine_pb2.MultiModalItem:
+def item_to_pb(item: ProcessedItem) -> engine_pb2.MultiModalItem:
     """A processed image (``engine.text.multimodal.ProcessedItem``) as the token-level proto's, tensors inline."""
     out = engine_pb2.MultiModalItem(modality=item.modality, offset=item.offset, length=item.length, hash=item.hash)
     for name, array in item.tensors.items():

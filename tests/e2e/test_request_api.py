@@ -88,12 +88,9 @@ def _client(stack: ServeStack) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
-    s = ServeStack(tmp_path_factory.mktemp("api"), "--dtype", "float32", "--max-num-seqs", "16",
-                   "--kv-cache-memory", "512MiB")
-    s.start()
-    yield s
-    s.stop()
+def stack(traced_stack: ServeStack) -> ServeStack:
+    """tests/e2e/conftest.py: float32, 16 sequences, 512 MiB of KV cache (shared with test_tracing.py)."""
+    return traced_stack
 
 
 @pytest.fixture(scope="module")

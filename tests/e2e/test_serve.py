@@ -121,7 +121,9 @@ def test_curl_sees_sse_framing_and_keepalives_while_queued(stack: ServeStack) ->
     busy = [threading.Thread(target=occupy) for _ in range(4)]  # all 4 running slots
     for t in busy:
         t.start()
-    time.sleep(1.0)
+    engine = engine_pb2_grpc.EngineStub(grpc.insecure_channel(stack.engine_addr))
+    wait_until(lambda: engine.GetInfo(engine_pb2.GetInfoRequest(), timeout=5).num_running == 4, 60,
+               what="all 4 running slots taken")
     try:
         lines = _curl_stream(stack, {"model": model, "prompt": "Hello", "max_tokens": 5, "stream": True})
     finally:
@@ -366,10 +368,10 @@ def test_mindie_config_with_world_size_2_serves_tensor_parallel(tmp_path: Path) 
     assert not left, f"ranks outlived sluice serve: {left}"
 
 
-def test_children_end_when_the_supervisor_is_killed(tmp_path: Path) -> None:
+def test_children_end_when_the_supervisor_is_killed(stack: ServeStack) -> None:
     """SIGKILL leaves `sluice serve` no chance to stop its children: each armed PR_SET_PDEATHSIG itself
-    (common.procs) and drains on the SIGTERM the kernel sends when the supervisor dies."""
-    stack = ServeStack(tmp_path, "--dtype", "float32", "--kv-cache-memory", "256MiB", "--shutdown-timeout", "2").start()
+    (common.procs) and drains on the SIGTERM the kernel sends when the supervisor dies. It kills the module's
+    stack (a stack of its own would cost ~7 s to start), so it stays the last test here to use it."""
     assert stack.proc is not None
     children = stack.child_pids()
 
@@ -378,7 +380,7 @@ def test_children_end_when_the_supervisor_is_killed(tmp_path: Path) -> None:
         return not status.exists() or b"zombie" in status.read_bytes().lower()
 
     try:
-        assert len(children) == 3
+        assert len(children) == 4   # the engine, two tokenizer services, the gateway
         stack.proc.kill()
         stack.proc.wait(5)
         deadline = time.monotonic() + 20

@@ -6,114 +6,30 @@ from __future__ import annotations
 
 import json
 import secrets
-import threading
-import time
-from collections.abc import Iterator
-from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import openai
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from common.procs import free_port
 from proto.sluice.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from tests.e2e.otlp_collector import Collector, Span
 from tests.procs import ServeStack, spawn, stop, wait_until
 
 pytestmark = pytest.mark.slow
 
 
-@dataclass(frozen=True)
-class Span:
-    service: str
-    span: trace_pb2.Span
-
-    @property
-    def trace_id(self) -> str:
-        return self.span.trace_id.hex()
-
-    @property
-    def span_id(self) -> str:
-        return self.span.span_id.hex()
-
-    @property
-    def parent_id(self) -> str:
-        return self.span.parent_span_id.hex()
-
-    @property
-    def attributes(self) -> dict[str, Any]:
-        return {kv.key: _value(kv.value) for kv in self.span.attributes}
-
-    @property
-    def events(self) -> dict[str, int]:
-        return {e.name: e.time_unix_nano for e in self.span.events}
-
-
-def _value(v: common_pb2.AnyValue) -> Any:
-    return getattr(v, v.WhichOneof("value"))
-
-
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace collector keeping every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        self._lock = threading.Lock()
-
-    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
-               ) -> trace_service_pb2.ExportTraceServiceResponse:
-        with self._lock:
-            for rs in request.resource_spans:
-                service = next(_value(kv.value) for kv in rs.resource.attributes if kv.key == "service.name")
-                self.spans += [Span(service, s) for ss in rs.scope_spans for s in ss.spans]
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def wait_for(self, count: int, **attributes: Any) -> list[Span]:
-        """The spans whose attributes include ``attributes``, once there are ``count`` (or after 20 s)."""
-        found: list[Span] = []
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with self._lock:
-                found = [s for s in self.spans if attributes.items() <= s.attributes.items()]
-            if len(found) >= count:
-                time.sleep(0.3)  # a span too many would come in the same batches
-                with self._lock:
-                    return [s for s in self.spans if attributes.items() <= s.attributes.items()]
-            time.sleep(0.1)
-        return found
-
-    def trace(self, trace_id: str) -> list[Span]:
-        with self._lock:
-            return [s for s in self.spans if s.trace_id == trace_id]
+@pytest.fixture(scope="module")
+def collector(otlp_collector: tuple[Collector, str]) -> tuple[Collector, str]:
+    return otlp_collector
 
 
 @pytest.fixture(scope="module")
-def collector() -> Iterator[tuple[Collector, str]]:
-    servicer = Collector()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"http://127.0.0.1:{port}"
-    server.stop(0)
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, collector: tuple[Collector, str]) -> Iterator[ServeStack]:
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # milliseconds between exports
-        env.delenv("OTEL_SERVICE_NAME", raising=False)
-        s = ServeStack(tmp_path_factory.mktemp("tracing"), "--dtype", "float32", "--max-num-seqs", "4",
-                       "--kv-cache-memory", "256MiB", "--otlp-traces-endpoint", collector[1],
-                       "--log-format", "json", "--enable-log-requests")
-        s.start()
-        yield s
-        s.stop()
+def stack(traced_stack: ServeStack) -> ServeStack:
+    """tests/e2e/conftest.py: the request-API tests' stack, which exports to ``collector`` and logs JSON lines."""
+    return traced_stack
 
 
 def _client(base_url: str) -> openai.OpenAI:

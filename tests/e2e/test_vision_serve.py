@@ -168,9 +168,13 @@ def test_public_grpc_api(stack: ServeStack) -> None:
             _generate(stub, message)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith(f"{field}: "), info.value.details()
-    with pytest.raises(grpc.RpcError) as info:   # Tokenize renders content only: parts refused by name
-        stub.Tokenize(generation_pb2.TokenizeRequest(model=MODEL, chat=generation_pb2.Chat(messages=[
-            generation_pb2.ChatMessage(role="user", parts=[image, text])])), timeout=30)
+    chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", parts=[image, text])])
+    tokens = stub.Tokenize(generation_pb2.TokenizeRequest(model=MODEL, chat=chat), timeout=30)
+    assert tokens.count == served.usage.prompt_tokens   # the image's placeholders counted
+    rest = httpx.post(f"{stack.base_url}/tokenize", timeout=30, json={"model": MODEL, "messages": _messages(IMAGES[1])})
+    assert rest.json()["count"] == served.usage.prompt_tokens, rest.text
+    with pytest.raises(grpc.RpcError) as info:   # ApplyChatTemplate renders content only: parts refused by name
+        stub.ApplyChatTemplate(generation_pb2.ApplyChatTemplateRequest(model=MODEL, chat=chat), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("messages[0].parts: ")
     info_after = stack.engine_idle()

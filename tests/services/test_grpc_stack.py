@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
-from tests.procs import ROOT, engine_process, grpc_serving, tokenizer_processes
+from tests.procs import ROOT, engine_process, grpc_serving, tokenizer_processes, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -165,9 +165,8 @@ def test_cancelled_queued_request_is_never_scheduled(stack: dict[str, str]) -> N
     before = _eng_stub(stack["engine"]).GetInfo(engine_pb2.GetInfoRequest())
     queued = stub.Generate(generation_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[7] * 50),
                                                           **_greedy(5)))
-    time.sleep(0.5)
-    mid = _eng_stub(stack["engine"]).GetInfo(engine_pb2.GetInfoRequest())
-    assert mid.num_waiting == 1
+    engine = _eng_stub(stack["engine"])
+    wait_until(lambda: engine.GetInfo(engine_pb2.GetInfoRequest()).num_waiting == 1, 30, what="the request queued")
     queued.cancel()
     for c in busy:
         list(c)

@@ -112,6 +112,11 @@ def test_refusals_name_the_part(checkpoint: Path) -> None:
         assert info.value.field == field, info.value
     with pytest.raises(InvalidRequestError, match="'example.com' is not in --allowed-media-domains"):
         _prompt(images, _request(_user(_image(url="https://example.com/a.png"))))
+    small = _images(checkpoint, max_image_bytes=len(PNGS[0]), max_image_pixels=32 * 32)
+    for part, words in ((_image(PNGS[1]), "bytes; at most"), (_image(_png(40, 40, 3)[:len(PNGS[0])]), "pixels")):
+        with pytest.raises(InvalidRequestError, match=words) as info:
+            _prompt(small, _request(_user(part)))
+        assert info.value.field == "messages[0].parts[0]"
 
 
 def test_a_text_only_model_refuses_parts() -> None:
