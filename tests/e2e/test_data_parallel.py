@@ -126,16 +126,18 @@ def cached_tokens(stack: ServeStack, prompt: list[int], max_tokens: int = 1) -> 
     return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
+@pytest.fixture(scope="module")
 def both_engines_followed(stack: ServeStack) -> None:
-    """Both engines serve, and the tokenizer services had time to see them (GetInfo, then their KV events)."""
+    """Both engines serve, and the tokenizer services had time to see them (GetInfo, then their KV events): once
+    per stack, they keep following them."""
     wait_until(lambda: all(grpc_serving(f"127.0.0.1:{stack.engine_port + r}", "sluice.v1.Engine") for r in (0, 1)),
                120, what="both engines serving")
     time.sleep(2.0)
 
 
+@pytest.mark.usefixtures("both_engines_followed")
 def test_kv_aware_routing_finds_each_prefix_cached_and_round_robin_does_not(stack: ServeStack,
                                                                              tmp_path: Path) -> None:
-    both_engines_followed(stack)
     kv_aware = sum(cached_tokens(stack, prompt) for prompt in shuffled_requests(seed=1))
     ideal = ideal_cached_tokens()
     assert kv_aware >= 0.9 * ideal, (kv_aware, ideal)
@@ -156,8 +158,8 @@ def test_kv_aware_routing_finds_each_prefix_cached_and_round_robin_does_not(stac
     assert round_robin < kv_aware and round_robin < 0.9 * ideal, (round_robin, kv_aware, ideal)
 
 
+@pytest.mark.usefixtures("both_engines_followed")
 def test_one_hot_prefix_under_concurrent_load_goes_to_both_replicas(stack: ServeStack) -> None:
-    both_engines_followed(stack)
     hot = prefixes(seed=3, n=1)[0]
     cached_tokens(stack, hot + [5000])   # one replica has it now
     before = requests_per_replica(stack)

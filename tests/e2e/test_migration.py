@@ -47,7 +47,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
     save_tiny_llama(tmp / "tiny", vocab_size=49152)   # the default model's vocabulary, for its tokenizer
     s = ServeStack(tmp, "--model", str(tmp / "tiny"), "--tokenizer", default_model_path(), "--data-parallel-size",
                    "2", "--tensor-parallel-size", "2", "--kv-cache-memory", "32MiB", "--max-num-seqs", "16",
-                   "--num-threads", "1", "--shutdown-timeout", "2", "--routing", "round_robin", "--dtype", "float32",
+                   "--num-threads", "1", "--shutdown-timeout", "60", "--routing", "round_robin", "--dtype", "float32",
                    "--enable-log-requests")   # the tokenizer services name the engine each request went to
     base = consecutive_free_ports(6)   # 2 engines, 2 tokenizer services, the engines' metrics pages
     s.engine_port, s.tokenizer_port = base, base + 2
@@ -216,3 +216,32 @@ def test_streams_survive_an_engine_then_a_tensor_parallel_rank_dying(stack: Serv
     assert migrated(stack) > moved
     info = idle_info(dead)
     assert info.free_kv_blocks == info.total_kv_blocks
+
+
+def test_sigterm_with_streams_running_lets_every_one_finish_and_exits_zero(stack: ServeStack) -> None:
+    """Issue 44's drain (acceptance 4), last in the module: SIGTERM to `sluice serve` while the 17 streams run
+    (each 15 tokens in): every one still ends with all its tokens and one finish reason per sequence, and the
+    supervisor exits 0 once they have."""
+    assert stack.proc is not None
+    for port in (stack.engine_port, stack.engine_port + 1):   # the replica whose rank died above is back
+        wait_until(lambda p=port: grpc_serving(f"127.0.0.1:{p}", "sluice.v1.Engine"), 120, what="both replicas")
+    time.sleep(1.5)   # the tokenizer services see it up (GetInfo each second)
+    under_way = threading.Event()
+    signalled: list[float] = []
+
+    def terminate() -> None:
+        under_way.wait(120)
+        stack.proc.send_signal(signal.SIGTERM)   # type: ignore[union-attr]
+        signalled.append(time.monotonic())
+
+    killer = threading.Thread(target=terminate)
+    killer.start()
+    streams = run_streams(stack, "drain", under_way)
+    killer.join()
+    assert signalled
+    for i, s in enumerate(streams):
+        n = 2 if i == PAIR else 1
+        assert not s.errors, (i, s.errors)
+        assert s.finish_reasons == ["length"] * n and sorted(s.texts) == list(range(n)), (i, s.finish_reasons)
+        assert s.usage is not None and s.usage["completion_tokens"] == n * TOKENS, (i, s.usage)
+    assert stack.proc.wait(60) == 0
