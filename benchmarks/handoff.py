@@ -129,8 +129,8 @@ class RecordingEngine:
         return fn(self.core)
 
     async def generate(self, request_id: str, prompt_token_ids: Any, params: Any,
-                       *, priority: int = 0, lora_request: Any = None, cache_salt: str | None = None
-                       ) -> AsyncIterator[Any]:
+                       *, priority: int = 0, lora_request: Any = None, cache_salt: str | None = None,
+                       resumed_output_tokens: int = 0, mm_items: Any = None) -> AsyncIterator[Any]:
         t = time.perf_counter()  # first thing: the ids are in the engine in the form its core takes
         from engine.core.finish_reason import FinishReason
         from engine.core.outputs import EngineCoreOutput

@@ -135,7 +135,7 @@ def _messages(items: list[JsonObject]) -> list[dict[str, object]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{where}.role", f'`{where}.role` must be "user", "system", "developer" or '
                                                    f'"assistant".')
-            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            out.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
@@ -164,18 +164,49 @@ def _string(item: Mapping[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text(content: object, where: str) -> str:
+def _content(content: object, where: str) -> str | list[dict[str, object]]:
+    """A message's content: text (as ``_text``), or, when it has ``input_image`` parts, chat's content array (text
+    and ``image_url`` parts in order), so that images take chat's path (gateway/multimodal.py) to the tokenizer
+    service."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content, where)
+    parts: list[dict[str, object]] = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            parts.append(_image_part(part, f"{where}[{j}]"))
+        else:
+            parts.append({"type": "text", "text": _text([part], where, j)})
+    return parts
+
+
+def _image_part(part: Mapping[str, Any], where: str) -> dict[str, object]:
+    """OpenAI's ``{"type": "input_image", "image_url": "data:...", "detail": "auto"}`` as chat's image_url part."""
+    if part.get("file_id") is not None:
+        raise bad_request(f"{where}.file_id", f"`{where}.file_id` is not supported (there is no files API): send "
+                                              "the image as `image_url`, a data: URL.")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where}.image_url", f"`{where}.image_url` must be a non-empty string (a data: URL), got "
+                                                f"{json_type(url)}.")
+    image: dict[str, object] = {"url": url}
+    if part.get("detail") is not None:
+        image["detail"] = part["detail"]   # chat's schema checks it
+    return {"type": "image_url", "image_url": image}
+
+
+def _text(content: object, where: str, first: int = 0) -> str:
     """Text content: a string, or input_text / output_text parts (joined)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(where, f"`{where}` must be a string or an array of text parts, got {json_type(content)}.")
     texts = []
-    for j, part in enumerate(content):
+    for j, part in enumerate(content, first):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
             raise bad_request(f"{where}[{j}]", f'`{where}[{j}]` must be an "input_text" or "output_text" part: only '
-                                               "text content is supported.")
+                                               'text content (and "input_image" in a message) is supported.')
         texts.append(part["text"])
     return "".join(texts)
 
