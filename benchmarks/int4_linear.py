@@ -7,6 +7,7 @@
 that every product streams its weight from memory as a decode step does (one copy would sit in the cache). Methods,
 end to end from bfloat16 rows to bfloat16 rows: ``bf16`` = OneDnnLinearMethod (the engine's bfloat16 path),
 ``int4`` = Int4PackLinearMethod held to PyTorch's int4 CPU kernel at every row count (groups of ``--group``),
+``int4-gemv`` = the same with our ``int4_gemv`` up to ``GEMV_MAX_ROWS`` rows (torch's kernel above),
 ``int4-dense`` = the same held to its prefill path (the packed weight dequantized tile by tile into the bfloat16
 GEMM), ``int4-dequant`` = Int4DequantLinearMethod (the fallback). The engine's Int4PackLinearMethod runs ``int4``
 below ``DENSE_MIN_ROWS`` rows and ``int4-dense`` from there on. Milliseconds per linear (median of ``--rounds``,
@@ -25,6 +26,7 @@ import time
 import torch
 
 from benchmarks.report import machine_info
+from engine.kernels import cpu_ops
 from engine.models.int4 import Int4Weight
 from engine.models.layers.int4_linear import Int4DequantLinearMethod, Int4PackLinearMethod
 from engine.models.layers.linear import Linear, LinearMethod, OneDnnLinearMethod
@@ -44,7 +46,9 @@ def read_bandwidth() -> float:
 def _methods(inp: int, out: int, group: int, copies: int, dequant: bool
              ) -> tuple[Linear, dict[str, list[LinearMethod]], dict[str, int]]:
     gen = torch.Generator().manual_seed(0)
-    names = ["bf16", "int4", "int4-dense"] + (["int4-dequant"] if dequant else [])
+    ops = cpu_ops()
+    names = ["bf16", "int4"] + (["int4-gemv"] if ops is not None else []) + ["int4-dense"]
+    names += ["int4-dequant"] if dequant else []
     methods: dict[str, list[LinearMethod]] = {n: [] for n in names}
     for _ in range(copies):
         weight = Int4Weight(torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.uint8),
@@ -52,6 +56,8 @@ def _methods(inp: int, out: int, group: int, copies: int, dequant: bool
                             torch.full((out, inp // group), 8.0), group, dtype=torch.bfloat16)
         methods["bf16"].append(OneDnnLinearMethod(weight.dequantize().bfloat16()))
         methods["int4"].append(Int4PackLinearMethod(weight, group, dense_min_rows=None))
+        if ops is not None:
+            methods["int4-gemv"].append(Int4PackLinearMethod(weight, group, dense_min_rows=None, ops=ops))
         methods["int4-dense"].append(Int4PackLinearMethod(weight, group, dense_min_rows=1))
         if dequant:
             methods["int4-dequant"].append(Int4DequantLinearMethod(weight))
@@ -59,6 +65,7 @@ def _methods(inp: int, out: int, group: int, copies: int, dequant: bool
     assert isinstance(first, Int4PackLinearMethod)
     nbytes = {"bf16": out * inp * 2,
               "int4": first.packed.numel() * first.packed.element_size() + first.scale_and_zero.numel() * 2,
+              "int4-gemv": first.packed.numel() * first.packed.element_size() + first.scale_and_zero.numel() * 2,
               "int4-dense": first.packed.numel() * first.packed.element_size() + first.scale_and_zero.numel() * 2,
               "int4-dequant": out * inp + 2 * 4 * out * (inp // group)}
     return Linear(inp, out, bias=False), methods, nbytes

@@ -65,7 +65,8 @@ def _cpu_digest() -> str:
 def _build(name: str, cflags: list[str]) -> Any:
     from torch.utils.cpp_extension import load
 
-    sources = [str(_SOURCES / name) for name in ("cpu_ops.cpp", "quant_linear.cpp", "amx_linear.cpp", "int8_ops.cpp")]
+    sources = [str(_SOURCES / name) for name in ("cpu_ops.cpp", "quant_linear.cpp", "amx_linear.cpp", "int8_ops.cpp",
+                                                    "int4_ops.cpp")]
     return load(name=name, sources=sources, extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -73,7 +74,8 @@ def _build(name: str, cflags: list[str]) -> Any:
 def cpu_ops() -> Any | None:
     """The compiled ``cpu_ops.cpp`` + ``quant_linear.cpp`` + ``amx_linear.cpp`` + ``int8_ops.cpp`` extension
     (``paged_decode_attention``, ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_``, ``argmax_rows``,
-    ``quant_linear``, ``amx_linear``, ``w8a8_linear``, ``int8_quantize_rows``, ``int8_scale_rows``, ``int8_isa``), or
+    ``quant_linear``, ``amx_linear``, ``w8a8_linear``, ``int8_quantize_rows``, ``int8_scale_rows``, ``int8_isa``;
+    ``int4_ops.cpp``: ``int4_gemv``), or
     None when it cannot be built."""
     try:
         return _build(f"sluice_cpu_ops_{_cpu_digest()}", ["-O3", "-march=native", "-fopenmp"])

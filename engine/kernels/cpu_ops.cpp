@@ -1763,6 +1763,8 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& smooth,
                           const torch::Tensor& ones, const torch::Tensor& zeros);
 std::string int8_isa();
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& sz);
+std::string int4_gemv_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs (arguments are converted before, results after): the
@@ -1802,5 +1804,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", &w8a8_linear, release(), py::arg("x"), py::arg("packed"), py::arg("w_scale"),
         py::arg("bias"), py::arg("smooth"), py::arg("ones"), py::arg("zeros"),
         "W8A8 x @ W.T (+ bias): rows quantized per token, oneDNN's int8 GEMM on a qlinear_prepack'd weight, scaled");
+  m.def("int4_gemv", &int4_gemv, release(), py::arg("x"), py::arg("packed"), py::arg("group"), py::arg("sz"),
+        "x @ W.T for 1-4 float32/bfloat16 rows, W 4-bit as _convert_weight_to_int4pack_for_cpu packs it, sz its table");
+  m.def("int4_gemv_isa", &int4_gemv_isa, "int4_gemv's loops in this build: avx512-bf16, avx512 or '' (portable)");
   m.def("int8_isa", &int8_isa, "This CPU's int8 dot-product instructions: amx-int8, avx512-vnni, avx-vnni or ''");
 }

@@ -8,8 +8,9 @@ float32 in tests/engine/models/test_int4_linear.py, torch 2.13): ``x @ W.T`` wit
 bfloat16, float16 and float32 activations. A checkpoint's ``(q - z) * s`` is that with ``zero = (8 - z) * s``, a GGUF
 K-quant's ``q * s + offset`` that with ``zero = 8 * s + offset``;
 groups of other sizes that are multiples of an allowed one (per-channel weights) repeat their scale over the
-kernel's smaller groups. ``Int4DequantLinearMethod`` serves the rest (other shapes, other devices than CPU): it
-dequantizes the weight at each call and runs ``F.linear``; correct, not fast.
+kernel's smaller groups. Decode steps of 1-4 rows run our own ``int4_gemv`` on the same packed weight where the
+compiled kernels are loaded (``GEMV_MAX_ROWS``). ``Int4DequantLinearMethod`` serves the rest (other shapes, other
+devices than CPU): it dequantizes the weight at each call and runs ``F.linear``; correct, not fast.
 
 NPU: ``NpuInt4LinearMethod`` maps a layer to torch-npu's weight-only matmul as vLLM-Ascend's W4A16 does, checked only
 against the test-only operator twin (tests/engine/npu_twin/quant.py). CUDA: refused by name (no W4A16 kernel).
@@ -36,6 +37,11 @@ _HALF = _BLOCK_N // 2
 # Steps of at least this many rows dequantize the weight into the dense GEMM instead of running the int4 kernel
 # (docs/benchmarks.md, "Weight-only 4-bit linears": measured crossover).
 DENSE_MIN_ROWS = 64
+# Steps of at most this many rows run our own GEMV (``int4_gemv``, engine/kernels/int4_ops.cpp) where the compiled
+# kernels are loaded, on the same packed codes and table: float32 rows always (torch's kernel runs float32 at
+# 0.1-0.3 GB/s), bfloat16 rows where the build has its AVX-512 loops (1.4-2.8x torch's kernel; the portable loops
+# are not faster than it). docs/benchmarks.md, "Weight-only 4-bit linears".
+GEMV_MAX_ROWS = 4
 # Weights dequantized per tile of the dense path (a multiple of 64 output features): 4 MiB of bfloat16.
 TILE_ELEMENTS = 1 << 21
 
@@ -58,10 +64,16 @@ class Int4PackLinearMethod(LinearMethod):
     ``dense_min_rows`` rows on, a step dequantizes the packed weight tile by tile (``TILE_ELEMENTS`` weights at a
     time, so the transient stays a few MiB) into the activations' dtype and multiplies each tile with the dense GEMM
     (oneDNN), which is faster there (docs/benchmarks.md, "Weight-only 4-bit linears"). Both paths compute
-    ``x @ ((q - 8) * scale + zero).T`` from the same packed codes and table."""
+    ``x @ ((q - 8) * scale + zero).T`` from the same packed codes and table. With ``ops`` (the compiled kernels),
+    steps of up to ``GEMV_MAX_ROWS`` rows of a dtype in ``gemv_dtypes`` run ``ops.int4_gemv`` on them instead of
+    torch's kernel."""
 
-    def __init__(self, weight: Int4Weight, group_size: int, dense_min_rows: int | None = DENSE_MIN_ROWS) -> None:
+    def __init__(self, weight: Int4Weight, group_size: int, dense_min_rows: int | None = DENSE_MIN_ROWS,
+                 ops: Any = None) -> None:
         self.group_size = group_size
+        self.gemv = None if ops is None else ops.int4_gemv
+        self.gemv_dtypes: tuple[torch.dtype, ...] = (
+            () if ops is None else (torch.float32, torch.bfloat16) if ops.int4_gemv_isa() else (torch.float32,))
         self.dense_min_rows = dense_min_rows
         self.perm = weight.perm
         self.out_features, self.in_features = weight.shape
@@ -90,6 +102,9 @@ class Int4PackLinearMethod(LinearMethod):
         bias = layer.method_bias
         if self.dense_min_rows is not None and rows.shape[0] >= self.dense_min_rows:
             return self._dense(rows, sz, bias)
+        if self.gemv is not None and 0 < rows.shape[0] <= GEMV_MAX_ROWS and x.dtype in self.gemv_dtypes:
+            out = self.gemv(rows, self.packed, self.group_size, sz)
+            return out if bias is None else out.add_(bias)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, sz)
         return out if bias is None else out.add_(bias)
 
@@ -218,5 +233,5 @@ def int4_method(weight: Int4Weight, choice: KernelChoice) -> LinearMethod:
                          "the NPU: no CUDA W4A16 kernel is wired")
     group = kernel_group_size(weight)
     if group is not None and device == "cpu":
-        return Int4PackLinearMethod(weight, group)
+        return Int4PackLinearMethod(weight, group, ops=choice.ops)
     return Int4DequantLinearMethod(weight)

@@ -6,6 +6,7 @@ permutations and per-channel groups; the NPU method on the test-only torch-npu o
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from engine.models.int4 import Int4Weight, from_groups, pack_int32, unpack_int32
 from engine.models.layers import int4_linear
 from engine.models.layers.int4_linear import (
     DENSE_MIN_ROWS,
+    GEMV_MAX_ROWS,
     Int4DequantLinearMethod,
     Int4PackLinearMethod,
     NpuInt4LinearMethod,
@@ -114,6 +116,41 @@ def test_the_dense_path_runs_from_the_threshold_and_tiles_agree(monkeypatch: pyt
     Int4PackLinearMethod(weight, 32).apply(layer, x)   # the kernel is not called from the threshold on
     with pytest.raises(TypeError):
         Int4PackLinearMethod(weight, 32).apply(layer, x[:DENSE_MIN_ROWS - 1])
+
+
+@pytest.mark.parametrize("out, cols, group, act_order", [
+    (64, 256, 32, False), (208, 128, 64, True), (48, 192, 64, True), (80, 512, 128, False), (16, 96, 32, True),
+    (2064, 256, 256, False),
+])
+def test_our_gemv_equals_the_reference_at_decode_rows(ops: Any, out: int, cols: int, group: int, act_order: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # ops.int4_gemv (native and portable builds) at 1..GEMV_MAX_ROWS rows: full 64-column blocks and tails
+    # (out % 64), act-order, bias. The method runs it for float32 rows (and bfloat16 ones where the build has its
+    # AVX-512 loops) with torch's kernel made uncallable, so that only ours can answer.
+    weight = _weight(out, cols, group, act_order, seed=out + cols)
+    method = int4_method(weight, KernelChoice(ops=ops))
+    assert isinstance(method, Int4PackLinearMethod) and method.gemv is not None
+    assert method.gemv_dtypes == ((torch.float32, torch.bfloat16) if ops.int4_gemv_isa() else (torch.float32,))
+    layer = Linear(cols, out, bias=True).requires_grad_(False)
+    torch.nn.init.normal_(layer.bias)
+    inputs = {rows: torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+              for rows in range(1, GEMV_MAX_ROWS + 1)}
+    torch_bf16 = {rows: Int4PackLinearMethod(weight, method.group_size).apply(layer, x.bfloat16())
+                  for rows, x in inputs.items()}
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+    for rows, x in inputs.items():
+        assert _err(method.apply(layer, x), _reference(x, weight) + layer.bias) < FLOAT32_BOUND
+        rows_in = x.bfloat16() if method.perm is None else x.bfloat16()[:, method.perm]
+        got = ops.int4_gemv(rows_in, method.packed, method.group_size, method._table(torch.bfloat16))
+        assert got.dtype == torch.bfloat16
+        assert _err(got, _reference(x.bfloat16(), weight)) < BFLOAT16_BOUND
+        # within one bfloat16 rounding of torch's kernel on the same bfloat16 table
+        with_bias = got.add_(layer.bias)
+        assert torch.allclose(with_bias.float(), torch_bf16[rows].float(), rtol=2 ** -7, atol=1e-2)
+        if torch.bfloat16 in method.gemv_dtypes:
+            assert torch.equal(method.apply(layer, x.bfloat16()), with_bias)
+    with pytest.raises(TypeError):   # past GEMV_MAX_ROWS rows it is torch's kernel again
+        method.apply(layer, torch.randn(GEMV_MAX_ROWS + 1, cols))
 
 
 @pytest.mark.parametrize("out, cols", [(64, 32), (16, 64), (112, 96), (2064, 64), (208, 256)])
