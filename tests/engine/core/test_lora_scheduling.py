@@ -109,7 +109,7 @@ class FakeExecutor:
 
     def __init__(self, config: EngineConfig) -> None:
         self.model_config = SimpleNamespace(vocab_size=128, eos_token_ids=(EOS,), max_position_embeddings=1024,
-                                            bos_token_id=1, sliding_window=None)
+                                            bos_token_id=1, sliding_window=None, image_token_id=None)
         self.device_name, self.dtype_name, self.kv_cache_dtype_name = "cpu", "float32", "float32"
         self.last_prepare_s = 0.0
         self.added: list[int] = []
