@@ -207,10 +207,18 @@ class TextPart(_Model):
     text: str
 
 
+def _auto_detail(value: object) -> object:
+    if value in ("low", "high"):
+        raise PydanticCustomError("image_detail", "`{value}` cannot be honoured: the model's processor decides each "
+                                  "image's resolution; send `auto` or leave it out", {"value": value})
+    return value
+
+
 class ImageURL(_Model):
     url: Text
-    # OpenAI's resolution hint; vLLM ignores it, and so does Sluice: the model's processor decides the resolution.
-    detail: Literal["auto", "low", "high"] | None = None
+    # OpenAI's resolution hint: only `auto` (the model's processor decides the resolution); `low` and `high` are
+    # refused by name, where vLLM ignores them.
+    detail: Annotated[Literal["auto"], BeforeValidator(_auto_detail)] | None = None
 
 
 class ImageURLPart(_Model):

@@ -1,7 +1,8 @@
 """OpenAI chat content arrays as the gateway's types: text only stays one string (as before, for every model); an
 array with ``image_url`` parts keeps its parts in order, sent as the public API's ``ChatMessage.parts`` (the
 tokenizer service reads the images, and refuses them for a text-only model naming ``messages[i].parts[j]``, whose
-``j`` is the part's index in the content array). ``detail`` is accepted and ignored, as vLLM does."""
+``j`` is the part's index in the content array). ``detail`` is ``auto`` or absent (``low`` and ``high`` are
+refused by the request model)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image
+from pydantic import ValidationError
 from transformers import AutoProcessor
 
 from common.errors import InvalidRequestError
@@ -170,10 +171,16 @@ def test_gateway_content_arrays() -> None:
                                                                         {"type": "text", "text": "b"}]})
     assert content_parts(text_only.content) == ("a\nb", ())   # type: ignore[arg-type]
     mixed = ChatMessage.model_validate({"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:x", "detail": "high"}}]})
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:x", "detail": "auto"}}]})
     text, parts = content_parts(mixed.content)   # type: ignore[arg-type]
     assert (text, parts) == ("", (ContentPart(text="a"), ContentPart(image_url="data:x")))
     chat = chat_to_pb(Prompt(chat=(ChatTurn("user", text, parts=parts),)))
     assert chat.messages[0].content == ""
     assert [p.WhichOneof("kind") for p in chat.messages[0].parts] == ["text", "image"]
     assert chat.messages[0].parts[1].image.url == "data:x"
+    for detail in ("low", "high"):   # a resolution the model's processor would not use: refused, not ignored
+        with pytest.raises(ValidationError) as refused:
+            ChatMessage.model_validate({"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:x", "detail": detail}}]})
+        (error,) = refused.value.errors()
+        assert error["loc"][-1] == "detail" and "cannot be honoured" in error["msg"]
