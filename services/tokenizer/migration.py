@@ -41,8 +41,11 @@ logger = logging.getLogger(__name__)
 # A call that ended with one of these may have lost its engine: whether it did is asked (``_engine_died``).
 _ENGINE_FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
                                    grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED})
-# How long a dying engine may take to answer GetInfo before it is taken for alive (it answers at once when it is).
+# How long a dying engine may take to answer GetInfo (it answers at once when alive), and how many unanswered
+# probes make it taken for alive but slow: an engine that failed may hold a probe unanswered while it exits, and
+# the next one then finds it gone.
 _PROBE_TIMEOUT_S = 2.0
+_PROBES = 3
 # How often a request waiting for a live replica looks again (``Engine.up`` follows connections within ms).
 _POLL_S = 0.05
 
@@ -280,12 +283,17 @@ class EngineCall:
         cannot move ends with UNAVAILABLE saying why."""
         if self._owner.migration.max_migrations == 0:
             return False
-        try:
-            r = await engine.get_info(_PROBE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as error:
-            died = error.code() is not grpc.StatusCode.DEADLINE_EXCEEDED   # slow is not dead
-        else:
-            died = r.instance_id != self._instance
+        died = False
+        for _ in range(_PROBES):
+            try:
+                r = await engine.get_info(_PROBE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as error:
+                if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue   # slow, or exiting with its server up (a dying engine's GetInfo may hang): ask again
+                died = True
+            else:
+                died = r.instance_id != self._instance
+            break
         if died:
             self._dead[engine] = self._instance
             if (why := self._unmovable) is not None:
