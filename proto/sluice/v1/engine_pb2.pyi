@@ -40,7 +40,7 @@ class EngineStoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class EngineGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "prompt_shm", "sampling", "stopping", "logprobs", "priority", "n", "stream_interval", "guided", "prompt_logprobs", "best_of", "beam_search", "lora_adapter", "trace_headers", "client_request_id", "reasoning", "cache_salt", "bad_words_token_ids", "resumed_output_tokens", "multi_modal_items")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_shm", "sampling", "stopping", "logprobs", "priority", "n", "stream_interval", "guided", "prompt_logprobs", "best_of", "beam_search", "lora_adapter", "trace_headers", "client_request_id", "reasoning", "cache_salt", "bad_words_token_ids", "resumed_output_tokens", "multi_modal_items", "kv_transfer")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class EngineGenerateRequest(_message.Message):
     BAD_WORDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MULTI_MODAL_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _common_pb2.TokenIds
     prompt_shm: SharedMemoryRef
@@ -90,7 +91,28 @@ class EngineGenerateRequest(_message.Message):
     bad_words_token_ids: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenIds]
     resumed_output_tokens: int
     multi_modal_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., prompt_shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[EngineStoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., stream_interval: _Optional[int] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., client_request_id: _Optional[str] = ..., reasoning: _Optional[_Union[EngineReasoning, _Mapping]] = ..., cache_salt: _Optional[str] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[_common_pb2.TokenIds, _Mapping]]] = ..., resumed_output_tokens: _Optional[int] = ..., multi_modal_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ...) -> None: ...
+    kv_transfer: KVTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., prompt_shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[EngineStoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., stream_interval: _Optional[int] = ..., guided: _Optional[_Union[_common_pb2.GuidedDecoding, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., beam_search: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., client_request_id: _Optional[str] = ..., reasoning: _Optional[_Union[EngineReasoning, _Mapping]] = ..., cache_salt: _Optional[str] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[_common_pb2.TokenIds, _Mapping]]] = ..., resumed_output_tokens: _Optional[int] = ..., multi_modal_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+
+class KVTransferParams(_message.Message):
+    __slots__ = ("do_remote_decode", "remote_engine_id", "transport", "remote_address", "remote_block_ids", "block_hashes", "hold_s", "layout")
+    DO_REMOTE_DECODE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    do_remote_decode: bool
+    remote_engine_id: str
+    transport: str
+    remote_address: str
+    remote_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    hold_s: float
+    layout: str
+    def __init__(self, do_remote_decode: _Optional[bool] = ..., remote_engine_id: _Optional[str] = ..., transport: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hold_s: _Optional[float] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class TensorData(_message.Message):
     __slots__ = ("dtype", "shape", "inline", "shm")
@@ -150,7 +172,7 @@ class EngineTokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenIdLogprob, _Mapping]]] = ...) -> None: ...
 
 class EngineGenerateResponse(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "released_shm_slot", "error_message", "request_id", "request_done", "cumulative_logprob", "prompt_logprobs")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "released_shm_slot", "error_message", "request_id", "request_done", "cumulative_logprob", "prompt_logprobs", "kv_transfer")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +185,7 @@ class EngineGenerateResponse(_message.Message):
     REQUEST_DONE_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[EngineTokenLogprobs]
@@ -175,7 +198,8 @@ class EngineGenerateResponse(_message.Message):
     request_done: bool
     cumulative_logprob: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptTokenLogprob]
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[EngineTokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., released_shm_slot: _Optional[int] = ..., error_message: _Optional[str] = ..., request_id: _Optional[str] = ..., request_done: _Optional[bool] = ..., cumulative_logprob: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ...) -> None: ...
+    kv_transfer: KVTransferParams
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[EngineTokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., released_shm_slot: _Optional[int] = ..., error_message: _Optional[str] = ..., request_id: _Optional[str] = ..., request_done: _Optional[bool] = ..., cumulative_logprob: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
 
 class EngineStreamRequest(_message.Message):
     __slots__ = ("generate", "abort")
@@ -250,7 +274,7 @@ class EngineCounters(_message.Message):
     def __init__(self, shm_handoffs: _Optional[int] = ..., inline_handoffs: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., stream_calls: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "counters", "device", "dtype", "lora_enabled", "lora_adapters", "instance_id", "runner", "pooling_tasks", "embedding_size", "is_matryoshka", "matryoshka_dimensions", "labels", "prefix_caching", "prefix_caching_hash_algo", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic", "kv_cache_usage")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "counters", "device", "dtype", "lora_enabled", "lora_adapters", "instance_id", "runner", "pooling_tasks", "embedding_size", "is_matryoshka", "matryoshka_dimensions", "labels", "prefix_caching", "prefix_caching_hash_algo", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic", "kv_cache_usage", "kv_role", "kv_transport")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +303,8 @@ class GetInfoResponse(_message.Message):
     KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    KV_ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -307,7 +333,9 @@ class GetInfoResponse(_message.Message):
     kv_events_replay_endpoint: str
     kv_events_topic: str
     kv_cache_usage: float
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoRAAdapter, _Mapping]]] = ..., instance_id: _Optional[str] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., is_matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., prefix_caching: _Optional[bool] = ..., prefix_caching_hash_algo: _Optional[str] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+    kv_role: str
+    kv_transport: str
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoRAAdapter, _Mapping]]] = ..., instance_id: _Optional[str] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., is_matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., prefix_caching: _Optional[bool] = ..., prefix_caching_hash_algo: _Optional[str] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ..., kv_cache_usage: _Optional[float] = ..., kv_role: _Optional[str] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class EnginePoolRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "token_type_ids", "task", "normalize", "dimensions", "activation", "priority", "trace_headers", "client_request_id")
