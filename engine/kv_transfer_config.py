@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # Connector name -> the transport it runs (``KVTransferParams.transport``).
@@ -161,3 +165,29 @@ def parse_kv_transfer_config(value: object) -> KVTransferConfig:
             extra=dict(extra), **{k: v for k, v in extra.items()})  # type: ignore[arg-type]
     except InvalidRequestError as e:
         raise InvalidRequestError(f"kv_transfer_config.{e.field}", e.message) from e
+
+
+def check_kv_transfer(config: EngineConfig) -> None:
+    """The combinations disaggregation cannot honour yet, refused at start-up naming the setting that causes them."""
+    from engine.config import MTP_METHODS
+
+    spec = config.speculative_config
+    for ok, name, msg in (
+            (config.enable_prefix_caching, "enable_prefix_caching",
+             "blocks cross under their prefix-cache hashes: --kv-transfer-config needs --enable-prefix-caching"),
+            (config.world_size == 1 and config.executor_backend == "uni", "tensor_parallel_size",
+             "disaggregation runs on one rank per engine so far (--kv-transfer-config with tensor or pipeline "
+             "parallelism, or a distributed executor)"),
+            (config.device == "cpu", "device",
+             f"KV blocks cross through host memory: --kv-transfer-config runs with --device cpu (not "
+             f"{config.device}; NCCL / HCCL transfers between accelerators are not built)"),
+            (config.kv_offloading_config is None, "kv_offloading_size",
+             "one KV connector at a time: --kv-transfer-config with --kv-offloading-size is not supported"),
+            (spec is None or spec.method not in ("draft_model", *MTP_METHODS), "speculative_config.method",
+             "a draft model's (or MTP layers') own KV cache does not cross: run --kv-transfer-config with n-gram "
+             "speculation or none"),
+            (config.async_scheduling is not True, "async_scheduling",
+             "--async-scheduling does not run with --kv-transfer-config yet: leave it unset or --no-async-scheduling"),
+            (config.runner != "pooling", "runner", "a pooling model has no KV cache to transfer")):
+        if not ok:
+            raise InvalidRequestError(name, msg)

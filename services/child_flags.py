@@ -38,6 +38,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
         elif name == "kv_offloading_config":   # vLLM's three flags
             flags += ["--kv-offloading-size", repr(value.size_gib), "--kv-offloading-backend", value.backend]
             flags += ["--kv-offloading-path", value.path] if value.path is not None else []
+        elif name == "kv_transfer_config":   # vLLM's JSON
+            flags += ["--kv-transfer-config", value.to_json()]
         elif name == "limit_mm_per_prompt":   # vLLM's JSON
             flags += ["--limit-mm-per-prompt", json.dumps(value)]
         elif name == "speculative_config":   # its keys as vLLM's JSON, the normalized n-gram window included

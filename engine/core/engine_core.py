@@ -20,7 +20,8 @@ from engine.config import EngineConfig
 from engine.core.async_steps import AsyncSteps
 from engine.core.finish_reason import FinishReason
 from engine.core.kv_events import EventPublisher, NullEventPublisher, event_batch, make_event_publisher
-from engine.core.kv_offload import num_tier_slots
+from engine.core.kv_offload import kv_block_bytes, num_tier_slots
+from engine.core.kv_transfer_params import RemoteKV
 from engine.core.lora_request import LoRARequest
 from engine.core.multimodal import MultiModalItem, check_items
 from engine.core.outputs import EngineCoreOutput
@@ -97,7 +98,16 @@ class EngineCore:
             self.config = config = config.with_changes(max_num_batched_tokens=self.max_model_len)
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
                                    max_model_len=self.max_model_len, reclaim_window=self._reclaim_window(mc),
-                                   kv_offload_slots=num_tier_slots(config, mc, self.executor.kv_cache_dtype_name) or 0)
+                                   kv_offload_slots=num_tier_slots(config, mc, self.executor.kv_cache_dtype_name) or 0,
+                                   kv_block_bytes=kv_block_bytes(mc, config.block_size,
+                                                                 self.executor.kv_cache_dtype_name),
+                                   kv_source=self.executor.kv_source)
+        if config.kv_transfer_config is not None and (self.pooling is not None or self.scheduler.reclaim_window):
+            self.executor.shutdown()
+            raise InvalidRequestError("kv_transfer_config", "a pooling model has no KV cache to transfer"
+                                      if self.pooling is not None else
+                                      "a sliding-window model gives back blocks outside its window: their KV does "
+                                      "not cross to a decode engine yet")
         self._pending: list[EngineCoreOutput] = []
         # Where a multi-step step streams the outputs of each pass but its last as the pass ends (the AsyncEngine
         # sets it); None: ``step`` returns them all.
@@ -115,7 +125,8 @@ class EngineCore:
         spec = config.speculative_config
         self.spec_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else config.device != "cpu" and config.kv_offloading_config is None)
+                                 else config.device != "cpu" and config.kv_offloading_config is None
+                                 and config.kv_transfer_config is None)
         self._async = (AsyncSteps(self.scheduler, self.executor, config, self._apply) if self.async_scheduling
                        else None)
         # KV cache events (--kv-events-config): the prefix cache's changes of each step, published as one batch.
@@ -131,8 +142,10 @@ class EngineCore:
 
     def check_health(self) -> None:
         """Raises WorkerFailedError once a rank of the replica has died, between steps too (a step raises it
-        itself)."""
+        itself). An idle producer lets go of KV holds past their timeout here (a busy one does each step)."""
         self.executor.check_health()
+        if self.scheduler.kv_transfer is not None:
+            self.scheduler.kv_transfer.expire()
 
     def close(self) -> None:
         """Stops the replica's other ranks (nothing to stop with the uniproc executor); idempotent."""
@@ -185,7 +198,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
                     *, priority: int = 0, arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None, cache_salt: str | None = None,
-                    resumed_output_tokens: int = 0, mm_items: Sequence[MultiModalItem] = ()) -> Request:
+                    resumed_output_tokens: int = 0, mm_items: Sequence[MultiModalItem] = (),
+                    kv_transfer: RemoteKV | None = None) -> Request:
         """Validate and queue a request. Raises InvalidRequestError (naming the field) or QueueFullError.
 
         ``prompt_token_ids``: a list of ints or a 1-D integer array (what the gRPC servicer passes on,
@@ -196,7 +210,8 @@ class EngineCore:
         non-empty string (None: no salt); only requests with the same salt share cached blocks.
         ``resumed_output_tokens``: the prompt's last this-many ids are output already delivered by another engine
         (request migration, :meth:`check_resumed`). ``mm_items``: the prompt's images, their placeholders in it
-        (``engine.core.multimodal.check_items`` refuses what the model or ``--limit-mm-per-prompt`` does not take)."""
+        (``engine.core.multimodal.check_items`` refuses what the model or ``--limit-mm-per-prompt`` does not take).
+        ``kv_transfer``: prefill/decode disaggregation (:meth:`check_kv_transfer`; None: an ordinary request)."""
         if self.pooling is not None:
             raise FailedPreconditionError(f"{self.config.model_name} is a pooling model ({self.pooling.kind}): it "
                                           f"serves the pooling tasks {', '.join(self.pooling.tasks)}, not generation")
@@ -219,6 +234,12 @@ class EngineCore:
                         self.config.limit_mm_per_prompt, self.config.model_name, self.executor.image_tokens)
         if resumed_output_tokens:
             self.check_resumed(resumed_output_tokens, len(prompt_token_ids), params)
+        handoff = False
+        if kv_transfer is not None:
+            self.check_kv_transfer(kv_transfer, params)
+            if kv_transfer.do_remote_decode:   # the first token here, the rest on a decode engine
+                handoff = params.max_tokens is None or params.max_tokens > 1
+                params = params.clone(max_tokens=1, min_tokens=min(params.min_tokens, 1))
         limit = self.config.max_num_seqs
         if params.beam_search is not None and params.beam_search.beam_width > limit:
             raise InvalidRequestError("beam_search.beam_width", f"must be <= max_num_seqs ({limit}), got "
@@ -238,12 +259,41 @@ class EngineCore:
                           lora_request=lora_request, cache_salt=cache_salt,
                           resumed_output_tokens=resumed_output_tokens)
         request.mm_items = tuple(sorted(mm_items, key=lambda item: item.offset))
+        request.kv_transfer, request.kv_handoff = kv_transfer, handoff
         self.scheduler.add_request(request)
         if lora_request is not None:
             lora_id = lora_request.lora_int_id
             self._lora_of_request[request_id] = lora_id
             self._lora_users[lora_id] = self._lora_users.get(lora_id, 0) + 1
         return request
+
+    def check_kv_transfer(self, kv: RemoteKV, params: SamplingParams) -> None:
+        """A request's ``kv_transfer`` against this engine's role: a producer takes do_remote_decode (n = 1, no
+        best_of, no beam search), a consumer takes a producer's blocks; anything else is refused naming it."""
+        config = self.config.kv_transfer_config
+        if config is None:
+            raise InvalidRequestError("kv_transfer", "this engine runs without --kv-transfer-config")
+        if kv.do_remote_decode:
+            if not config.is_producer:
+                raise InvalidRequestError("kv_transfer.do_remote_decode",
+                                          f"this engine's kv_role is {config.kv_role}: it does not hold KV for a "
+                                          "decode engine")
+            if kv.has_source:
+                raise InvalidRequestError("kv_transfer", "do_remote_decode and a producer's blocks are exclusive")
+            if params.n != 1 or params.best_of is not None or params.beam_search is not None:
+                raise InvalidRequestError("kv_transfer.do_remote_decode",
+                                          "needs n = 1 and neither best_of nor beam search")
+        elif kv.has_source:
+            if not config.is_consumer:
+                raise InvalidRequestError("kv_transfer.remote_block_ids",
+                                          f"this engine's kv_role is {config.kv_role}: it does not pull KV from a "
+                                          "prefill engine")
+            if len(kv.remote_block_ids) != len(kv.block_hashes):
+                raise InvalidRequestError("kv_transfer.block_hashes",
+                                          f"must have one hash per block ({len(kv.remote_block_ids)}), got "
+                                          f"{len(kv.block_hashes)}")
+        else:
+            raise InvalidRequestError("kv_transfer", "must set do_remote_decode or name a producer's blocks")
 
     @staticmethod
     def check_resumed(num_resumed: int, num_ids: int, params: SamplingParams) -> None:
@@ -429,8 +479,8 @@ class EngineCore:
                     self.spec_stats.observe(num_drafts, len(run.sampled[seq_id]) - 1)
         else:
             step_outputs = self.scheduler.update_from_output(sched, {}, {})
-        if self.scheduler.kv_offload is not None and run is not None:
-            self.scheduler.kv_offload.finish_loads(run.kv_loads)
+        if self.scheduler.kv_loader is not None and run is not None:
+            self.scheduler.kv_loader.finish_loads(run.kv_loads)
         if run is not None and any(s.num_lookahead_steps for s in sched.scheduled):
             step_outputs = self._lookahead_passes(sched, step_outputs)
         self._release_ended()
@@ -491,10 +541,14 @@ class EngineCore:
             "prefix_cache_queries": sched.prefix_cache_queries,
             "prefix_cache_hits": sched.prefix_cache_hits,
             # vLLM's external (KV connector) prefix cache: here the offload tier (0 without one)
-            "external_prefix_cache_queries": 0 if sched.kv_offload is None else sched.kv_offload.queries,
-            "external_prefix_cache_hits": 0 if sched.kv_offload is None else sched.kv_offload.hits,
+            "external_prefix_cache_queries": 0 if sched.kv_loader is None else sched.kv_loader.queries,
+            "external_prefix_cache_hits": 0 if sched.kv_loader is None else sched.kv_loader.hits,
             "num_preemptions": sched.num_preemptions,
             "prompt_tokens": sched.num_prompt_tokens,
+            **({} if sched.kv_transfer is None else {
+                f"kv_transfer_{name}": getattr(sched.kv_transfer.counters, name)
+                for name in ("blocks_sent", "bytes_sent", "blocks_received", "bytes_received", "fallbacks",
+                             "holds_expired")}),
             "generation_tokens": sched.num_generation_tokens,
             "steps": self.total_steps,
             **({} if self.spec_stats is None else {
@@ -521,6 +575,8 @@ class EngineCore:
             "num_waiting": sched.num_waiting,
             "dtype": self.executor.dtype_name,
             "device": self.executor.device_name,
+            "kv_role": "" if self.config.kv_transfer_config is None else self.config.kv_transfer_config.kv_role,
+            "kv_transport": "" if self.config.kv_transfer_config is None else self.config.kv_transfer_config.transport,
         }
 
 

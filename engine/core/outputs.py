@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.core.finish_reason import FinishReason
+from engine.core.kv_transfer_params import RemoteKV
 from engine.core.request import PromptLogprobs, RequestTimes, SequenceId
 
 if TYPE_CHECKING:
@@ -35,6 +36,9 @@ class EngineCoreOutput:
     times: RequestTimes | None = None
     # A pooling request's result on its one output: float32 rows [rows, row_size] (engine.worker.pooling_runner).
     pooled: torch.Tensor | None = None
+    # A prefill engine's do_remote_decode request whose first token did not end it, on its last output: where its
+    # blocks are held for a decode engine (the sequence goes on there; its LENGTH is the core's one-token cap).
+    kv_transfer: RemoteKV | None = None
 
     @property
     def finished(self) -> bool:

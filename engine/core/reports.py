@@ -29,7 +29,8 @@ def delta_output(request: Request, stream_interval: int) -> EngineCoreOutput | N
                             index=request.index, request_finished=request.ends_request,
                             cumulative_logprob=cumulative,
                             prompt_logprobs=request.prompt_logprobs if start == 0 else None,
-                            times=request.times() if request.ends_request else None)
+                            times=request.times() if request.ends_request else None,
+                            kv_transfer=request.kv_transfer_out)
 
 
 def best_of_outputs(request: Request) -> list[EngineCoreOutput]:

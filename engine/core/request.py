@@ -11,6 +11,7 @@ import numpy as np
 
 from engine.core.beam import BeamSearchState
 from engine.core.finish_reason import FinishReason
+from engine.core.kv_transfer_params import RemoteKV
 from engine.core.lora_request import LoRARequest
 from engine.core.multimodal import MultiModalItem
 from engine.core.pooling_params import PoolingSpec
@@ -124,6 +125,13 @@ class Request:
         self.pooling: PoolingSpec | None = None
         # The prompt's images, in prompt order (engine.core.multimodal; empty: text only).
         self.mm_items: tuple[MultiModalItem, ...] = ()
+        # Prefill/decode disaggregation (engine.core.disagg): the producer's blocks a consumer's request pulls, or a
+        # producer's do_remote_decode (None: neither); ``kv_handoff``: a producer's request whose one-token cap is
+        # the core's, not the client's, so reaching it hands the sequence on; ``kv_transfer_out``: where its
+        # blocks are held, on its last output.
+        self.kv_transfer: RemoteKV | None = None
+        self.kv_handoff = False
+        self.kv_transfer_out: RemoteKV | None = None
         # Every sequence of the request, this one included: one list, shared by all of them (a fork appends).
         self.sequences: list[Request] = [self]
         # Indexes aborted before the fork made their sequences (only on index 0 while n > 1): they end at the fork.

@@ -42,8 +42,10 @@ from engine.core.beam import Candidates
 from engine.core.beam_groups import BeamGroups
 from engine.core.block_hashing import make_block_hasher
 from engine.core.block_manager import BlockManager
+from engine.core.disagg import DisaggConnector, transfer_hash_environ
 from engine.core.finish_reason import FinishReason
 from engine.core.kv_offload import OffloadConnector
+from engine.core.kv_transfer_params import KVSource
 from engine.core.outputs import EngineCoreOutput
 from engine.core.reports import best_of_outputs, delta_output
 from engine.core.request import PromptLogprobsChunk, Request, RequestStatus, SequenceId
@@ -67,10 +69,13 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, num_blocks: int, *, eos_token_ids: set[int] | frozenset[int],
-                 max_model_len: int, reclaim_window: int | None = None, kv_offload_slots: int = 0) -> None:
+                 max_model_len: int, reclaim_window: int | None = None, kv_offload_slots: int = 0,
+                 kv_block_bytes: int = 0, kv_source: KVSource | None = None) -> None:
         """``reclaim_window``: every layer of the model attends over this many last positions: a running
         sequence's blocks before its window are given back as it goes. ``kv_offload_slots``: the blocks the
-        KV offload tier holds (``config.kv_offloading_config``; ``engine.core.kv_offload.num_tier_slots``)."""
+        KV offload tier holds (``config.kv_offloading_config``; ``engine.core.kv_offload.num_tier_slots``).
+        ``kv_block_bytes``: one block in every layer; ``kv_source``: where consumers reach this producer's cache
+        (prefill/decode disaggregation, ``config.kv_transfer_config``; ``engine.core.disagg``)."""
         self.config = config
         self.reclaim_window = reclaim_window
         self.max_model_len = max_model_len
@@ -78,13 +83,19 @@ class Scheduler:
         events = config.kv_events_config
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
-            hash_fn=make_block_hasher(config.prefix_caching_hash_algo),
+            hash_fn=make_block_hasher(config.prefix_caching_hash_algo, environ=transfer_hash_environ(config)),
             enable_kv_cache_events=events is not None and events.enable_kv_cache_events)
         # A KV offload tier: evicted blocks are stored there and loaded back on a prefix miss (None: off).
         self.kv_offload = None if config.kv_offloading_config is None else OffloadConnector(
             config.kv_offloading_config, self.block_manager, kv_offload_slots,
             requeue=lambda r: self._insert(self.waiting, r, front=True),
             enable_events=events is not None and events.enable_kv_cache_events)
+        # Prefill/decode disaggregation: blocks held for a decode engine, or pulled from a prefill engine (None: off).
+        self.kv_transfer = None if config.kv_transfer_config is None else DisaggConnector(
+            config.kv_transfer_config, self.block_manager, block_bytes=kv_block_bytes, source=kv_source,
+            requeue=lambda r: self._insert(self.waiting, r, front=True))
+        # The connector whose requests wait for blocks being brought in (the config allows one at a time).
+        self.kv_loader: OffloadConnector | DisaggConnector | None = self.kv_offload or self.kv_transfer
         self.beam_groups = BeamGroups(self.block_manager, eos_token_ids=self.eos_token_ids,
                                       max_model_len=max_model_len, fork=self.fork_request, finish=self._finish)
         self.requests: dict[SequenceId, Request] = {}
@@ -117,7 +128,7 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         """Waiting requests, those whose blocks an offload tier is loading included (vLLM counts them too)."""
-        return len(self.waiting) + (0 if self.kv_offload is None else self.kv_offload.num_loading)
+        return len(self.waiting) + (0 if self.kv_loader is None else self.kv_loader.num_loading)
 
     @property
     def num_free_seats(self) -> int:
@@ -137,7 +148,7 @@ class Scheduler:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or (self.kv_offload is not None and self.kv_offload.num_loading))
+        return bool(self.waiting or self.running or (self.kv_loader is not None and self.kv_loader.num_loading))
 
     def get_request(self, request_id: str, index: int = 0) -> Request | None:
         """Sequence ``index`` of an unfinished request (it may itself have ended while a sibling runs)."""
@@ -193,7 +204,9 @@ class Scheduler:
         by ``update_from_output``); when that is every sequence of it, the request ends now.
         """
         first = self.requests.get(SequenceId(request_id))
-        if first is None:
+        if first is None:   # ended; a producer may still hold its blocks for a decode engine
+            if self.kv_transfer is not None:
+                self.kv_transfer.release(request_id)
             return []
         if first.holds_outputs:
             index = None   # which sequences it reports is decided at its end: one of them cannot end alone
@@ -241,6 +254,8 @@ class Scheduler:
     # ----- one step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.kv_transfer is not None:
+            self.kv_transfer.expire()
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
@@ -318,7 +333,7 @@ class Scheduler:
                 continue
             if unit[0].pooling is not None and unit[0].num_prompt_tokens > budget:
                 break   # a pooling prompt runs whole, in one step: it waits for a step with room for all of it
-            if self.kv_offload is not None and self.kv_offload.start_load(unit):
+            if self.kv_loader is not None and self.kv_loader.start_load(unit):
                 self.waiting.remove(unit[0])   # back at the head once its blocks are loaded
                 continue
             has_seat = len(self.running) + len(unit) <= self.config.max_num_seqs
@@ -358,8 +373,8 @@ class Scheduler:
         out.scheduled = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
         out.num_batched_tokens = sum(s.num_budget_tokens for s in scheduled)
         out.block_copies += self.block_manager.pop_block_copies()
-        if self.kv_offload is not None:
-            out.kv_transfer = self.kv_offload.take_transfer(idle=not out.scheduled and not out.block_copies)
+        if self.kv_loader is not None:
+            out.kv_transfer = self.kv_loader.take_transfer(idle=not out.scheduled and not out.block_copies)
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[SequenceId, list[int]],
@@ -623,9 +638,13 @@ class Scheduler:
         reported on its last output), and only then are its sequences dropped from ``requests``."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif self.kv_offload is None or not self.kv_offload.cancel(request):   # (not waiting while it loads)
+        elif self.kv_loader is None or not self.kv_loader.cancel(request):   # (not waiting while it loads)
             self.waiting.remove(request)
-        self.block_manager.free(request)
+        if (reason is FinishReason.LENGTH and request.kv_handoff and self.kv_transfer is not None
+                and request.num_tokens < self.max_model_len):   # its first token: the sequence goes on elsewhere
+            request.kv_transfer_out = self.kv_transfer.hold(request)
+        else:
+            self.block_manager.free(request)
         request.num_pending = 0   # a step in flight may still sample for it: that token is dropped
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

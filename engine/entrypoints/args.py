@@ -29,6 +29,7 @@ from engine.config import (
     parse_size,
 )
 from engine.entrypoints.vllm_compat import add_vllm_compat_args
+from engine.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-config", default=None,
                    help='KV cache events as vLLM publishes them, JSON with vLLM\'s keys: \'{"enable_kv_cache_events": '
                         'true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\'')
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='prefill/decode disaggregation as vLLM takes it: \'{"kv_connector": "SharedMemoryConnector", '
+                        '"kv_role": "kv_producer"}\' (kv_consumer, kv_both; MooncakeConnector across hosts). '
+                        "docs/serving.md, 'Prefill/decode disaggregation'")
     g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
                    help="a KV offload tier of this many GiB: full blocks evicted from the KV cache are kept there "
                         "and loaded back on a prefix miss (docs/serving.md, 'KV offload tiers')")
@@ -257,6 +262,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                   else kv_events_config(json_object(given, "--kv-events-config")))
     values["num_kv_blocks"] = kv_blocks(ns)
     values["kv_offloading_config"] = kv_offloading_config(ns)
+    values["kv_transfer_config"] = kv_transfer_config(ns)
     if values.get("quantization") == "gguf":   # what a GGUF file always runs (vllm_compat notes it)
         values["quantization"] = None
     if isinstance(values.get("cuda_graph_sizes"), list):
@@ -381,6 +387,17 @@ def kv_events_config(values: dict[str, object]) -> KVEventsConfig:
         raise InvalidRequestError(e.field.replace("kv_events_config", "--kv-events-config", 1), e.message) from e
     except TypeError as e:   # a value of the wrong type
         raise InvalidRequestError("--kv-events-config", str(e)) from e
+
+
+def kv_transfer_config(ns: argparse.Namespace) -> KVTransferConfig | None:
+    """``--kv-transfer-config``'s JSON object; None without it. Errors name the flag and the key."""
+    given = getattr(ns, "kv_transfer_config", None)
+    if given is None:
+        return None
+    try:
+        return parse_kv_transfer_config(given)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(e.field.replace("kv_transfer_config", "--kv-transfer-config", 1), e.message) from e
 
 
 def kv_offloading_config(ns: argparse.Namespace) -> KVOffloadConfig | None:

@@ -26,6 +26,7 @@ import numpy as np
 from common.errors import EngineDeadError
 from engine.core.engine_core import EngineCore
 from engine.core.finish_reason import FinishReason
+from engine.core.kv_transfer_params import RemoteKV
 from engine.core.lora_request import LoRARequest
 from engine.core.multimodal import MultiModalItem
 from engine.core.outputs import EngineCoreOutput
@@ -84,6 +85,7 @@ class _Add:
     cache_salt: str | None = None
     resumed_output_tokens: int = 0   # a request moved from another engine (EngineCore.add_request)
     mm_items: tuple[MultiModalItem, ...] = ()   # the prompt's images (EngineCore.add_request)
+    kv_transfer: RemoteKV | None = None   # prefill/decode disaggregation (EngineCore.add_request)
     # When the request reached the engine (time.monotonic), not when its thread took it after the step running
     # then: the metrics' queue time and TTFT start here, as vLLM's start at its frontend.
     arrival_time: float = field(default_factory=time.monotonic)
@@ -157,7 +159,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
                        *, priority: int = 0, lora_request: LoRARequest | None = None,
                        cache_salt: str | None = None, resumed_output_tokens: int = 0,
-                       mm_items: tuple[MultiModalItem, ...] = ()) -> AsyncIterator[EngineCoreOutput]:
+                       mm_items: tuple[MultiModalItem, ...] = (),
+                       kv_transfer: RemoteKV | None = None) -> AsyncIterator[EngineCoreOutput]:
         """Add a request and yield its per-step outputs (of each of its sequences) until the core says it ended.
 
         Raises InvalidRequestError / QueueFullError before yielding anything if it is refused.
@@ -166,7 +169,8 @@ class AsyncEngine:
         group = _RequestQueue(asyncio.get_running_loop())
         outputs = group.queue
         done = self.submit(request_id, prompt_token_ids, params, group, priority=priority, lora_request=lora_request,
-                           cache_salt=cache_salt, resumed_output_tokens=resumed_output_tokens, mm_items=mm_items)
+                           cache_salt=cache_salt, resumed_output_tokens=resumed_output_tokens, mm_items=mm_items,
+                           kv_transfer=kv_transfer)
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -186,18 +190,19 @@ class AsyncEngine:
     def submit(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
                group: OutputGroup, *, priority: int = 0, lora_request: LoRARequest | None = None,
                cache_salt: str | None = None, resumed_output_tokens: int = 0,
-               mm_items: tuple[MultiModalItem, ...] = ()) -> Future[None]:
+               mm_items: tuple[MultiModalItem, ...] = (), kv_transfer: RemoteKV | None = None) -> Future[None]:
         """Queue a request whose outputs go to ``group``; the future fails with InvalidRequestError /
         QueueFullError if the core refuses it (then nothing reaches ``group`` for it). Many requests may
         share a group: each step then reaches it as one ``deliver`` call (what the gRPC ``Stream`` uses).
         ``lora_request``: its adapter (None: the base model); a first use loads it on the engine thread.
         ``cache_salt``: vLLM's prefix-cache salt (None: none); ``resumed_output_tokens``: the prompt's last ids that
-        are output delivered by another engine (request migration); ``mm_items``: the prompt's images."""
+        are output delivered by another engine (request migration); ``mm_items``: the prompt's images;
+        ``kv_transfer``: its part in prefill/decode disaggregation (None: none)."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped")
         done: Future[None] = Future()
         self._commands.put(_Add(request_id, prompt_token_ids, params, priority, group, done, lora_request,
-                                cache_salt, resumed_output_tokens, mm_items))
+                                cache_salt, resumed_output_tokens, mm_items, kv_transfer))
         return done
 
     async def pool(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, params: PoolingParams, *,
@@ -333,7 +338,7 @@ class AsyncEngine:
                 self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
                                       lora_request=cmd.lora_request, arrival_time=cmd.arrival_time,
                                       cache_salt=cmd.cache_salt, resumed_output_tokens=cmd.resumed_output_tokens,
-                                      mm_items=cmd.mm_items)
+                                      mm_items=cmd.mm_items, kv_transfer=cmd.kv_transfer)
             except BaseException as e:
                 cmd.done.set_exception(e)
             else:

@@ -40,6 +40,7 @@ from engine.entrypoints.grpc_lora import adapters_to_pb, load_adapter, unload_ad
 from engine.entrypoints.grpc_multimodal import items_from_pb
 from engine.entrypoints.grpc_wire import (
     abort_targets_from_pb,
+    kv_transfer_from_pb,
     output_to_pb,
     pool_output_to_pb,
     pooling_info_fields,
@@ -187,7 +188,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             async for out in engine.generate(request.request_id, prompt, params, priority=request.priority,
                                              lora_request=lora, cache_salt=request.cache_salt or None,
                                              resumed_output_tokens=request.resumed_output_tokens,
-                                             mm_items=mm_items):
+                                             mm_items=mm_items, kv_transfer=kv_transfer_from_pb(request)):
                 msg = output_to_pb(out)
                 if first and released_slot is not None:
                     msg.released_shm_slot = released_slot
@@ -228,7 +229,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 prefix_cache_query_tokens=stats["prefix_cache_queries"],
                 prefix_cache_hit_tokens=stats["prefix_cache_hits"], preemptions=stats["num_preemptions"]),
             lora_enabled=self.registry.enabled, lora_adapters=adapters_to_pb(self.registry),
-            instance_id=self.instance_id, kv_cache_usage=usage, **self._prefix_cache_info(),
+            instance_id=self.instance_id, kv_cache_usage=usage, kv_role=info["kv_role"],
+            kv_transport=info["kv_transport"], **self._prefix_cache_info(),
             **pooling_info_fields(self.engine.core.runner, self.engine.core.pooling))
 
     async def Pool(self, request: engine_pb2.EnginePoolRequest, context: grpc.aio.ServicerContext
@@ -335,7 +337,8 @@ class _StreamCall:
             done = self._engine.submit(rid, prompt, params, self, priority=request.priority, lora_request=lora,
                                        cache_salt=request.cache_salt or None,
                                        resumed_output_tokens=request.resumed_output_tokens,
-                                       mm_items=self._servicer.read_mm_items(request))
+                                       mm_items=self._servicer.read_mm_items(request),
+                                       kv_transfer=kv_transfer_from_pb(request))
         except Exception as e:  # noqa: BLE001 — refused: the error entry is its terminal event
             self._refuse(rid, e)
             return

@@ -10,6 +10,7 @@ from typing import Any
 
 from common.errors import InvalidRequestError
 from engine.core.finish_reason import FinishReason
+from engine.core.kv_transfer_params import RemoteKV
 from engine.core.outputs import EngineCoreOutput
 from engine.core.pooling_params import PoolingParams, PoolingTasks
 from engine.core.request import PromptLogprobs, SequenceId
@@ -145,11 +146,33 @@ def abort_targets_from_pb(msg: engine_pb2.AbortRequest) -> list[str | SequenceId
     return targets
 
 
+def kv_transfer_from_pb(msg: engine_pb2.EngineGenerateRequest) -> RemoteKV | None:
+    """The request's part in prefill/decode disaggregation (None: an ordinary request)."""
+    if not msg.HasField("kv_transfer"):
+        return None
+    kv = msg.kv_transfer
+    return RemoteKV(do_remote_decode=kv.do_remote_decode, remote_engine_id=kv.remote_engine_id,
+                    transport=kv.transport, remote_address=kv.remote_address,
+                    remote_block_ids=tuple(kv.remote_block_ids), block_hashes=tuple(kv.block_hashes),
+                    hold_s=kv.hold_s, layout=kv.layout)
+
+
+def kv_transfer_to_pb(kv: RemoteKV) -> engine_pb2.KVTransferParams:
+    return engine_pb2.KVTransferParams(
+        remote_engine_id=kv.remote_engine_id, transport=kv.transport, remote_address=kv.remote_address,
+        remote_block_ids=kv.remote_block_ids, block_hashes=kv.block_hashes, hold_s=kv.hold_s, layout=kv.layout)
+
+
 def output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineGenerateResponse:
+    """One output on the wire. A prefill engine's handed-off sequence has no finish reason there: it goes on."""
+    handoff = out.kv_transfer is not None
     msg = engine_pb2.EngineGenerateResponse(
         index=out.index, token_ids=out.new_token_ids, prompt_tokens=out.num_prompt_tokens,
         cached_tokens=out.num_cached_tokens, request_done=out.request_finished,
-        finish_reason=_FINISH_TO_PB[out.finish_reason] if out.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED)
+        finish_reason=_FINISH_TO_PB[out.finish_reason] if out.finish_reason and not handoff
+        else common_pb2.FINISH_REASON_UNSPECIFIED)
+    if out.kv_transfer is not None:
+        msg.kv_transfer.CopyFrom(kv_transfer_to_pb(out.kv_transfer))
     if out.cumulative_logprob is not None:
         msg.cumulative_logprob = out.cumulative_logprob
     for lp, top, _rank in out.new_logprobs or ():

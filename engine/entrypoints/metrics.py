@@ -44,6 +44,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                          10.0, 20.0, 40.0, 80.0)
+# One request's KV pull: milliseconds on one host, up to the transfer timeout across hosts.
+KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -103,6 +105,8 @@ class EngineMetrics(Collector):
         self._core = core
         self._labels = [core.config.model_name, str(engine_index)]
         self._base = core.scheduler_stats()
+        if core.scheduler.kv_transfer is not None:   # pulls before now (the warm-up) are not observed either
+            core.scheduler.kv_transfer.counters.latencies.clear()
         self._base_accepted_per_pos = [] if core.spec_stats is None else list(core.spec_stats.accepted_per_pos)
         self._request_success = dict.fromkeys(FINISHED_REASON.values(), 0)
         self._prompt_tokens = 0
@@ -136,6 +140,9 @@ class EngineMetrics(Collector):
         self.params_n = h("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
         self.params_max_tokens = h("vllm:request_params_max_tokens",
                                    "Histogram of the max_tokens request parameter.", token_counts)
+        self.kv_transfer_seconds = h("sluice:kv_transfer_seconds", "Histogram of the time a decode engine's pull "
+                                     "of one request's KV blocks took, from admission to their arrival.",
+                                     KV_TRANSFER_BUCKETS)
         self._histograms = [self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.inference, self.prefill,
                             self.decode, self.request_prompt_tokens, self.request_generation_tokens,
                             self.iteration_tokens, self.params_n, self.params_max_tokens]
@@ -242,10 +249,43 @@ class EngineMetrics(Collector):
             yield _lora_requests_info(core, lora.max_loras)
         if core.spec_stats is not None:
             yield from self._spec_decode(stats, list(core.spec_stats.accepted_per_pos), labels)
+        if sched.kv_transfer is not None:
+            yield from self._kv_transfer(core, stats, labels)
         if "encoder_cache_hits" in stats:   # a vision-language model: its images' vision tower outputs reused
             for key, doc in (("encoder_cache_queries", "Encoder cache lookups, in images looked up by a step."),
                              ("encoder_cache_hits", "Encoder cache hits, in images whose embeddings were cached.")):
                 yield _counter(f"sluice:{key}", doc, labels, stats[key] - base[key])
+
+    def _kv_transfer(self, core: EngineCore, stats: dict[str, int], labels: list[str]) -> Iterator[Metric]:
+        """Prefill/decode disaggregation (engine.core.disagg): the engine's role, what crossed by direction, pulls
+        that fell back to computing the prompt, holds nobody took, and how long each pull took."""
+        config = core.config.kv_transfer_config
+        assert config is not None and core.scheduler.kv_transfer is not None
+        info = GaugeMetricFamily("sluice:kv_transfer_info", "The engine's part in prefill/decode disaggregation "
+                                 "(--kv-transfer-config): its kv_role and connector.",
+                                 labels=[*LABELS, "kv_role", "kv_connector"])
+        info.add_metric([*labels, config.kv_role, config.kv_connector], 1)
+        yield info
+        base = self._base
+        for unit, doc in (("blocks", "KV blocks"), ("bytes", "Bytes of KV blocks")):
+            family = CounterMetricFamily(f"sluice:kv_transfer_{unit}", f"{doc} transferred between prefill and "
+                                         "decode engines: sent (a prefill engine's blocks a decode engine took) and "
+                                         "received (pulled by a decode engine).", labels=[*LABELS, "direction"])
+            for direction in ("sent", "received"):
+                key = f"kv_transfer_{unit}_{direction}"
+                family.add_metric([*labels, direction], stats[key] - base.get(key, 0))
+            yield family
+        yield _counter("sluice:kv_transfer_fallbacks", "Pulls of a prefill engine's blocks that failed, timed out or "
+                       "were refused, whose prompt the decode engine computed itself.", labels,
+                       stats["kv_transfer_fallbacks"] - base.get("kv_transfer_fallbacks", 0))
+        yield _counter("sluice:kv_transfer_holds_expired", "Prompts whose blocks a prefill engine held for a decode "
+                       "engine that did not take them within hold_timeout_s.", labels,
+                       stats["kv_transfer_holds_expired"] - base.get("kv_transfer_holds_expired", 0))
+        counters = core.scheduler.kv_transfer.counters
+        latencies, counters.latencies = counters.latencies, []
+        for seconds in latencies:
+            self.kv_transfer_seconds.observe(seconds)
+        yield self.kv_transfer_seconds.family(labels)
 
     def _spec_decode(self, stats: dict[str, int], accepted_per_pos: list[int], labels: list[str]
                      ) -> Iterator[Metric]:

@@ -163,7 +163,6 @@ ENGINE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--limit-mm-per-prompt",), None,
                help='the most images one prompt may carry, as JSON: \'{"image": 2}\' (default: no limit); '
                     "the engine and the tokenizer services refuse more"),
-    CompatFlag(("--kv-transfer-config",), None, refuse_always("disaggregated prefill is not implemented")),
     CompatFlag(("--enable-sleep-mode",), None, refuse_always("sleep mode is not implemented"), kind="switch"),
     CompatFlag(("--skip-tokenizer-init",), None, refuse_always("the tokenizer service needs the tokenizer"),
                kind="switch"),

@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.executor.errors import WorkerFailedError
 
 if TYPE_CHECKING:
+    from engine.core.kv_transfer_params import KVSource
     from engine.core.lora_request import LoRARequest
     from engine.core.request import SequenceId
     from engine.core.sampling_params import StructuredOutputsParams
@@ -38,6 +39,8 @@ class Executor(Protocol):
     def kv_cache_dtype_name(self) -> str: ...
     @property
     def last_prepare_s(self) -> float: ...
+    @property
+    def kv_source(self) -> KVSource | None: ...
     def encoder_cache_stats(self) -> tuple[int, int]: ...
     def image_tokens(self, tensors: Mapping[str, Any]) -> int: ...
 

@@ -12,6 +12,7 @@ from engine.worker.model_runner import PreparedStep, RunnerOutput
 from engine.worker.worker import Worker
 
 if TYPE_CHECKING:
+    from engine.core.kv_transfer_params import KVSource
     from engine.core.lora_request import LoRARequest
     from engine.core.request import SequenceId
     from engine.core.sampling_params import StructuredOutputsParams
@@ -93,6 +94,11 @@ class UniprocExecutor:
         if not isinstance(model, LlavaForConditionalGeneration):
             raise ValueError("the model takes no images")
         return model.image_tokens(tensors)
+
+    @property
+    def kv_source(self) -> KVSource | None:
+        """Where decode engines reach this prefill engine's KV cache (None: not a producer)."""
+        return self.worker.kv_source
 
     def encoder_cache_stats(self) -> tuple[int, int]:
         """(lookups, hits) of the driver's encoder cache (a vision-language model's; (0, 0) without one)."""

@@ -42,12 +42,25 @@ _DIGEST_BYTES = 16
 _IDLE_WAIT_S = 0.05
 
 
+@dataclass(frozen=True)
+class RemoteSource:
+    """Where a pull's blocks are (prefill/decode disaggregation): the producer's transport, its address there, its
+    cache layout, and when to give up (``time.monotonic()``)."""
+
+    transport: str
+    address: str
+    layout: str
+    deadline: float
+
+
 @dataclass
 class LoadJob:
-    """One request's blocks to bring back: ``blocks`` in table order (a hash chain)."""
+    """One request's blocks to bring back: ``blocks`` in table order (a hash chain). ``source``: the producer
+    engine they come from (its block ids in the slot places); None: this engine's offload tier."""
 
     job_id: int
     blocks: list[BlockRef]
+    source: RemoteSource | None = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from engine.worker.input_layout import lay_out, split_rows
+from engine.worker.kv_pull import RemoteKVWorker
 from engine.worker.kv_transfer import KVTransferWorker
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.multi_step import LookaheadLayout
@@ -109,7 +110,8 @@ class ModelRunner:
         self.lora = lora  # None: LoRA off
         self.structured = structured  # None: the engine was given no vocabulary, requests with a grammar refused
         self.publish = publish   # sends each step's inputs to the other ranks; None: this is the only rank
-        self.kv_transfer: KVTransferWorker | None = None   # a KV offload tier's copies (the worker sets it)
+        # A KV offload tier's copies, or a decode engine's pulls from prefill engines (the worker sets it).
+        self.kv_transfer: KVTransferWorker | RemoteKVWorker | None = None
         self.device = device = stage.device
         self.sampler = sampler
         self.block_size = block_size

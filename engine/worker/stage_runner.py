@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionMetadata, StepLayout
+from engine.attention.backend import AttentionMetadata, CacheMemory, StepLayout
 from engine.worker.multimodal import EncoderRunner
 from engine.worker.step_inputs import StepInputs
 
@@ -31,15 +31,17 @@ class StageRunner:
     """The model's shard or stage on this rank, with its KV cache (its layers, its KV heads)."""
 
     def __init__(self, model: CausalLM, device: Device, *, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, activation_dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, activation_dtype: torch.dtype, cache_memory: CacheMemory | None = None) -> None:
+        """``cache_memory``: where the KV cache is allocated (default: ``device``; a KV transport's own memory for
+        a prefill engine whose decode engines read it)."""
         self.model = model
         self.parallel = model.parallel
         self.device = device
         self.activation_dtype = activation_dtype   # of the hidden states passed between stages
         self.backend = device.attention_backend()  # owns the cache's layout, allocation and step metadata
-        self.kv_caches = self.backend.allocate_kv_caches(device, model.num_local_layers, num_blocks, block_size,
-                                                         model.num_local_kv_heads, model.kv_head_dim, dtype,
-                                                         model.kv_planes)
+        self.kv_caches = self.backend.allocate_kv_caches(cache_memory or device, model.num_local_layers, num_blocks,
+                                                         block_size, model.num_local_kv_heads, model.kv_head_dim,
+                                                         dtype, model.kv_planes)
         self.graphs: DecodeGraphs | None = None   # decode steps' CUDA / NPU graphs (the worker captures them)
         # Every token's final hidden states of the last step, kept for a proposer that reads them (MTP; one stage)
         self.keep_hidden = False

@@ -11,6 +11,7 @@ import torch
 
 from common.errors import InvalidRequestError
 from engine.config import MTP_METHODS, EngineConfig
+from engine.core.kv_transfer_params import KVSource
 from engine.device import Device, get_device
 from engine.distributed import ParallelContext, stage_layers
 from engine.models import CausalLM, ModelConfig, load_model, resolve_dtype
@@ -19,7 +20,9 @@ from engine.models.loader import read_model_config
 from engine.models.mtp import MtpModel, load_mtp
 from engine.worker.graphs import capture_decode_graphs, graphs_off_reason
 from engine.worker.kv_profile import kv_cache_budget, profile_step
+from engine.worker.kv_pull import RemoteKVWorker
 from engine.worker.kv_transfer import KVTransferWorker
+from engine.worker.kv_transports import CacheLayout, KVTransport, make_transport
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.memory_budget import BlockBytes, MemoryBudget, module_bytes
 from engine.worker.model_checks import check_model_options
@@ -117,6 +120,9 @@ class Worker:
             self.mtp = self._load_mtp(spec.method)
         self.runner: ModelRunner | None = None   # the driver's
         self.stage: StageRunner | None = None
+        # Prefill/decode disaggregation: the KV transport, and where consumers reach a producer's cache (None: off).
+        self.kv_transport: KVTransport | None = None
+        self.kv_source: KVSource | None = None
 
     @property
     def model_config(self) -> ModelConfig:
@@ -204,8 +210,16 @@ class Worker:
 
     def init_stage(self, num_blocks: int) -> StageRunner:
         """This rank's KV cache and the runner of its part of each step."""
+        transfer = self.config.kv_transfer_config
+        if transfer is not None:   # prefill/decode disaggregation: a producer's cache lives where consumers read it
+            self.kv_transport = make_transport(transfer)
+        memory = (self.kv_transport.cache_memory(self.device)
+                  if self.kv_transport is not None and transfer is not None and transfer.is_producer else None)
         stage = StageRunner(self.model, self.device, num_blocks=num_blocks, block_size=self.config.block_size,
-                            dtype=self.kv_cache_dtype, activation_dtype=self.dtype)
+                            dtype=self.kv_cache_dtype, activation_dtype=self.dtype, cache_memory=memory)
+        if self.kv_transport is not None and transfer is not None and transfer.is_producer:
+            self.kv_source = KVSource(transfer.transport, self.kv_transport.publish(stage.kv_caches),
+                                      CacheLayout.of(stage.kv_caches).text(), transfer.engine_id or "")
         stage.keep_hidden = self.mtp is not None   # the MTP proposer reads every token's hidden state
         eager = graphs_off_reason(self.config, self.device.name, self.parallel.world_size, stage.backend,
                                   self.model.config)
@@ -241,6 +255,9 @@ class Worker:
                 self.runner.stage.kv_caches, size_bytes=offload.size_bytes, backend=offload.backend,
                 path=offload.path, pin=self.device.pin_memory, rank=self.parallel.rank,
                 data_parallel_rank=self.config.data_parallel_rank, synchronize=self.device.synchronize)
+        transfer = self.config.kv_transfer_config
+        if transfer is not None and transfer.is_consumer and self.kv_transport is not None:
+            self.runner.kv_transfer = RemoteKVWorker(self.runner.stage.kv_caches, self.kv_transport)
         return self.runner
 
     def _proposer(self, num_blocks: int) -> Proposer | None:
