@@ -107,7 +107,8 @@ class KVTransferConfig:
 
     def to_json(self) -> str:
         """The config as ``--kv-transfer-config`` takes it (what ``sluice serve`` passes its engines)."""
-        extra = {"hold_timeout_s": self.hold_timeout_s, "transfer_timeout_s": self.transfer_timeout_s}
+        extra: dict[str, object] = {"hold_timeout_s": self.hold_timeout_s,
+                                    "transfer_timeout_s": self.transfer_timeout_s}
         if self.transport == "mooncake":
             extra |= {"protocol": self.protocol, "metadata_server": self.metadata_server}
         value: dict[str, object] = {"kv_connector": self.kv_connector, "kv_role": self.kv_role,

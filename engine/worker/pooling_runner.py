@@ -275,6 +275,11 @@ class PoolingExecutor:
         """No vision tower."""
         return 0, 0
 
+    @property
+    def kv_source(self) -> None:
+        """No KV cache to transfer."""
+        return None
+
     def image_tokens(self, tensors: Mapping[str, Any]) -> int:
         raise ValueError("a pooling model takes no images")
 
