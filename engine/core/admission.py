@@ -22,8 +22,15 @@ are never refused on a guess. KV blocks are not modelled: a queue held back by b
 part only. A request with nothing ahead of it (a free seat, no prompt tokens to compute before its own) is admitted
 whatever its own prefill costs: refusing it would not shorten its wait, and rates measured under a load now gone
 must not keep an idle engine refusing. A refusal's retry hint is the expected wait beyond the bound (whole seconds,
-1 to 60): by then the backlog ahead has drained by that much. The bound holds the estimate at admission, a mean:
-some admitted requests wait longer (docs/serving.md has the measured spread).
+1 to 60): by then the backlog ahead has drained by that much.
+
+**The tail.** The estimate is a mean, and the bound is asked of the admitted requests' p99. So the engine also
+measures how far off its estimates are: each admitted request that had an estimate reports, at its first token,
+its actual wait over the estimate (``observe_first_token``), and the estimate is held against the bound multiplied
+by the 99th percentile of the last ``ERROR_WINDOW`` such ratios (``margin``; 1 until ``MIN_ERRORS`` are seen, and
+never below 1). Whatever the engine's estimate misses — steps slower than fitted, a noisy machine, requests that
+arrive in the same step — widens the margin it keeps. Estimates under ``MIN_ESTIMATE_SHARE`` of the bound are not
+counted (their ratios are noise, and they are admitted whatever their ratio).
 
 **Protection**. A request that was preempted is not chosen as a victim again before it has made progress, i.e.
 sampled a token after its re-admission (which is where its recomputed prefill ends): otherwise a long prompt,
@@ -40,6 +47,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +59,10 @@ RATE_HORIZON_S = 5.0    # busy seconds after which a measurement weighs 1/e of a
 MIN_STEPS = 8           # steps measured before the step cost is used
 MIN_DEPARTURES = 4      # sequences seen ending under a full batch before the seat rate is used
 MAX_RETRY_AFTER_S = 60
+ERROR_WINDOW = 256          # the last admitted requests whose estimate error sets the margin
+MIN_ERRORS = 16             # errors seen before the margin is used
+ERROR_QUANTILE = 0.99       # the bound holds the admitted requests' p99
+MIN_ESTIMATE_SHARE = 0.1    # of the bound: smaller estimates are not counted
 
 # Refusal reasons counted by ``AdmissionControl.refused`` (the engine's ``sluice:requests_refused`` label).
 QUEUE_FULL = "queue_full"
@@ -145,6 +157,18 @@ class AdmissionControl:
         self.departures = DecayingRate()   # sequences ended per second while the batch was full
         self.refused: dict[str, int] = {QUEUE_FULL: 0, FIRST_TOKEN_WAIT: 0}
         self._last: float | None = None    # when the last step was applied, if the engine had work left then
+        self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)   # admitted requests' actual / expected wait
+        self.margin = 1.0
+
+    def observe_first_token(self, waited_s: float, expected_s: float | None) -> None:
+        """An admitted request's first token came ``waited_s`` after its arrival; ``expected_s`` was the estimate
+        it was admitted on (None: it had none). Updates the margin the estimate is held to."""
+        if self.max_wait_s is None or expected_s is None or expected_s < MIN_ESTIMATE_SHARE * self.max_wait_s:
+            return
+        self._errors.append(waited_s / expected_s)
+        if len(self._errors) >= MIN_ERRORS:
+            ranked = sorted(self._errors)
+            self.margin = max(1.0, ranked[min(len(ranked) - 1, math.ceil(ERROR_QUANTILE * len(ranked)) - 1)])
 
     def observe_step(self, out: SchedulerOutput, num_ended: int, *, batch_full: bool, busy: bool) -> None:
         """One applied step: ``num_ended`` sequences ended in it, ``batch_full`` when it ran every seat,
@@ -174,23 +198,25 @@ class AdmissionControl:
         return max(waits) if waits else None
 
     def check(self, num_prompt_tokens: int, waiting: Sequence[Request], running: Iterable[Request],
-              free_seats: int) -> None:
+              free_seats: int) -> float | None:
         """Raise QueueFullError (with ``retry_after_s``) when the expected first-token wait of a new request of
-        ``num_prompt_tokens`` behind ``waiting`` and ``running`` (``queue_state``) exceeds the bound."""
+        ``num_prompt_tokens`` behind ``waiting`` and ``running`` (``queue_state``), times the margin, exceeds the
+        bound. Returns the estimate it admitted the request on (None: it had none)."""
         if self.max_wait_s is None:
-            return
+            return None
         state = queue_state(waiting, running, free_seats)
         if state.prefill_tokens_ahead == 0 and state.seats_short == 0:
-            return   # nothing ahead of it: refusing would not shorten its wait (and an idle engine measures nothing)
+            return None   # nothing ahead of it: refusing would not shorten its wait (an idle engine measures nothing)
         wait = self.expected_wait_s(num_prompt_tokens, state)
-        if wait is None or wait <= self.max_wait_s:
-            return
+        if wait is None or wait * self.margin <= self.max_wait_s:
+            return wait
         self.refused[FIRST_TOKEN_WAIT] += 1
         # By then the backlog ahead of it has drained by the excess.
-        retry = min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait - self.max_wait_s)))
+        retry = min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait * self.margin - self.max_wait_s)))
         raise QueueFullError(f"the engine is overloaded: the expected wait for a first token is {wait * 1000:.0f} "
-                             f"ms, over the bound of {self.max_wait_s * 1000:.0f} ms (max_expected_ttft_ms); "
-                             f"retry in {retry} s", retry_after_s=retry)
+                             f"ms (x {self.margin:.2f}, the p99 of its recent estimates' error), over the bound of "
+                             f"{self.max_wait_s * 1000:.0f} ms (max_expected_ttft_ms); retry in {retry} s",
+                             retry_after_s=retry)
 
 
 class PreemptionGuard:

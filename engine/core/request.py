@@ -170,6 +170,8 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # The first-token wait admission expected for it (engine.core.admission; None: it had no estimate).
+        self.expected_wait_s: float | None = None
 
     def times(self) -> RequestTimes:
         """When the whole request (all of ``sequences``) passed each stage, as of now: its end."""

@@ -188,7 +188,7 @@ class Scheduler:
             raise QueueFullError(f"the request queue is full: {len(self.waiting)} requests wait for {free} free "
                                  f"seats (max_num_seqs={self.config.max_num_seqs}) and at most {limit} may wait "
                                  f"beyond them (max_queued_requests={limit})")
-        self.admission.check(num_prompt, self.waiting, self.running, free)
+        request.expected_wait_s = self.admission.check(num_prompt, self.waiting, self.running, free)
         if request.sampling_params.beam_search is not None:
             request.beam = self.beam_groups.new_search(request)
         request.status = RequestStatus.WAITING
@@ -615,6 +615,8 @@ class Scheduler:
                 break
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
+            self.admission.observe_first_token(request.first_token_time - request.arrival_time,
+                                               request.expected_wait_s)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         """Why ``request`` stops after appending ``token``; stop tokens are checked before length limits."""

@@ -10,8 +10,10 @@ import pytest
 from common.errors import QueueFullError
 from engine.config import EngineConfig
 from engine.core.admission import (
+    ERROR_WINDOW,
     FIRST_TOKEN_WAIT,
     MIN_DEPARTURES,
+    MIN_ERRORS,
     MIN_STEPS,
     QUEUE_FULL,
     AdmissionControl,
@@ -232,3 +234,39 @@ def test_the_flag_reaches_the_config_and_sluice_serves_engine_command_line() -> 
     assert config_from_args(parser.parse_args([])).max_expected_ttft_ms is None
     with pytest.raises(ValueError, match="max_expected_ttft_ms"):
         EngineConfig(max_expected_ttft_ms=0)
+
+
+def test_the_estimate_is_held_to_the_bound_with_the_p99_of_its_measured_error() -> None:
+    adm, clock = started(1000, budget=100)
+    feed(adm, clock, MIN_STEPS, seconds=0.1, prefill=100)   # 0.1 s a step of 100 tokens
+    ahead = [make_request("w0", 700)]   # 8 steps with its own 100 tokens: 0.8 s expected
+    assert adm.check(100, ahead, [], 1) == pytest.approx(0.8)
+    for _ in range(MIN_ERRORS - 1):   # not enough errors yet: the margin stays 1
+        adm.observe_first_token(1.2, 0.8)
+    assert adm.margin == 1.0
+    adm.observe_first_token(1.2, 0.8)
+    assert adm.margin == pytest.approx(1.5)   # first tokens came 1.5 x later than expected
+    with pytest.raises(QueueFullError, match=r"x 1.50") as e:
+        adm.check(100, ahead, [], 1)   # 0.8 s x 1.5 > 1 s: refused now
+    assert e.value.retry_after_s == 1
+    assert adm.check(100, [make_request("w0", 500)], [], 1) == pytest.approx(0.6)   # 0.9 s: admitted
+    # Estimates that were right push the old errors out of the window; early ones never lower it below 1.
+    for _ in range(ERROR_WINDOW):
+        adm.observe_first_token(0.4, 0.8)
+    assert adm.margin == 1.0
+    # The p99, not the worst: one outlier in a hundred does not set it.
+    for i in range(100):
+        adm.observe_first_token(8.0 if i == 0 else 0.88, 0.8)
+    assert adm.margin == pytest.approx(1.1)
+
+
+def test_small_estimates_and_requests_without_one_do_not_move_the_margin() -> None:
+    adm, _ = started(1000)
+    for _ in range(2 * MIN_ERRORS):
+        adm.observe_first_token(1.0, 0.05)   # under a tenth of the bound: noise
+        adm.observe_first_token(5.0, None)   # admitted with nothing ahead of it
+    assert adm.margin == 1.0
+    unbounded = AdmissionControl(None, 100)
+    for _ in range(2 * MIN_ERRORS):
+        unbounded.observe_first_token(5.0, 1.0)
+    assert unbounded.margin == 1.0 and unbounded.check(1, [], [], 0) is None
