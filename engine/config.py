@@ -578,7 +578,7 @@ class EngineConfig:
         if self.kv_offloading_config is not None:
             check_kv_offloading(self)
         if self.kv_transfer_config is not None:
-            check_kv_transfer(self)
+            check_kv_transfer(self, ("draft_model", *MTP_METHODS))
         if self.lora_config is not None:
             taken = {self.model_name}
             for module in self.lora_config.lora_modules:

@@ -168,10 +168,9 @@ def parse_kv_transfer_config(value: object) -> KVTransferConfig:
         raise InvalidRequestError(f"kv_transfer_config.{e.field}", e.message) from e
 
 
-def check_kv_transfer(config: EngineConfig) -> None:
-    """The combinations disaggregation cannot honour yet, refused at start-up naming the setting that causes them."""
-    from engine.config import MTP_METHODS
-
+def check_kv_transfer(config: EngineConfig, draft_methods: tuple[str, ...]) -> None:
+    """The combinations disaggregation cannot honour yet, refused at start-up naming the setting that causes them
+    (``draft_methods``: the speculative methods whose proposer keeps a KV cache of its own)."""
     spec = config.speculative_config
     for ok, name, msg in (
             (config.enable_prefix_caching, "enable_prefix_caching",
@@ -184,7 +183,7 @@ def check_kv_transfer(config: EngineConfig) -> None:
              f"{config.device}; NCCL / HCCL transfers between accelerators are not built)"),
             (config.kv_offloading_config is None, "kv_offloading_size",
              "one KV connector at a time: --kv-transfer-config with --kv-offloading-size is not supported"),
-            (spec is None or spec.method not in ("draft_model", *MTP_METHODS), "speculative_config.method",
+            (spec is None or spec.method not in draft_methods, "speculative_config.method",
              "a draft model's (or MTP layers') own KV cache does not cross: run --kv-transfer-config with n-gram "
              "speculation or none"),
             (config.async_scheduling is not True, "async_scheduling",

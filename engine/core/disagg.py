@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.kv_offload.connector import hash_bytes
-from engine.core.kv_transfer_params import KVSource, RemoteKV
+from engine.core.kv_transfer_params import RemoteKV
 from engine.core.request import Request, SequenceId
 from engine.kv_transfer_config import KVTransferConfig
 from engine.worker.kv_transfer import KVTransfer, LoadJob, RemoteSource
+from engine.worker.kv_transports import KVSource
 
 logger = logging.getLogger(__name__)
 

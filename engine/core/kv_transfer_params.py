@@ -25,13 +25,3 @@ class RemoteKV:
     def has_source(self) -> bool:
         """It names blocks to pull (a consumer's request)."""
         return bool(self.transport)
-
-
-@dataclass(frozen=True)
-class KVSource:
-    """Where a producer's consumers reach its cache: the transport, its address there, the cache's layout."""
-
-    transport: str
-    address: str
-    layout: str
-    engine_id: str

@@ -45,11 +45,11 @@ from engine.core.block_manager import BlockManager
 from engine.core.disagg import DisaggConnector, transfer_hash_environ
 from engine.core.finish_reason import FinishReason
 from engine.core.kv_offload import OffloadConnector
-from engine.core.kv_transfer_params import KVSource
 from engine.core.outputs import EngineCoreOutput
 from engine.core.reports import best_of_outputs, delta_output
 from engine.core.request import PromptLogprobsChunk, Request, RequestStatus, SequenceId
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.worker.kv_transports import KVSource
 
 if TYPE_CHECKING:
     import torch

@@ -16,12 +16,12 @@ from engine.config import EngineConfig
 from engine.executor.errors import WorkerFailedError
 
 if TYPE_CHECKING:
-    from engine.core.kv_transfer_params import KVSource
     from engine.core.lora_request import LoRARequest
     from engine.core.request import SequenceId
     from engine.core.sampling_params import StructuredOutputsParams
     from engine.core.scheduler_output import SchedulerOutput
     from engine.models import ModelConfig
+    from engine.worker.kv_transports import KVSource
     from engine.worker.model_runner import PreparedStep, RunnerOutput
     from engine.worker.structured_output import GrammarVocabulary
 

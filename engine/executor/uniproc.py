@@ -12,11 +12,11 @@ from engine.worker.model_runner import PreparedStep, RunnerOutput
 from engine.worker.worker import Worker
 
 if TYPE_CHECKING:
-    from engine.core.kv_transfer_params import KVSource
     from engine.core.lora_request import LoRARequest
     from engine.core.request import SequenceId
     from engine.core.sampling_params import StructuredOutputsParams
     from engine.core.scheduler_output import SchedulerOutput
+    from engine.worker.kv_transports import KVSource
     from engine.worker.structured_output import GrammarVocabulary
 
 
@@ -115,7 +115,8 @@ class UniprocExecutor:
         """Nothing to check: the one worker is this process."""
 
     def shutdown(self) -> None:
-        """Nothing to stop: the one worker is this process."""
+        """Nothing to stop (the one worker is this process) but a KV transport's threads and mappings."""
+        self.worker.close_kv_transport()
 
     def release(self, seq_ids: list[SequenceId]) -> None:
         """Forget the per-sequence state (seeded generators, grammar matchers) of sequences that ended."""

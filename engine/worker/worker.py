@@ -11,7 +11,6 @@ import torch
 
 from common.errors import InvalidRequestError
 from engine.config import MTP_METHODS, EngineConfig
-from engine.core.kv_transfer_params import KVSource
 from engine.device import Device, get_device
 from engine.distributed import ParallelContext, stage_layers
 from engine.models import CausalLM, ModelConfig, load_model, resolve_dtype
@@ -22,7 +21,7 @@ from engine.worker.graphs import capture_decode_graphs, graphs_off_reason
 from engine.worker.kv_profile import kv_cache_budget, profile_step
 from engine.worker.kv_pull import RemoteKVWorker
 from engine.worker.kv_transfer import KVTransferWorker
-from engine.worker.kv_transports import CacheLayout, KVTransport, make_transport
+from engine.worker.kv_transports import CacheLayout, KVSource, KVTransport, make_transport
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.memory_budget import BlockBytes, MemoryBudget, module_bytes
 from engine.worker.model_checks import check_model_options
@@ -259,6 +258,15 @@ class Worker:
         if transfer is not None and transfer.is_consumer and self.kv_transport is not None:
             self.runner.kv_transfer = RemoteKVWorker(self.runner.stage.kv_caches, self.kv_transport)
         return self.runner
+
+    def close_kv_transport(self) -> None:
+        """Stop serving and pulling KV blocks (prefill/decode disaggregation); idempotent."""
+        transport, self.kv_transport = self.kv_transport, None
+        if self.runner is not None and isinstance(self.runner.kv_transfer, RemoteKVWorker):
+            self.runner.kv_transfer.close()   # its transport with it
+            self.runner.kv_transfer = None
+        elif transport is not None:
+            transport.close()
 
     def _proposer(self, num_blocks: int) -> Proposer | None:
         spec = self.config.speculative_config

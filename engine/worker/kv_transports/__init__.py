@@ -81,6 +81,16 @@ class CacheLayout:
         return (plane * self.num_blocks + block) * self.plane_block_bytes
 
 
+@dataclass(frozen=True)
+class KVSource:
+    """Where a producer's consumers reach its cache: the transport, its address there, the cache's layout."""
+
+    transport: str
+    address: str
+    layout: str
+    engine_id: str
+
+
 class KVTransport(ABC):
     """One engine's side of a transport (``KVTransferConfig.transport``)."""
 
