@@ -25,7 +25,7 @@ from tests.tls_factory import make_ca, make_cert
 pytestmark = pytest.mark.anyio
 
 LIMIT = 2**20
-SIZES_MB = [2 + (48 * i) // 11 for i in range(12)]  # 2 … 50 MB; 12 per client (not 20) keep the test near 10 s
+SIZES_MB = [2 + (48 * i) // 19 for i in range(20)]  # 20 bodies of 2 … 50 MB from each client
 MESSAGE = f"The request body is larger than {LIMIT} bytes, this server's limit."
 
 
