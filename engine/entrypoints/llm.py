@@ -54,6 +54,7 @@ from engine.entrypoints.pooling_outputs import (  # noqa: E402
     PoolingRequestOutput,
     ScoringRequestOutput,
 )
+from engine.kv_transfer_config import parse_kv_transfer_config  # noqa: E402
 from engine.text import IncrementalDetokenizer, Tokenizer  # noqa: E402
 from engine.text.bad_words import bad_words_token_ids  # noqa: E402
 from engine.worker.structured_output import GrammarVocabulary  # noqa: E402
@@ -138,6 +139,8 @@ class LLM:
             engine_args["lora_config"] = _lora_config(enable_lora, lora_args, engine_args.get("lora_config"))
         if isinstance(engine_args.get("kv_events_config"), Mapping):   # vLLM's keys, as --kv-events-config
             engine_args["kv_events_config"] = KVEventsConfig.from_dict(engine_args["kv_events_config"])
+        if isinstance(engine_args.get("kv_transfer_config"), (Mapping, str)):   # vLLM's keys, as --kv-transfer-config
+            engine_args["kv_transfer_config"] = parse_kv_transfer_config(engine_args["kv_transfer_config"])
         self.config = EngineConfig(model=model, tokenizer=tokenizer,
                                    speculative_config=_speculative_config(speculative_config), **engine_args)
         if self.config.lora_config is not None and self.config.lora_config.lora_modules:

@@ -1,8 +1,10 @@
-"""The services and the engine on different hosts, made on this machine: network namespace A (the gateway and
-the tokenizer service, on the host's /dev/shm) and namespace B (the engine, with a /dev/shm of its own) joined by
-a veth pair, 10.23.0.1/24 and 10.23.0.2/24, each process started by its real entry point inside its namespace.
-A streamed request completes through A to B, and the tokenizer service, whose shared memory the engine cannot
-map, sends prompt ids inline and says so once in its log, naming the engine's address."""
+"""The services and the engines on different hosts, made on this machine: network namespace A (the gateway, the
+tokenizer service and a decode engine, on the host's /dev/shm) and namespace B (a prefill engine, with a /dev/shm of
+its own) joined by a veth pair, 10.23.0.1/24 and 10.23.0.2/24, each process started by its real entry point inside
+its namespace. Requests are disaggregated: B computes each prompt and its first token, and the decode engine in A
+pulls the prompt's blocks from B over TCP (MooncakeConnector) and continues with the tokens a colocated engine
+gives. The tokenizer service, whose shared memory B cannot map, sends it prompt ids inline and says so once in its
+log, naming the engine's address."""
 
 from __future__ import annotations
 
@@ -28,7 +30,10 @@ from tests.procs import ROOT, wait_until
 pytestmark = pytest.mark.slow
 
 _CLONE_NEWNET = 0x40000000
-ENGINE_ADDR = "10.23.0.2:50051"
+ENGINE_ADDR = "10.23.0.2:50051"   # the prefill engine, in B
+DECODE_ADDR = "127.0.0.1:50052"   # the decode engine, in A
+DECODE_METRICS = "http://127.0.0.1:9152/metrics"
+BLOCK = 16
 TOKENIZER_ADDR = "127.0.0.1:50061"   # in A, next to the gateway
 GATEWAY_URL = "http://127.0.0.1:8000"   # in A
 FALLBACK_LOG = f"the engine at {ENGINE_ADDR} cannot map our shared memory segment"
@@ -115,10 +120,13 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
             ip("-n", name, "link", "set", dev, "up")
         save_tiny_llama(tmp / "tiny", vocab_size=49152)   # the default model's vocabulary, for its tokenizer
         model = ["--model", str(tmp / "tiny"), "--tokenizer", default_model_path(), "--shutdown-timeout", "1"]
-        h.start(b, "engine", ["-m", "engine", "--host", "10.23.0.2", "--port", "50051", *model, "--kv-cache-memory",
-                              "64MiB", "--num-threads", "1"], own_shm=True)
-        h.start(a, "tokenizer", ["-m", "services.tokenizer", "--engine", ENGINE_ADDR, "--host", "127.0.0.1",
-                                 "--port", "50061", *model])
+        engine = [*model, "--kv-cache-memory", "64MiB", "--num-threads", "1", "--block-size", str(BLOCK)]
+        h.start(b, "engine", ["-m", "engine", "--host", "10.23.0.2", "--port", "50051", *engine,
+                              "--kv-transfer-config", mooncake("kv_producer", "10.23.0.2")], own_shm=True)
+        h.start(a, "decode", ["-m", "engine", "--host", "127.0.0.1", "--port", "50052", *engine,
+                              "--metrics-port", "9152", "--kv-transfer-config", mooncake("kv_consumer", "10.23.0.1")])
+        h.start(a, "tokenizer", ["-m", "services.tokenizer", "--engine", ENGINE_ADDR, "--engine", DECODE_ADDR,
+                                 "--host", "127.0.0.1", "--port", "50061", *model])
         h.start(a, "gateway", ["-m", "gateway", "--tokenizer", TOKENIZER_ADDR, "--host", "127.0.0.1", "--port",
                                "8000", "--tokenizer-mux", "--shutdown-timeout", "1"])
         wait_until(lambda: h.alive() and h.in_a(_status, f"{GATEWAY_URL}/ready") == 200, 300,
@@ -131,6 +139,10 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
         client.shutdown()
         for name in made:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def mooncake(role: str, host: str) -> str:
+    return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role, "kv_ip": host})
 
 
 def _status(url: str) -> int | None:
@@ -160,3 +172,38 @@ def test_a_stream_crosses_hosts_and_prompt_ids_go_inline_said_once(hosts: Hosts)
     fallback = [line for line in log.splitlines() if "cannot map our shared memory" in line]
     assert len(fallback) == 1 and FALLBACK_LOG in fallback[0] and "sending prompt ids inline" in fallback[0], \
         fallback
+
+
+def _complete(prompt: str) -> dict:  # type: ignore[type-arg]
+    body = {"prompt": prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(f"{GATEWAY_URL}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not on the page")
+
+
+def test_prefill_in_b_hands_its_blocks_to_the_decode_engine_in_a_over_tcp(hosts: Hosts) -> None:
+    prompts = [f"{lead} across the veth, a prompt of some length to fill a few blocks of sixteen tokens each: "
+               + " ".join(["more words"] * n) for lead, n in (("One", 3), ("Two", 11), ("Three", 24), ("Four", 40))]
+    before = hosts.in_a(lambda: httpx.get(DECODE_METRICS, timeout=10).text)
+    served = [hosts.in_a(_complete, p) for p in prompts]
+    after = hosts.in_a(lambda: httpx.get(DECODE_METRICS, timeout=10).text)
+    full_blocks = sum(r["usage"]["prompt_tokens"] // BLOCK for r in served)
+    received = (_metric(after, "sluice:kv_transfer_blocks_total", direction="received")
+                - _metric(before, "sluice:kv_transfer_blocks_total", direction="received"))
+    assert received == full_blocks > 0
+    assert _metric(after, "sluice:kv_transfer_fallbacks_total") == 0
+    assert 'kv_role="kv_consumer"' in after and 'kv_connector="MooncakeConnector"' in after
+    # The colocated reference: the same checkpoint in this process, one engine doing both halves.
+    from engine.entrypoints.llm import LLM, SamplingParams
+
+    llm = LLM(str(hosts.tmp / "tiny"), tokenizer=default_model_path(), kv_cache_memory=64 * 2**20)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0,
+                                                                                ignore_eos=True))]
+    assert [r["choices"][0]["text"] for r in served] == expected
