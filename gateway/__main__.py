@@ -136,6 +136,7 @@ def settings_from_args(ns: argparse.Namespace, environ: dict[str, str] | os._Env
         log_requests=ns.log_requests,
         metrics_federate=federate_targets(ns.metrics_federate),
         metrics_federate_tokenizers=federate_targets(ns.metrics_federate_tokenizer, "--metrics-federate-tokenizer"),
+        metrics_federate_kv_roles=tuple(ns.metrics_federate_kv_role or ()),
         rest_tls=rest_tls_from_args(ns),
         grpc_tls=grpc_tls_from_args(ns),
     )

@@ -40,7 +40,8 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None,
     if settings.enable_docs:
         routes += docs_routes(secured=bool(settings.api_keys))
     metrics = metrics if metrics is not None else GatewayMetrics(
-        federate=settings.metrics_federate, federate_tokenizers=settings.metrics_federate_tokenizers)
+        federate=settings.metrics_federate, federate_tokenizers=settings.metrics_federate_tokenizers,
+        federate_kv_roles=settings.metrics_federate_kv_roles)
     # Outermost first: the request id and the catch-all see every response (401s
     # included), metrics count them, a draining server turns requests away before
     # anything else (a load balancer probes without a key), CORS answers preflights

@@ -12,7 +12,9 @@ engines of ``sluice serve --data-parallel-size`` replicas, in replica order) the
 once, and the i-th target's ``engine`` label reads i, as vLLM labels its data-parallel engines. The tokenizer
 services' pages (``--metrics-federate-tokenizer URL``; ``sluice serve`` passes each service's) are merged alike,
 the i-th labelled ``tokenizer="i"``: their series (``sluice:requests_migrated_total``) are counted where the event
-happens, once, and every gateway relays the same values, never a count of its own.
+happens, once, and every gateway relays the same values, never a count of its own. With prefill/decode
+disaggregation (``--metrics-federate-kv-role``, one per engine target) each engine's series also carry its
+``kv_role`` ("kv_producer", "kv_consumer").
 """
 
 from __future__ import annotations
@@ -44,12 +46,15 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 
 class GatewayMetrics:
     """``federate``: the engines' metrics pages (URLs) appended to this one's, fetched at each scrape;
-    ``federate_tokenizers``: the tokenizer services' pages, appended the same way."""
+    ``federate_tokenizers``: the tokenizer services' pages, appended the same way; ``federate_kv_roles``: the KV
+    role of each engine page (none: no ``kv_role`` label)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, federate: Sequence[str] = (),
-                 federate_timeout: float = FEDERATE_TIMEOUT_S, federate_tokenizers: Sequence[str] = ()) -> None:
+                 federate_timeout: float = FEDERATE_TIMEOUT_S, federate_tokenizers: Sequence[str] = (),
+                 federate_kv_roles: Sequence[str] = ()) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.federate = tuple(federate)
+        self.federate_kv_roles = tuple(federate_kv_roles)
         self.federate_tokenizers = tuple(federate_tokenizers)
         self.federate_timeout = federate_timeout
         r = self.registry
@@ -85,7 +90,8 @@ class GatewayMetrics:
         if any(page is not None for page in pages):
             engines, tokenizers = pages[:len(self.federate)], pages[len(self.federate):]
             try:
-                body += generate_latest(_Merged(engines, tokenizers))   # type: ignore[arg-type]  # has collect()
+                merged = _Merged(engines, tokenizers, self.federate_kv_roles)
+                body += generate_latest(merged)   # type: ignore[arg-type]  # has collect()
             except ValueError as e:   # targets whose families disagree (one mid-restart): this page stays whole
                 logger.warning("federated metrics left out of this scrape: %s", e)
         return body, CONTENT_TYPE_LATEST
@@ -109,11 +115,14 @@ class _Merged:
     ``engine`` label set to i (two replicas' engines would otherwise give the same series). With several engine
     targets, a series that has no ``engine`` label of its own (``vllm:lora_requests_info``,
     ``vllm:cache_config_info``) gets one too: else the replicas' series would be one, and a reader would see only
-    the last. The i-th tokenizer service's series get ``tokenizer="i"`` (they have no label telling them apart)."""
+    the last. The i-th tokenizer service's series get ``tokenizer="i"`` (they have no label telling them apart).
+    ``kv_roles``: the i-th engine's series get ``kv_role`` = its i-th."""
 
-    def __init__(self, engines: Iterable[list[Metric] | None], tokenizers: Iterable[list[Metric] | None] = ()) -> None:
+    def __init__(self, engines: Iterable[list[Metric] | None], tokenizers: Iterable[list[Metric] | None] = (),
+                 kv_roles: Sequence[str] = ()) -> None:
         self._engines = list(engines)
         self._tokenizers = list(tokenizers)
+        self._kv_roles = tuple(kv_roles)
 
     def collect(self) -> Iterable[Metric]:
         merged: dict[str, Metric] = {}
@@ -127,6 +136,8 @@ class _Merged:
                 for sample in family.samples:
                     if always or label in sample.labels:
                         sample = sample._replace(labels={**sample.labels, label: str(index)})
+                    if label == "engine" and self._kv_roles:
+                        sample = sample._replace(labels={**sample.labels, "kv_role": self._kv_roles[index]})
                     into.samples.append(sample)
         return merged.values()
 
@@ -203,6 +214,10 @@ def add_metrics_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-federate-tokenizer", action="append", default=None, metavar="URL",
                         help="a tokenizer service's metrics page appended to this gateway's /metrics, its series "
                              "labelled tokenizer=\"i\" for the i-th (repeatable; `sluice serve` passes each service's)")
+    parser.add_argument("--metrics-federate-kv-role", action="append", default=None, metavar="ROLE",
+                        help="the KV role of the i-th --metrics-federate engine (prefill/decode disaggregation), "
+                             "its series labelled kv_role=\"ROLE\" (one per --metrics-federate; `sluice serve "
+                             "--prefill-replicas` passes them)")
 
 
 def federate_targets(urls: Sequence[str] | None, flag: str = "--metrics-federate") -> tuple[str, ...]:

@@ -70,6 +70,8 @@ class GatewaySettings:
     # its tokenizer services' pages, labelled tokenizer="i").
     metrics_federate: tuple[str, ...] = ()
     metrics_federate_tokenizers: tuple[str, ...] = ()
+    # The KV role of each metrics_federate engine (prefill/decode disaggregation), labelled kv_role; empty: none.
+    metrics_federate_kv_roles: tuple[str, ...] = ()
     # HTTPS on the REST port (uvicorn's --ssl-* settings); None: plain HTTP.
     rest_tls: RestTls | None = None
     # TLS (and mTLS with a CA) on the channels to the tokenizer services; None: plaintext.
@@ -78,6 +80,8 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if not self.tokenizer_addresses:
             raise ValueError("tokenizer_addresses: at least one address is needed")
+        if self.metrics_federate_kv_roles and len(self.metrics_federate_kv_roles) != len(self.metrics_federate):
+            raise ValueError("--metrics-federate-kv-role: one per --metrics-federate, in the same order")
         if self.max_body_bytes is not None and self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
         if self.max_connections is not None and self.max_connections < 1:

@@ -54,6 +54,7 @@ from engine.text import Tokenizer
 from engine.text.tool_parsers import TOOL_PARSERS
 from services.child_flags import engine_flags, tokenizer_flags
 from services.mindie import ConfigFileError, load_mindie_config
+from services.pd_serve import add_pd_args, federate_role_flags, resolve_pd, with_kv_roles
 from services.replicas import (
     check_model_splits,
     kv_events_for_routing,
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_observability_args(p)
     add_metrics_args(p)
     add_migration_args(p)
+    add_pd_args(p)
     add_media_args(p, limit=False)   # --limit-mm-per-prompt is among the engine's flags
     add_rest_tls_args(p)
     add_grpc_tls_args(p)
@@ -223,6 +225,7 @@ def resolve_settings(argv: list[str], notes: list[str] | None = None) -> argpars
         if notes is not None:
             notes.extend(mindie.notes)
     try:
+        resolve_pd(ns)   # prefill/decode engines become the replicas
         accepted = check_vllm_serve_args(ns)
     except InvalidRequestError as e:
         parser.error(str(e))
@@ -278,7 +281,8 @@ class Supervisor:
         self.stopping = False
         self.replicas = [self._replica(r, replica_config, metrics)
                          for r, (replica_config, metrics) in enumerate(zip(
-                             replica_configs(config, ns.data_parallel_size), metrics_ports(ns), strict=True))]
+                             with_kv_roles(replica_configs(config, ns.data_parallel_size), ns), metrics_ports(ns),
+                             strict=True))]
         # Replica by replica within each rank of tokenizer: the gateways take their addresses in turn, so
         # consecutive requests go to different replicas.
         tok_addrs = [f"127.0.0.1:{ns.tokenizer_port + r * ns.tokenizers + i}"
@@ -362,6 +366,7 @@ class Supervisor:
         for replica in self.replicas:   # the i-th overall is labelled tokenizer="i": replica r's j-th is r x T + j
             for url in replica.tokenizer_metrics_urls:
                 argv += ["--metrics-federate-tokenizer", url]
+        argv += federate_role_flags(ns, [replica.metrics_url for replica in self.replicas])
         argv += rest_tls_flags(rest_tls)
         if self.shared_port:
             argv.append("--reuse-port")
@@ -479,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = config_from_args(ns)
         check_local_paths(config)
-        replica_configs(config, ns.data_parallel_size)
+        with_kv_roles(replica_configs(config, ns.data_parallel_size), ns)
         observability = observability_settings(ns)
         grpc_tls, rest_tls = grpc_tls_from_args(ns), rest_tls_from_args(ns)
         keys = api_keys(ns)

@@ -44,6 +44,8 @@ class Engine:
         self.reported_load = 0                    # its running + waiting sequences, as its last GetInfo said
         self._own_at_report = 0                   # how many of those were this service's
         self.kv_cache_usage = 0.0
+        self.kv_role = ""                         # its --kv-transfer-config role, as GetInfo said ("": none)
+        self.kv_transport = ""                    # the KV transport it runs ("shm", "mooncake"; "": none)
         self.cache: CacheView | None = None       # its prefix cache, once it publishes KV events we follow
         self._subscriber: KVEventSubscriber | None = None
 
@@ -52,6 +54,16 @@ class Engine:
         """Requests there: this service's open ones (exact, now) plus the others' as the engine's last GetInfo
         (up to a second old) counted them; this service's own requests that ended since are not counted again."""
         return self.open_requests + max(0, self.reported_load - self._own_at_report)
+
+    @property
+    def can_prefill(self) -> bool:
+        """A prefill engine of disaggregated serving (``kv_producer`` or ``kv_both``)."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def can_decode(self) -> bool:
+        """A decode engine of disaggregated serving (``kv_consumer`` or ``kv_both``)."""
+        return self.kv_role in ("kv_consumer", "kv_both")
 
     async def get_info(self, timeout: float | None) -> engine_pb2.GetInfoResponse:
         """Its GetInfo; a new ``instance_id`` is a restarted engine, whoever asked (see :meth:`restarted`)."""
@@ -62,6 +74,7 @@ class Engine:
         self.reported_load = r.num_running + r.num_waiting
         self._own_at_report = self.open_requests
         self.kv_cache_usage = r.kv_cache_usage
+        self.kv_role, self.kv_transport = r.kv_role, r.kv_transport
         return r
 
     def restarted(self) -> None:

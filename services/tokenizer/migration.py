@@ -191,8 +191,7 @@ class EngineCall:
                 async for leg, msg in outputs:
                     if msg.HasField("released_shm_slot"):
                         leg.handoff.release()
-                    if self.moves:   # its cache hits on this engine say nothing of the client's prompt
-                        msg.cached_tokens = 0
+                    self._arrived(msg)
                     if leg.index is not None:
                         msg.index = leg.index
                     if msg.finish_reason == common_pb2.FINISH_REASON_ERROR and await self._may_move(engine):
@@ -210,7 +209,9 @@ class EngineCall:
                         msg.request_done = len(self._finished) == self._n
                     yield msg
                 else:
-                    return
+                    if not await self._carry_on():
+                        return
+                    continue
             except grpc.aio.AioRpcError as error:
                 if error.code() not in _ENGINE_FAILURE_CODES or not await self._may_move(engine):
                     raise
@@ -218,6 +219,16 @@ class EngineCall:
             finally:
                 await outputs.aclose()
             await self._move(failure)
+
+    def _arrived(self, msg: engine_pb2.EngineGenerateResponse) -> None:
+        """Adjust an engine message before it is recorded and passed on."""
+        if self.moves:   # its cache hits on this engine say nothing of the client's prompt
+            msg.cached_tokens = 0
+
+    async def _carry_on(self) -> bool:
+        """Whether the request goes on elsewhere once its engine ended it (a prefill engine's handoff,
+        services/tokenizer/disagg.py); here never."""
+        return False
 
     async def _outputs(self, engine: Engine) -> AsyncGenerator[tuple[_Leg, engine_pb2.EngineGenerateResponse], None]:
         """The messages of every engine request of the request on ``engine``, as they come; a leg's error is
@@ -325,13 +336,7 @@ class EngineCall:
                                         f"{time.monotonic() - start:.1f} s")
             await asyncio.sleep(_POLL_S)
         target = min(live, key=lambda e: e.load)
-        for leg in self._legs:
-            leg.handoff.release()
-        old.open_requests -= 1
-        target.open_requests += 1
-        self.engine = target
-        self._instance = target.instance_id
-        self._legs = []
+        self._switch(target)
         if not any(self._delivered.values()):
             self._legs.append(await self._leg(target, None, []))   # sent again as it was
         else:
@@ -343,6 +348,17 @@ class EngineCall:
         logger.warning("request %s moved from %s to %s after %d delivered tokens (move %d of at most %d): %s",
                        self._request_id, old.name, target.name, sum(map(len, self._delivered.values())), self.moves,
                        settings.max_migrations, _describe(failure))
+
+    def _switch(self, target: Engine) -> None:
+        """Make ``target`` the request's engine (its load counted there from now) with no engine request yet; the
+        prompt slots of the old ones are given back."""
+        for leg in self._legs:
+            leg.handoff.release()
+        self.engine.open_requests -= 1
+        target.open_requests += 1
+        self.engine = target
+        self._instance = target.instance_id
+        self._legs = []
 
     async def _leg(self, target: Engine, index: int | None, delivered: list[int]) -> _Leg:
         """A new engine request on ``target``: the request as it was (``index`` None), or sequence ``index`` as an

@@ -31,6 +31,7 @@ from common.tracing import Tracing, trace_headers_of
 from engine.text import IncrementalDetokenizer, Tokenizer
 from proto.shm import ShmRing
 from proto.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.tokenizer.disagg import Disaggregation
 from services.tokenizer.engine_request import bad_words_to_pb, check_options, engine_options
 from services.tokenizer.engine_stream import EngineStream, error_reason
 from services.tokenizer.engines import Engine
@@ -123,6 +124,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._streams: set[Multiplexer] = set()
         self.migration = migration or MigrationSettings()
         self.migration_metrics = migration_metrics or MigrationMetrics()
+        self.disagg = Disaggregation(self.router)   # prefill/decode engines among ours: services/tokenizer/disagg.py
         self.images = images or ChatImages(None, MediaSettings(), served_model_name)
 
     # -- engine handshake ---------------------------------------------------------------------------------
@@ -313,7 +315,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             for i in range(n)}
         usage = Usage(prompt=len(prompt_ids))
         source = request.token_ids if request.WhichOneof("input") == "token_ids" else None
-        engine, route = await self._route(prompt_ids, adapter, request.cache_salt)   # counted there until the end
+        # Counted there until the end. Prefill and decode engines among ours: by role (prefill sets kv_transfer).
+        routed = self.disagg.route(self.engines, options, prompt_ids)
+        engine, route = routed or await self._route(prompt_ids, adapter, request.cache_salt)
         try:
             engine_req, handoff = await self.engine_request(options, prompt_ids, source=source, engine=engine)
             engine_req.multi_modal_items.extend(images)
@@ -332,8 +336,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.log_requests:  # as vLLM's, once the prompt is ready: a refused request was answered with its error
             logger.info("Received request %s (engine key %s): %d prompt tokens, n=%d%s", request_id, key,
                         len(prompt_ids), n, f"; to {engine.name} ({route.describe()})" if len(self.engines) > 1 else "")
-        call = EngineCall(self, engine, engine_req, handoff, prompt_ids, request_id=request_id, timeout=timeout,
-                          deadline=deadline)
+        make_call = EngineCall if routed is None else self.disagg.call
+        call = make_call(self, engine, engine_req, handoff, prompt_ids, request_id=request_id, timeout=timeout,
+                         deadline=deadline)
         try:
             async for msg in _with_deadline(call, deadline):
                 if msg is None:  # the time limit elapsed
