@@ -127,15 +127,16 @@ class DisaggConnector:
                         block_hashes=tuple(hash_bytes(h) for h in request.block_hashes[:num_full]),
                         hold_s=self.config.hold_timeout_s, layout=self.source.layout)
 
-    def release(self, request_id: str) -> bool:
-        """The request's consumer has gone on (or it was aborted): its blocks go back to the pool. False when it
-        holds none."""
+    def release(self, request_id: str, num_pulled: int = 0) -> bool:
+        """The request's consumer has gone on having pulled ``num_pulled`` of its blocks (counted as sent), or it
+        was aborted: its blocks go back to the pool. False when it holds none."""
         hold = self._holds.pop(request_id, None)
         if hold is None:
             return False
         self.block_manager.free(hold.request)
-        self.counters.blocks_sent += hold.num_blocks
-        self.counters.bytes_sent += hold.num_blocks * self.block_bytes
+        sent = max(0, min(num_pulled, hold.num_blocks))
+        self.counters.blocks_sent += sent
+        self.counters.bytes_sent += sent * self.block_bytes
         return True
 
     def expire(self) -> int:
@@ -216,6 +217,7 @@ class DisaggConnector:
             bm.cache_blocks(request, (pull.num_device_blocks + num_good) * bm.block_size)
             bm.free(request)
             self.hits += num_good * bm.block_size
+            request.kv_blocks_received = num_good
             self.counters.blocks_received += num_good
             self.counters.bytes_received += num_good * self.block_bytes
             self.counters.latencies.append(now - pull.started)

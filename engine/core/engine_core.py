@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -418,6 +418,13 @@ class EngineCore:
                     times=req.times() if req.ends_request else None))
             if self._lora_of_request:
                 self._end_lora_uses([request_id])
+
+    def release_kv_holds(self, pulled: Mapping[str, int]) -> None:
+        """A prefill engine's holds whose decode engine went on: ``{request id: blocks it pulled}``; the holds end
+        and the pulled blocks count as sent. Unknown ids are ignored."""
+        if self.scheduler.kv_transfer is not None:
+            for request_id, num_blocks in pulled.items():
+                self.scheduler.kv_transfer.release(request_id, num_blocks)
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self._pending) or self.scheduler.has_unfinished_requests()

@@ -39,6 +39,8 @@ class EngineCoreOutput:
     # A prefill engine's do_remote_decode request whose first token did not end it, on its last output: where its
     # blocks are held for a decode engine (the sequence goes on there; its LENGTH is the core's one-token cap).
     kv_transfer: RemoteKV | None = None
+    # A decode engine's request that pulled a prefill engine's blocks: how many, on its first output after the pull.
+    kv_blocks_received: int = 0
 
     @property
     def finished(self) -> bool:

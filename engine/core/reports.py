@@ -21,6 +21,7 @@ def delta_output(request: Request, stream_interval: int) -> EngineCoreOutput | N
             and request.num_output_tokens - start < interval):
         return None
     request.num_reported_tokens = request.num_output_tokens
+    received, request.kv_blocks_received = request.kv_blocks_received, 0   # said once
     cumulative = (request.cumulative_logprob
                   if request.finish_reason is not None and request.sampling_params.logprobs is not None else None)
     return EngineCoreOutput(request.request_id, request.output_token_ids[start:],
@@ -30,7 +31,7 @@ def delta_output(request: Request, stream_interval: int) -> EngineCoreOutput | N
                             cumulative_logprob=cumulative,
                             prompt_logprobs=request.prompt_logprobs if start == 0 else None,
                             times=request.times() if request.ends_request else None,
-                            kv_transfer=request.kv_transfer_out)
+                            kv_transfer=request.kv_transfer_out, kv_blocks_received=received)
 
 
 def best_of_outputs(request: Request) -> list[EngineCoreOutput]:

@@ -132,6 +132,7 @@ class Request:
         self.kv_transfer: RemoteKV | None = None
         self.kv_handoff = False
         self.kv_transfer_out: RemoteKV | None = None
+        self.kv_blocks_received = 0   # a consumer's: blocks pulled for it, said once on its next output
         # Every sequence of the request, this one included: one list, shared by all of them (a fork appends).
         self.sequences: list[Request] = [self]
         # Indexes aborted before the fork made their sequences (only on index 0 while n > 1): they end at the fork.

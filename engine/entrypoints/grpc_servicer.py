@@ -210,6 +210,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> engine_pb2.AbortResponse:
+        if request.kv_blocks_pulled:   # a prefill engine's holds whose decode engine went on
+            pulled = dict(request.kv_blocks_pulled)
+            await self.engine.call(lambda core: core.release_kv_holds(pulled))
         self.engine.abort(abort_targets_from_pb(request))
         return engine_pb2.AbortResponse()
 

@@ -173,6 +173,7 @@ def output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineGenerateResponse:
         else common_pb2.FINISH_REASON_UNSPECIFIED)
     if out.kv_transfer is not None:
         msg.kv_transfer.CopyFrom(kv_transfer_to_pb(out.kv_transfer))
+    msg.kv_blocks_received = out.kv_blocks_received
     if out.cumulative_logprob is not None:
         msg.cumulative_logprob = out.cumulative_logprob
     for lp, top, _rank in out.new_logprobs or ():

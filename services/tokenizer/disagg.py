@@ -153,7 +153,7 @@ class DisaggCall(EngineCall):
         if self._hold is not None and (msg.token_ids or msg.request_done):   # without holding the message up
             engine, key = self._hold
             self._hold = None
-            future = asyncio.ensure_future(engine.abort(key))
+            future = asyncio.ensure_future(engine.abort(key, kv_blocks_pulled=msg.kv_blocks_received))
             self._releases.add(future)
             future.add_done_callback(self._releases.discard)
 

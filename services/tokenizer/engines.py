@@ -139,11 +139,14 @@ class Engine:
                 self.shm_refused = True
         return self.shm_registered
 
-    async def abort(self, key: str, index: int | None = None) -> None:
+    async def abort(self, key: str, index: int | None = None, *, kv_blocks_pulled: int | None = None) -> None:
         """Abort the engine request ``key``, or only its sequence ``index`` (its siblings go on). A late abort
-        finds nothing: no later request ever has the same key."""
+        finds nothing: no later request ever has the same key. ``kv_blocks_pulled``: ``key`` is a prefill engine's
+        hold whose decode engine went on having pulled this many of its blocks (the engine counts them as sent)."""
         abort = (engine_pb2.AbortRequest(request_ids=[key]) if index is None else
                  engine_pb2.AbortRequest(sequences=[engine_pb2.SequenceRef(request_id=key, index=index)]))
+        if kv_blocks_pulled is not None:
+            abort.kv_blocks_pulled[key] = kv_blocks_pulled
         try:
             await self.stub.Abort(abort, timeout=5)
         except grpc.aio.AioRpcError:

@@ -137,3 +137,6 @@ def test_disaggregated_greedy_outputs_equal_the_colocated_ones_and_only_full_pro
 
     for port in (stack.engine_port, stack.engine_port + 1):
         wait_until(lambda p=port: idle(p), 15, what=f"every KV block free on the engine at {port}")
+    # The prefill engine counts as sent what the decode engine said it pulled (nothing, the second time: cached).
+    sent = engine_metrics(stack)[("sluice:kv_transfer_blocks_total", "kv_producer", "sent")]
+    assert sent == full_blocks

@@ -28,6 +28,8 @@ HELD = {"transport": "shm", "remote_address": "4242:17", "remote_block_ids": [3,
 PREFILL_CACHED, DECODE_CACHED = 5, 7   # the cached_tokens each kind of fake engine reports
 
 
+PULLED = 3   # blocks a fake consumer says it pulled, on its first message
+
 class RoleEngine(StallingEngine):
     """A fake engine of one KV role. A request with ``do_remote_decode`` gets ``TOKENS[0]`` and, unless
     ``end_first``, the handoff (``kv_transfer``: ``HELD``) on its last message, as a producer's contract says (with
@@ -43,6 +45,7 @@ class RoleEngine(StallingEngine):
         self.end_first = end_first
         self.received: list[engine_pb2.EngineGenerateRequest] = []
         self.aborted: list[tuple[float, str]] = []
+        self.pulled: dict[str, int] = {}   # the Abort RPC's kv_blocks_pulled
         self.first_sent: dict[str, float] = {}   # when each request's first message went out
         self.gate = asyncio.Event()
         self.gate.set()
@@ -59,6 +62,7 @@ class RoleEngine(StallingEngine):
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> engine_pb2.AbortResponse:
         self.aborted += [(time.monotonic(), rid) for rid in request.request_ids]
+        self.pulled.update(request.kv_blocks_pulled)
         return engine_pb2.AbortResponse()
 
     def held(self) -> engine_pb2.KVTransferParams:
@@ -99,6 +103,7 @@ class RoleEngine(StallingEngine):
                     send(engine_pb2.EngineGenerateResponse(
                         request_id=rid, index=i, token_ids=[TOKENS[k]], request_done=last and i == n - 1,
                         cached_tokens=DECODE_CACHED if rid not in self.first_sent else 0,
+                        kv_blocks_received=PULLED if request.kv_transfer.transport and k == 1 else 0,
                         finish_reason=reason))
                 await self.resume.wait()
 
@@ -183,6 +188,7 @@ def test_a_request_is_prefilled_on_the_producer_and_handed_to_the_consumer_which
         # The producer's blocks let go once, by its request id, after the consumer's first message.
         assert [rid for _, rid in p.aborted] == [prefill.request_id]
         assert p.aborted[0][0] >= d.first_sent[decode.request_id]
+        assert p.pulled == {prefill.request_id: PULLED}   # what the consumer said it pulled: the producer's "sent"
         assert d.aborted == []
         assert tokens(got) == TOKENS and terminal(got) == [common_pb2.FINISH_REASON_LENGTH]
         usage = got[-1].usage
@@ -217,6 +223,7 @@ def test_a_client_gone_during_the_handoff_aborts_the_request_on_both_engines() -
             await _until(both_aborted, 10, "aborts on both engines")
             assert [rid for _, rid in p.aborted] == [p.received[0].request_id]
             assert [rid for _, rid in d.aborted] == [d.received[0].request_id]
+            assert p.pulled == {}   # the hold ended by a plain abort: nothing was taken
             await _until(lambda: _true([e.open_requests for e in servicer.engines] == [0, 0]), 5, "no load left")
 
     asyncio.run(main())

@@ -172,7 +172,7 @@ class EngineTokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenIdLogprob, _Mapping]]] = ...) -> None: ...
 
 class EngineGenerateResponse(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "released_shm_slot", "error_message", "request_id", "request_done", "cumulative_logprob", "prompt_logprobs", "kv_transfer")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "released_shm_slot", "error_message", "request_id", "request_done", "cumulative_logprob", "prompt_logprobs", "kv_transfer", "kv_blocks_received")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,7 @@ class EngineGenerateResponse(_message.Message):
     CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[EngineTokenLogprobs]
@@ -199,7 +200,8 @@ class EngineGenerateResponse(_message.Message):
     cumulative_logprob: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptTokenLogprob]
     kv_transfer: KVTransferParams
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[EngineTokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., released_shm_slot: _Optional[int] = ..., error_message: _Optional[str] = ..., request_id: _Optional[str] = ..., request_done: _Optional[bool] = ..., cumulative_logprob: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+    kv_blocks_received: int
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[EngineTokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., released_shm_slot: _Optional[int] = ..., error_message: _Optional[str] = ..., request_id: _Optional[str] = ..., request_done: _Optional[bool] = ..., cumulative_logprob: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., kv_blocks_received: _Optional[int] = ...) -> None: ...
 
 class EngineStreamRequest(_message.Message):
     __slots__ = ("generate", "abort")
@@ -240,12 +242,21 @@ class SequenceRef(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_ids", "sequences")
+    __slots__ = ("request_ids", "sequences", "kv_blocks_pulled")
+    class KvBlocksPulledEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceRef]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., sequences: _Optional[_Iterable[_Union[SequenceRef, _Mapping]]] = ...) -> None: ...
+    kv_blocks_pulled: _containers.ScalarMap[str, int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., sequences: _Optional[_Iterable[_Union[SequenceRef, _Mapping]]] = ..., kv_blocks_pulled: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()

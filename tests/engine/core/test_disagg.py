@@ -122,8 +122,10 @@ def test_split_requests_equal_transformers_and_pull_only_the_full_blocks(
         assert after["kv_transfer_blocks_received"] - before["kv_transfer_blocks_received"] == length // BLOCK
         # The decode engine computed only the prompt's last partial block (the first token is output).
         assert after["prompt_tokens"] - before["prompt_tokens"] == length % BLOCK
+        assert rest[0].kv_blocks_received == length // BLOCK and all(o.kv_blocks_received == 0 for o in rest[1:])
         sent = producer.scheduler_stats()["kv_transfer_blocks_sent"]
-        producer.abort_requests([f"p{i}"])   # the tokenizer service's release once the decode engine went on
+        # The tokenizer service's release once the decode engine went on, with what it said it pulled.
+        producer.release_kv_holds({f"p{i}": rest[0].kv_blocks_received})
         assert producer.scheduler_stats()["kv_transfer_blocks_sent"] - sent == length // BLOCK
         drain(producer)
         assert free_is_total(producer) and free_is_total(consumer)
@@ -136,10 +138,14 @@ def test_a_prefix_the_decode_engine_caches_is_not_pulled_again(pair: tuple[Engin
     first = prefill(producer, "again-p1", prompt)
     one = decode(consumer, "again-d1", prompt, first)
     received = consumer.scheduler_stats()["kv_transfer_blocks_received"]
-    producer.abort_requests(["again-p1"])
+    producer.abort_requests(["again-p1"])   # a hold ended by a plain abort: nothing counted as sent
     first2 = prefill(producer, "again-p2", prompt)
+    sent = producer.scheduler_stats()["kv_transfer_blocks_sent"]
     two = decode(consumer, "again-d2", prompt, first2)
     assert consumer.scheduler_stats()["kv_transfer_blocks_received"] == received   # all five were cached here
+    assert two[0].kv_blocks_received == 0
+    producer.release_kv_holds({"again-p2": two[0].kv_blocks_received})
+    assert producer.scheduler_stats()["kv_transfer_blocks_sent"] == sent
     assert [t for o in one for t in o.new_token_ids] == [t for o in two for t in o.new_token_ids]
     producer.abort_requests(["again-p2"])
     drain(producer)
@@ -252,8 +258,8 @@ def test_the_engine_metrics_count_what_crossed(pair: tuple[EngineCore, EngineCor
         pages[name] = registry
     prompt = prompt_of(14, 31)
     first = prefill(producer, "m-p", prompt)
-    decode(consumer, "m-d", prompt, first)
-    producer.abort_requests(["m-p"])
+    rest = decode(consumer, "m-d", prompt, first)
+    producer.release_kv_holds({"m-p": rest[0].kv_blocks_received})
     text = {name: generate_latest(r).decode() for name, r in pages.items()}
     block = 2 * 2 * BLOCK * 2 * 16 * 4   # K and V, 2 layers, 4 tokens, 2 KV heads of 16, float32
     assert 'sluice:kv_transfer_blocks_total{direction="received",engine="0",model_name=' in text["consumer"]
