@@ -7,8 +7,8 @@ A pull writes only into blocks its request holds, which no other request reads o
 the reads need no lock against the model. A cancelled pull (its request was aborted) is waited for before the step
 goes on: its blocks may be handed to another request in that very step.
 
-``SLUICE_KV_TRANSFER_FAULT=drop`` makes every pull fail (a fault-injection switch for tests: the requests are then
-computed here).
+``SLUICE_KV_TRANSFER_FAULT=drop`` makes every pull fail, ``drop-while:<path>`` every pull started while ``path``
+exists (fault-injection switches for tests: the requests are then computed here).
 """
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ class RemoteKVWorker:
         self.layout = CacheLayout.of(kv_caches)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
         self._pending: dict[int, Future[int]] = {}
-        self._drop = os.environ.get(FAULT_ENV) == "drop"
+        fault = os.environ.get(FAULT_ENV, "")
+        self._drop = fault == "drop"
+        self._drop_while = fault.removeprefix("drop-while:") if fault.startswith("drop-while:") else None
 
     def execute(self, transfer: KVTransfer) -> dict[int, int]:
         """One step's pulls; returns ``{job id: blocks that arrived}`` for the pulls that ended now."""
@@ -60,7 +62,7 @@ class RemoteKVWorker:
     def _read(self, job: LoadJob) -> int:
         source = job.source
         assert source is not None, "a pull names its producer"
-        if self._drop:
+        if self._drop or (self._drop_while is not None and os.path.exists(self._drop_while)):
             logger.warning("KV transfer: %s=drop: the pull of %d blocks fails", FAULT_ENV, len(job.blocks))
             return 0
         layout = CacheLayout.parse(source.layout)
