@@ -8,6 +8,7 @@ from common.errors import InvalidRequestError
 from engine.config import EngineConfig
 from engine.models import ModelConfig
 from engine.models.llava import LlavaForConditionalGeneration
+from engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from engine.worker.model_runner import PreparedStep, RunnerOutput
 from engine.worker.worker import Worker
 
@@ -91,7 +92,7 @@ class UniprocExecutor:
         """The placeholder embeddings the model makes of one image's processor tensors; ValueError for tensors its
         vision tower cannot take or a model without one."""
         model = self.worker.model
-        if not isinstance(model, LlavaForConditionalGeneration):
+        if not isinstance(model, (LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration)):
             raise ValueError("the model takes no images")
         return model.image_tokens(tensors)
 

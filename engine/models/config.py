@@ -114,6 +114,9 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # A vision-language model's image placeholder token, whose embeddings its images' replace (None: text only).
     image_token_id: int | None = None
+    # M-RoPE (Qwen2-VL): the rotary frequencies in sections rotated by a token's temporal, height and width
+    # positions; the runner then passes positions [3, T] (None: positions [T])
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES:

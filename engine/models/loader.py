@@ -56,7 +56,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu"
             raise InvalidRequestError("quantization", _not_modelslim(quantization, path, "a GGUF file"))
         int4_checkpoint.check_flag(quantization, None, path)
         model = load_gguf_model(p, dtype, device, parallel)
-    elif p.is_dir() and _model_type(p) in ("llava", "llava_next"):   # engine.models.vision_language
+    elif p.is_dir() and _model_type(p) in ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl"):   # vision_language
         from engine.models.vision_language import load_vision_language
 
         model = load_vision_language(p, safetensors_files(p), dtype, device, parallel, quantization)
@@ -88,7 +88,7 @@ def read_model_config(path: str) -> ModelConfig:
 
         return config_from_gguf(ModelReader(path))
     cfg = json.loads((Path(path) / "config.json").read_text())
-    if cfg.get("model_type") in ("llava", "llava_next"):   # a vision-language model: its language model's
+    if cfg.get("model_type") in ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl"):   # its language model's
         from engine.models.vision_language import language_config
 
         return language_config(cfg)

@@ -23,7 +23,7 @@ import numpy as np
 from common.errors import InvalidRequestError
 
 # config.json model_type values whose processor this module drives (one placeholder run per image).
-MULTIMODAL_MODEL_TYPES = ("llava", "llava_next")
+MULTIMODAL_MODEL_TYPES = ("llava", "llava_next", "qwen2_vl")
 # Processor outputs that are the prompt's, not an image's.
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 FIELD = "multi_modal_data"
@@ -133,7 +133,11 @@ class MultiModalProcessor:
     def __init__(self, model_path: str, image_token_id: int, limits: Mapping[str, int] | None = None) -> None:
         from transformers import AutoProcessor
 
-        self.processor = AutoProcessor.from_pretrained(model_path)
+        from engine.text.qwen2_vl_inputs import Qwen2VLInputs
+
+        # Qwen2-VL's processor needs torchvision (for videos): its image processor and tokenizer are used apart
+        self.processor = (Qwen2VLInputs(model_path) if model_type(model_path) == "qwen2_vl"
+                          else AutoProcessor.from_pretrained(model_path))
         self.image_token_id = image_token_id
         self.limits = dict(limits or {})
 
@@ -180,6 +184,9 @@ class MultiModalProcessor:
                                              f"{', '.join(map(str, counts))} tokens")
         items: list[ProcessedItem] = []
         start = 0
+        # Qwen2-VL: pixel_values are every image's patches, one after another (image_grid_thw counts each one's)
+        grids = out.get("image_grid_thw")
+        patch_ends = None if grids is None else np.concatenate(([0], np.asarray(grids).prod(-1).cumsum()))
         for i, (count, image) in enumerate(zip(counts, images)):
             span = positions[start:start + count]
             start += count
@@ -190,6 +197,9 @@ class MultiModalProcessor:
                 if key in _TEXT_KEYS:
                     continue
                 array = np.asarray(value)
+                if key == "pixel_values" and patch_ends is not None and array.shape[0] == patch_ends[-1]:
+                    tensors[key] = np.ascontiguousarray(array[patch_ends[i]:patch_ends[i + 1]])
+                    continue
                 if array.ndim == 0 or array.shape[0] != n:
                     raise InvalidRequestError(FIELD, f"processor output {key!r} of shape {array.shape} is not one "
                                                      f"entry per image ({n})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from engine.worker.input_layout import lay_out, split_rows
 from engine.worker.kv_pull import RemoteKVWorker
 from engine.worker.kv_transfer import KVTransferWorker
 from engine.worker.lora_manager import LoRAManager
+from engine.worker.mrope import GridOf, MRopeModel, step_positions
 from engine.worker.multi_step import LookaheadLayout
 from engine.worker.multimodal import plan_spans
 from engine.worker.sampler import Sampler, SamplingRow, is_greedy, make_generator
@@ -128,6 +129,9 @@ class ModelRunner:
         self.last_prepare_s = 0.0  # host time spent building the last step's inputs
         # Multi-step decode's further passes move the first pass's layout on (one micro-batch: not pipelined).
         self.lookahead = LookaheadLayout(block_size) if self.num_micro_batches == 1 else None
+        # An M-RoPE model's image grids, for each step's 3-D positions (None: positions are 1-D)
+        self.mrope_grid: GridOf | None = (cast("MRopeModel", stage.model).mrope_grid
+                                          if stage.model.config.mrope_section is not None else None)
         pin = device.pin_memory
         # Double-buffered host staging (ids, positions, slots): a step is prepared into one half while the step
         # before it, staged in the other, may still be copying to the device (async scheduling).
@@ -189,6 +193,8 @@ class ModelRunner:
             inputs, sample_idx, row_tokens, fed = self._prepare(scheduled, drafts, out.block_copies, self._buffer)
             if self.lookahead is not None:
                 self.lookahead.begin(out)
+        if self.mrope_grid is not None:
+            inputs.mrope_positions = step_positions(scheduled, row_tokens, inputs.positions, self.mrope_grid)
         chunks = self._plan_logits(scheduled, row_tokens, sample_idx, inputs)
         sampling = [s for s in scheduled if s.sample]
         # Logits rows of each sampling row: its last token's, or each token's of a row verifying a proposal.

@@ -57,6 +57,8 @@ class StageRunner:
             StepLayout(slot_mapping=slots[mb.token_start:mb.token_end], block_tables=mb.block_tables,
                        query_lens=mb.query_lens, seq_lens=mb.seq_lens, num_decodes=mb.num_decodes,
                        block_size=inputs.block_size), dev) for mb in inputs.micro_batches]
+        if inputs.mrope_positions is not None:
+            positions = torch.from_numpy(inputs.mrope_positions)
         return input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True), metas
 
     def run(self, inputs: StepInputs, tensors: StepTensors) -> tuple[torch.Tensor | None, np.ndarray]:
@@ -74,7 +76,8 @@ class StageRunner:
                 hidden = self.model(input_ids, positions, self.kv_caches, metas[0],
                                     mm_embeds=self.encoder.embeddings(inputs.mm_spans, input_ids.device))
             elif self.graphs is not None:
-                hidden = self.graphs.forward(input_ids, positions, metas[0])
+                # M-RoPE positions [3, T]: a graph-captured step has text tokens only, whose three are equal
+                hidden = self.graphs.forward(input_ids, positions[0] if positions.dim() == 2 else positions, metas[0])
             if hidden is None:   # not a captured decode step
                 hidden = self.model(input_ids, positions, self.kv_caches, metas[0])
             if self.keep_hidden:

@@ -48,6 +48,9 @@ class StepInputs:
     # The image placeholder rows this step covers and their images (the driver's only: vision-language models run
     # on one rank); the stage runner's encoder turns them into the rows' embeddings.
     mm_spans: list[MultiModalSpan] = field(default_factory=list)
+    # An M-RoPE model's positions, int64 [3, num_tokens] (``engine.worker.mrope``), given to it in place of
+    # ``positions`` (the cache slots still follow ``positions``); None for every other model.
+    mrope_positions: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
