@@ -85,6 +85,17 @@ def cpu_ops() -> Any | None:
 
 
 @functools.cache
+def avx2_int4_ops() -> Any:
+    """``int4_gemv`` (``int4_ops.cpp`` alone) built for AVX2 + FMA without AVX-512 (``-march=x86-64-v3``): the loops a
+    Zen 2 or Haswell-class CPU runs, which ``-march=native`` on an AVX-512 machine never compiles. For tests and
+    benchmarks on a CPU that has AVX2; raises when it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    return load(name="sluice_int4_avx2", sources=[str(_SOURCES / "int4_module.cpp"), str(_SOURCES / "int4_ops.cpp")],
+                extra_cflags=["-O3", "-fopenmp", "-march=x86-64-v3"], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+@functools.cache
 def portable_cpu_ops() -> Any:
     """The same kernels built for the baseline instruction set (no AVX2/FMA code paths): the loops a CPU
     without AVX2 runs, which ``-march=native`` on this machine would never compile. For tests; raises
