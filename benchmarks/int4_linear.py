@@ -26,7 +26,7 @@ import time
 import torch
 
 from benchmarks.report import machine_info
-from engine.kernels import cpu_ops
+from engine.kernels import avx2_int4_ops, cpu_ops
 from engine.models.int4 import Int4Weight
 from engine.models.layers.int4_linear import Int4DequantLinearMethod, Int4PackLinearMethod
 from engine.models.layers.linear import Linear, LinearMethod, OneDnnLinearMethod
@@ -43,11 +43,14 @@ def read_bandwidth() -> float:
     return x.numel() * 2 / statistics.median(times)
 
 
-def _methods(inp: int, out: int, group: int, copies: int, dequant: bool
+def _methods(inp: int, out: int, group: int, copies: int, dequant: bool, avx2: bool = False
              ) -> tuple[Linear, dict[str, list[LinearMethod]], dict[str, int]]:
     gen = torch.Generator().manual_seed(0)
     ops = cpu_ops()
     names = ["bf16", "int4"] + (["int4-gemv"] if ops is not None else []) + ["int4-dense"]
+    # The build an AVX2 CPU without AVX-512 runs: the portable loops as the compiler vectorizes them for it.
+    others = {"int4-gemv-avx2": avx2_int4_ops()} if avx2 else {}
+    names += list(others)
     names += ["int4-dequant"] if dequant else []
     methods: dict[str, list[LinearMethod]] = {n: [] for n in names}
     for _ in range(copies):
@@ -59,6 +62,8 @@ def _methods(inp: int, out: int, group: int, copies: int, dequant: bool
         if ops is not None:
             methods["int4-gemv"].append(Int4PackLinearMethod(weight, group, dense_min_rows=None, ops=ops))
         methods["int4-dense"].append(Int4PackLinearMethod(weight, group, dense_min_rows=1))
+        for name, build in others.items():
+            methods[name].append(Int4PackLinearMethod(weight, group, dense_min_rows=None, ops=build))
         if dequant:
             methods["int4-dequant"].append(Int4DequantLinearMethod(weight))
     first = methods["int4"][0]
@@ -68,6 +73,7 @@ def _methods(inp: int, out: int, group: int, copies: int, dequant: bool
               "int4-gemv": first.packed.numel() * first.packed.element_size() + first.scale_and_zero.numel() * 2,
               "int4-dense": first.packed.numel() * first.packed.element_size() + first.scale_and_zero.numel() * 2,
               "int4-dequant": out * inp + 2 * 4 * out * (inp // group)}
+    nbytes |= {name: nbytes["int4-gemv"] for name in others}
     return Linear(inp, out, bias=False), methods, nbytes
 
 
@@ -81,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--dequant", action="store_true", help="also time the dequantize-per-call fallback")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--avx2", action="store_true", help="also time int4_gemv as built for an AVX2 CPU without "
+                   "AVX-512 (int4-gemv-avx2: its portable loops vectorized for x86-64-v3)")
     ns = p.parse_args(argv)
     if ns.threads is not None:
         torch.set_num_threads(ns.threads)
     inp, out = (int(v) for v in ns.shape.split("x"))
-    layer, methods, nbytes = _methods(inp, out, ns.group, ns.copies, ns.dequant)
+    layer, methods, nbytes = _methods(inp, out, ns.group, ns.copies, ns.dequant, ns.avx2)
     layer.requires_grad_(False)
     bandwidth = read_bandwidth()
     print(f"# {machine_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads")

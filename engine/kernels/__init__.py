@@ -86,9 +86,10 @@ def cpu_ops() -> Any | None:
 
 @functools.cache
 def avx2_int4_ops() -> Any:
-    """``int4_gemv`` (``int4_ops.cpp`` alone) built for AVX2 + FMA without AVX-512 (``-march=x86-64-v3``): the loops a
-    Zen 2 or Haswell-class CPU runs, which ``-march=native`` on an AVX-512 machine never compiles. For tests and
-    benchmarks on a CPU that has AVX2; raises when it cannot be built."""
+    """``int4_gemv`` (``int4_ops.cpp`` alone) built for AVX2 + FMA without AVX-512 (``-march=x86-64-v3``): the
+    portable loops as the compiler vectorizes them for a Zen 2 or Haswell-class CPU, which ``-march=native`` on an
+    AVX-512 machine never compiles. For benchmarks (``benchmarks.int4_linear --avx2``); raises when it cannot be
+    built."""
     from torch.utils.cpp_extension import load
 
     return load(name="sluice_int4_avx2", sources=[str(_SOURCES / "int4_module.cpp"), str(_SOURCES / "int4_ops.cpp")],

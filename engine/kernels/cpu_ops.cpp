@@ -1806,6 +1806,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "W8A8 x @ W.T (+ bias): rows quantized per token, oneDNN's int8 GEMM on a qlinear_prepack'd weight, scaled");
   m.def("int4_gemv", &int4_gemv, release(), py::arg("x"), py::arg("packed"), py::arg("group"), py::arg("sz"),
         "x @ W.T for 1-4 float32/bfloat16 rows, W 4-bit as _convert_weight_to_int4pack_for_cpu packs it, sz its table");
-  m.def("int4_gemv_isa", &int4_gemv_isa, "int4_gemv's loops in this build: avx512-bf16, avx512, avx2 or '' (portable)");
+  m.def("int4_gemv_isa", &int4_gemv_isa, "int4_gemv's loops in this build: avx512-bf16, avx512 or '' (portable)");
   m.def("int8_isa", &int8_isa, "This CPU's int8 dot-product instructions: amx-int8, avx512-vnni, avx-vnni or ''");
 }

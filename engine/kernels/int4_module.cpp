@@ -1,6 +1,6 @@
 // int4_ops.cpp on its own, as a module for an instruction set other than this CPU's best (engine/kernels/__init__.py
-// avx2_int4_ops: the AVX2 loops a CPU without AVX-512 runs), for tests and benchmarks: compiling it alone takes a
-// fraction of the whole cpu_ops build.
+// avx2_int4_ops: the portable loops vectorized for a CPU with AVX2 and no AVX-512), for benchmarks: compiling it
+// alone takes a fraction of the whole cpu_ops build.
 #include <torch/extension.h>
 
 #include <string>

@@ -6,10 +6,8 @@
 // Per group each column sums x * q (codes 0..15 as float32, float32 accumulators); the group then adds
 // scale * sum + (zero - 8 * scale) * sum(x over the group): the reference's value up to float32 rounding. The
 // AVX-512 path takes a block of 64 columns (one 32-byte run per input feature) into 4 x rows accumulators, with
-// FMAs for float32 rows and vdpbf16ps for bfloat16 ones (AVX512-BF16 + VBMI). The AVX2 path (a CPU without
-// AVX-512, e.g. Zen 2) takes each 64-column block in two halves of 16 bytes per input feature (8 columns per ymm
-// register, 4 per row), both dtypes on FMAs over x widened to float32; the portable build runs the same sums in
-// scalar loops. Measured against torch's kernel in docs/benchmarks.md ("Decode path: our int4 GEMV"). Threads take contiguous ranges of blocks (at::parallel_for),
+// FMAs for float32 rows and vdpbf16ps for bfloat16 ones (AVX512-BF16 + VBMI); the portable build runs the same sums
+// in scalar loops. Measured against torch's kernel in docs/benchmarks.md ("Decode path: our int4 GEMV"). Threads take contiguous ranges of blocks (at::parallel_for),
 // so each streams its share of the weight front to back.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,9 +15,6 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define SLUICE_INT4_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SLUICE_INT4_AVX2 1
 #endif
 
 #include <algorithm>
@@ -213,45 +208,6 @@ void block_avx512_bf16(const Problem<T>& p, const c10::BFloat16* xb, int64_t c0,
 #endif
 #endif
 
-#ifdef SLUICE_INT4_AVX2
-// A full block of 64 columns for R rows on AVX2: half h takes bytes 16h..16h+15 of each input feature's run, i.e.
-// columns 16h..16h+15 (low nibbles) and 32+16h..32+16h+15 (high), as 4 vectors of 8; the group's sums go through
-// finish_group (once per group: a few per cent of the inner loop's work).
-template <int R, typename T>
-void block_avx2(const Problem<T>& p, int64_t c0, float* tot) {
-  const uint8_t* base = p.codes + c0 * p.k / 2;
-  const __m256i low = _mm256_set1_epi32(0xF);
-  alignas(32) float sums[kMaxRows * kBlock];
-  for (int64_t gi = 0; gi < p.groups; ++gi) {
-    const float* xg = p.x + gi * p.group;
-    for (int h = 0; h < 2; ++h) {
-      __m256 acc[R][4];
-      for (int m = 0; m < R; ++m)
-        for (int i = 0; i < 4; ++i) acc[m][i] = _mm256_setzero_ps();
-      const uint8_t* r = base + gi * p.group * kHalf + 16 * h;
-      for (int64_t kk = 0; kk < p.group; ++kk, r += kHalf) {
-        if (kk % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(r) + kPrefetch, _MM_HINT_T0);
-        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r)));
-        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 8)));
-        const __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)),
-                             _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)),
-                             _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
-                             _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
-        for (int m = 0; m < R; ++m) {
-          const __m256 xv = _mm256_set1_ps(xg[m * p.k + kk]);
-          for (int i = 0; i < 4; ++i) acc[m][i] = _mm256_fmadd_ps(w[i], xv, acc[m][i]);
-        }
-      }
-      // vector i holds columns 16h + 8i (i < 2) or 32 + 16h + 8(i - 2)
-      for (int m = 0; m < R; ++m)
-        for (int i = 0; i < 4; ++i)
-          _mm256_store_ps(sums + m * kBlock + (i < 2 ? 16 * h + 8 * i : 32 + 16 * h + 8 * (i - 2)), acc[m][i]);
-    }
-    finish_group(p, gi, c0, kBlock, sums, tot);
-  }
-}
-#endif
-
 template <typename T>
 void run_block(const Problem<T>& p, int64_t c0, int64_t width) {
   float tot[kMaxRows * kBlock];
@@ -277,17 +233,6 @@ void run_block(const Problem<T>& p, int64_t c0, int64_t width) {
   } else {
     block_scalar(p, c0, width, tot);
   }
-#elif defined(SLUICE_INT4_AVX2)
-  if (width == kBlock) {
-    switch (p.rows) {
-      case 1: block_avx2<1>(p, c0, tot); break;
-      case 2: block_avx2<2>(p, c0, tot); break;
-      case 3: block_avx2<3>(p, c0, tot); break;
-      default: block_avx2<4>(p, c0, tot); break;
-    }
-  } else {
-    block_scalar(p, c0, width, tot);
-  }
 #else
   block_scalar(p, c0, width, tot);
 #endif
@@ -298,15 +243,12 @@ void run_block(const Problem<T>& p, int64_t c0, int64_t width) {
 }  // namespace
 
 // Which loops int4_gemv runs here: "avx512-bf16" (bfloat16 rows on vdpbf16ps, float32 rows on AVX-512 FMAs),
-// "avx512" (both on AVX-512 FMAs), "avx2" (both on AVX2 FMAs) or "" (the portable loops, as the compiler
-// vectorizes them).
+// "avx512" (both on AVX-512 FMAs) or "" (the portable loops, as the compiler vectorizes them).
 std::string int4_gemv_isa() {
 #if defined(SLUICE_INT4_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   return "avx512-bf16";
 #elif defined(SLUICE_INT4_AVX512)
   return "avx512";
-#elif defined(SLUICE_INT4_AVX2)
-  return "avx2";
 #else
   return "";
 #endif

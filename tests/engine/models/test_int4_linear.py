@@ -6,14 +6,12 @@ permutations and per-channel groups; the NPU method on the test-only torch-npu o
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from engine.device.kernel_choice import KernelChoice
-from engine.kernels import avx2_int4_ops
 from engine.models.int4 import Int4Weight, from_groups, pack_int32, unpack_int32
 from engine.models.layers import int4_linear
 from engine.models.layers.int4_linear import (
@@ -129,16 +127,6 @@ def test_our_gemv_equals_the_reference_at_decode_rows(ops: Any, out: int, cols: 
     # ops.int4_gemv (native and portable builds) at 1..GEMV_MAX_ROWS rows: full 64-column blocks and tails
     # (out % 64), act-order, bias. The method runs it for float32 rows (and bfloat16 ones where the build has its
     # vector loops) with torch's kernel made uncallable, so that only ours can answer.
-    check_gemv(ops, out, cols, group, act_order, monkeypatch)
-
-
-@pytest.mark.skipif("avx2" not in Path("/proc/cpuinfo").read_text(), reason="the AVX2 build needs a CPU with AVX2")
-@pytest.mark.parametrize("out, cols, group, act_order", [(208, 128, 64, True), (2064, 256, 256, False)])
-def test_the_avx2_gemv_equals_the_reference(out: int, cols: int, group: int, act_order: bool,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    # the loops a CPU with AVX2 and no AVX-512 runs (int4_ops.cpp built alone for x86-64-v3)
-    ops = avx2_int4_ops()
-    assert ops.int4_gemv_isa() == "avx2"
     check_gemv(ops, out, cols, group, act_order, monkeypatch)
 
 
