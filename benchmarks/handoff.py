@@ -110,7 +110,7 @@ class _DescribedCore:
     def info(self) -> dict[str, Any]:
         return {"model": "bench", "max_model_len": 1 << 20, "vocab_size": 1 << 17, "eos_token_ids": [],
                 "bos_token_id": None, "block_size": 16, "total_kv_blocks": 0, "free_kv_blocks": 0, "num_running": 0,
-                "num_waiting": 0, "dtype": "float32", "device": "cpu"}
+                "num_waiting": 0, "dtype": "float32", "device": "cpu", "kv_role": "", "kv_transport": ""}
 
     def scheduler_stats(self) -> dict[str, int]:
         return dict.fromkeys(("prefix_cache_queries", "prefix_cache_hits", "num_preemptions"), 0)
@@ -130,7 +130,8 @@ class RecordingEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: Any, params: Any,
                        *, priority: int = 0, lora_request: Any = None, cache_salt: str | None = None,
-                       resumed_output_tokens: int = 0, mm_items: Any = None) -> AsyncIterator[Any]:
+                       resumed_output_tokens: int = 0, mm_items: Any = None,
+                       kv_transfer: Any = None) -> AsyncIterator[Any]:
         t = time.perf_counter()  # first thing: the ids are in the engine in the form its core takes
         from engine.core.finish_reason import FinishReason
         from engine.core.outputs import EngineCoreOutput

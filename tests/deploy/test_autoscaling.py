@@ -41,7 +41,8 @@ def engine_series() -> frozenset[str]:
     an idle core's state."""
     scheduler = SimpleNamespace(num_running=0, num_waiting=0, running=[], waiting=[],
                                 block_manager=SimpleNamespace(usage=lambda: 0.0),
-                                admission=SimpleNamespace(refused={"queue_full": 0, "first_token_wait": 0}))
+                                admission=SimpleNamespace(refused={"queue_full": 0, "first_token_wait": 0}),
+                                kv_transfer=None)
     core = SimpleNamespace(config=EngineConfig(served_model_name="m", lora_config=LoRAConfig()), spec_stats=None,
                            max_model_len=128, num_blocks=8, executor=SimpleNamespace(kv_cache_dtype_name="float32"),
                            scheduler=scheduler, scheduler_stats=lambda: defaultdict(int))

@@ -161,7 +161,7 @@ class _SchedulerCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
                     lora_request: object = None, arrival_time: float | None = None,
                     cache_salt: str | None = None, resumed_output_tokens: int = 0,
-                    mm_items: tuple[object, ...] = ()) -> None:
+                    mm_items: tuple[object, ...] = (), kv_transfer: object = None) -> None:
         self.scheduler.add_request(Request(request_id, prompt_token_ids, params, priority=priority,
                                            arrival_time=arrival_time, cache_salt=cache_salt))
 
