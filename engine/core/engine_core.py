@@ -96,18 +96,20 @@ class EngineCore:
         if self.pooling is not None and config.max_num_batched_tokens < self.max_model_len:
             # each prompt runs whole in one step (no chunks), so the step's budget holds the longest one
             self.config = config = config.with_changes(max_num_batched_tokens=self.max_model_len)
-        self.scheduler = Scheduler(config, num_blocks, eos_token_ids=self.eos_token_ids,
-                                   max_model_len=self.max_model_len, reclaim_window=self._reclaim_window(mc),
-                                   kv_offload_slots=num_tier_slots(config, mc, self.executor.kv_cache_dtype_name) or 0,
-                                   kv_block_bytes=kv_block_bytes(mc, config.block_size,
-                                                                 self.executor.kv_cache_dtype_name),
-                                   kv_source=self.executor.kv_source)
-        if config.kv_transfer_config is not None and (self.pooling is not None or self.scheduler.reclaim_window):
+        reclaim_window = self._reclaim_window(mc)
+        if config.kv_transfer_config is not None and (self.pooling is not None or reclaim_window):
             self.executor.shutdown()
             raise InvalidRequestError("kv_transfer_config", "a pooling model has no KV cache to transfer"
                                       if self.pooling is not None else
                                       "a sliding-window model gives back blocks outside its window: their KV does "
                                       "not cross to a decode engine yet")
+        self.scheduler = Scheduler(
+            config, num_blocks, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+            reclaim_window=reclaim_window,
+            kv_offload_slots=num_tier_slots(config, mc, self.executor.kv_cache_dtype_name) or 0,
+            kv_block_bytes=0 if config.kv_transfer_config is None else kv_block_bytes(
+                mc, config.block_size, self.executor.kv_cache_dtype_name),
+            kv_source=self.executor.kv_source)
         self._pending: list[EngineCoreOutput] = []
         # Where a multi-step step streams the outputs of each pass but its last as the pass ends (the AsyncEngine
         # sets it); None: ``step`` returns them all.
