@@ -112,6 +112,7 @@ class FakeExecutor:
                                             bos_token_id=1, sliding_window=None, image_token_id=None)
         self.device_name, self.dtype_name, self.kv_cache_dtype_name = "cpu", "float32", "float32"
         self.last_prepare_s = 0.0
+        self.kv_source = None   # not a prefill engine
         self.added: list[int] = []
         self.removed: list[int] = []
         self.refuse: dict[str, InvalidRequestError] = {}   # lora_path -> what add_lora raises
