@@ -48,6 +48,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
     drop = tmp / "drop"
     s = ServeStack(tmp, "--prefill-replicas", "2", "--decode-replicas", "1", "--dtype", "float32",
                    "--kv-cache-memory", "128MiB", "--max-num-seqs", "8", "--num-threads", "1",
+                   # prompts prefill over several steps: a request stays on its prefill engine long enough for the
+                   # kill test to find it there (GetInfo answers between steps)
+                   "--max-num-batched-tokens", "32",
                    "--block-size", str(BLOCK), "--shutdown-timeout", "5")
     base = consecutive_free_ports(9)   # 3 engines (prefill first), 3 tokenizer services, 3 engine metrics pages
     s.engine_port, s.tokenizer_port = base, base + 3
