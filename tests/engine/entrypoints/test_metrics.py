@@ -45,7 +45,7 @@ class FakeCore:
         self.usage = 0.25
         self.scheduler = SimpleNamespace(num_running=3, num_waiting=2, running=[], waiting=[],
                                          block_manager=SimpleNamespace(usage=lambda: self.usage),
-                                         admission=AdmissionControl(None, 2048))
+                                         admission=AdmissionControl(None, 2048), kv_transfer=None)
 
     def scheduler_stats(self) -> dict[str, int]:
         spec = self.spec_stats
