@@ -52,9 +52,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
                    # kill test to find it there (GetInfo answers between steps)
                    "--max-num-batched-tokens", "32",
                    "--block-size", str(BLOCK), "--shutdown-timeout", "5")
-    base = consecutive_free_ports(9)   # 3 engines (prefill first), 3 tokenizer services, 3 engine metrics pages
+    # 3 engines (prefill first), 3 tokenizer services; the metrics pages take free ports of their own (a range
+    # reserved here but not yet bound could be handed to one of them)
+    base = consecutive_free_ports(6)
     s.engine_port, s.tokenizer_port = base, base + 3
-    s.flags += ["--engine-metrics-port", str(base + 6)]
     saved = os.environ.get(FAULT_ENV)
     os.environ[FAULT_ENV] = f"drop-while:{drop}"   # the engines inherit it; pulls fail while the file exists
     try:
