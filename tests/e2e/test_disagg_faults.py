@@ -132,10 +132,12 @@ def client(stack: ServeStack) -> tuple[openai.OpenAI, str]:
     return c, c.models.list().data[0].id
 
 
-def complete(stack: ServeStack, i: int, *, salt: str) -> tuple[str, int, list[str]]:
+def complete(stack: ServeStack, i: int, *, salt: str, model: str | None = None) -> tuple[str, int, list[str]]:
     """Prompt i streamed (``salt``: a cache salt, so that no earlier run's blocks are cached on the decode
-    engine): its text, prompt tokens, and every finish reason it got."""
-    c, model = client(stack)
+    engine): its text, prompt tokens, and every finish reason it got. ``model``: the served name (else asked)."""
+    c, asked = client(stack) if model is None else (openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused",
+                                                                  max_retries=0, timeout=180), model)
+    model = asked
     text, reasons, tokens = "", [], 0
     for chunk in c.completions.create(model=model, prompt=prompt(i), max_tokens=MAX_TOKENS, temperature=0,
                                       stream=True, stream_options={"include_usage": True},
@@ -224,10 +226,11 @@ def test_a_prefill_engine_killed_mid_request_sends_its_requests_to_the_other(sta
                 return
             time.sleep(0.005)
 
+    _, model = client(stack)   # asked before the kill: only the requests in flight are under test
     killer = threading.Thread(target=kill_when_busy)
     killer.start()
     with ThreadPoolExecutor(len(TOPICS)) as pool:
-        runs = list(pool.map(lambda i: complete(stack, i, salt="killed"), range(len(TOPICS))))
+        runs = list(pool.map(lambda i: complete(stack, i, salt="killed", model=model), range(len(TOPICS))))
     killer.join()
     assert killed.is_set(), "the prefill engine never had a request to be killed with"
     assert [text for text, _, _ in runs] == expected
