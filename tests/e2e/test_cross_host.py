@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -149,8 +150,9 @@ def mooncake(role: str, host: str) -> str:
 
 
 def _split() -> bool:
-    """One completion of a few blocks; True once the decode engine has pulled blocks from the prefill engine."""
-    _complete("Warm-up across the veth: " + " ".join(["words"] * 40))
+    """One completion of a few blocks; True once the decode engine has pulled blocks from the prefill engine. Each
+    prompt is new: one that ran whole on the decode engine before the split began is cached there, never pulled."""
+    _complete(f"Warm-up {time.monotonic_ns()} across the veth: " + " ".join(["words"] * 40))
     return _metric(httpx.get(DECODE_METRICS, timeout=10).text, "sluice:kv_transfer_blocks_total",
                    direction="received") > 0
 
