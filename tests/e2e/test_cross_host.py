@@ -152,9 +152,12 @@ def mooncake(role: str, host: str) -> str:
 def _split() -> bool:
     """One completion of a few blocks; True once the decode engine has pulled blocks from the prefill engine. Each
     prompt is new: one that ran whole on the decode engine before the split began is cached there, never pulled."""
-    _complete(f"Warm-up {time.monotonic_ns()} across the veth: " + " ".join(["words"] * 40))
-    return _metric(httpx.get(DECODE_METRICS, timeout=10).text, "sluice:kv_transfer_blocks_total",
-                   direction="received") > 0
+    try:
+        _complete(f"Warm-up {time.monotonic_ns()} across the veth: " + " ".join(["words"] * 40))
+        page = httpx.get(DECODE_METRICS, timeout=10).text
+        return _metric(page, "sluice:kv_transfer_blocks_total", direction="received") > 0
+    except (httpx.HTTPError, AssertionError):   # an engine is not up yet (the request, the page, or the series)
+        return False
 
 
 def _status(url: str) -> int | None:
